@@ -1,0 +1,109 @@
+"""The lockgate bus: typed messages over Kafka or an in-memory broker with the same semantics.
+
+``connect(url)`` returns a (not yet started) :class:`Bus`:
+
+* ``memory://``               a private in-process broker;
+* ``memory://<name>``         the process-wide broker called ``name`` (edge + workers in one process);
+* ``kafka://host:port[,host:port...]``  Apache Kafka through aiokafka.
+
+Options come from the query string or keyword arguments (keywords win), e.g.
+``kafka://127.0.0.1:9092?client_id=edge-1&connect_timeout_s=5`` or
+``memory://demo?default_partitions=6``. Unknown options raise ``ValueError``.
+aiokafka is imported only when a Kafka bus is created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from bus.base import (
+    Bus,
+    BusError,
+    Consumer,
+    RebalanceCallback,
+    Record,
+    RecordMetadata,
+    StartFrom,
+    TopicPartition,
+    TopicSpec,
+)
+from bus.deadletter import DeadLetterer, decode_or_deadletter
+from bus.memory import MemoryBroker, MemoryBus, forget_named, named_broker
+from bus.messages import DecodeError, Message, decode, encode
+from bus.topics import TopicLayout
+
+__all__ = [
+    "Bus",
+    "BusError",
+    "Consumer",
+    "DeadLetterer",
+    "DecodeError",
+    "MemoryBroker",
+    "MemoryBus",
+    "Message",
+    "RebalanceCallback",
+    "Record",
+    "RecordMetadata",
+    "StartFrom",
+    "TopicLayout",
+    "TopicPartition",
+    "TopicSpec",
+    "connect",
+    "decode",
+    "decode_or_deadletter",
+    "encode",
+    "forget_named",
+]
+
+_MEMORY_OPTIONS = {"default_partitions": int, "max_records_per_partition": int, "retention_ms": int}
+_KAFKA_OPTIONS = {
+    "client_id": str,
+    "connect_timeout_s": float,
+    "request_timeout_ms": int,
+    "linger_ms": int,
+    "session_timeout_ms": int,
+    "heartbeat_interval_ms": int,
+    "assignment_timeout_s": float,
+    "default_partitions": int,
+}
+
+
+def _options(url: str, query: str, allowed: dict[str, type], kwargs: dict[str, Any]) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for name, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name not in allowed:
+            raise ValueError(f"{url}: unknown option {name!r} (known: {', '.join(sorted(allowed))})")
+        try:
+            opts[name] = allowed[name](raw)
+        except ValueError:
+            raise ValueError(f"{url}: option {name}={raw!r} is not a valid {allowed[name].__name__}") from None
+    for name, value in kwargs.items():
+        if name not in allowed:
+            raise ValueError(f"{url}: unknown option {name!r} (known: {', '.join(sorted(allowed))})")
+        opts[name] = value
+    return opts
+
+
+def connect(url: str, **kwargs: Any) -> Bus:
+    """A bus for ``url`` (see the module docstring). Call ``start()`` or use ``async with``."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "memory":
+        opts = _options(url, parts.query, _MEMORY_OPTIONS, kwargs)
+        name = (parts.netloc + parts.path).strip("/")
+        broker = named_broker(name, **opts) if name else MemoryBroker(**opts)
+        return MemoryBus(url, broker)
+    if scheme == "kafka":
+        opts = _options(url, parts.query, _KAFKA_OPTIONS, kwargs)
+        hosts = [h.strip() for h in parts.netloc.split(",") if h.strip()]
+        if not hosts:
+            raise ValueError(f"{url}: no bootstrap address; use kafka://host:port[,host:port]")
+        for h in hosts:
+            host, sep, port = h.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"{url}: bootstrap address {h!r} is not host:port")
+        from bus.kafka import KafkaBus  # aiokafka is heavy: import only when used
+
+        return KafkaBus(",".join(hosts), url=url, **opts)
+    raise ValueError(f"unsupported bus URL {url!r}: use memory://[name] or kafka://host:port[,host:port]")

@@ -1,0 +1,158 @@
+"""The bus interface: what every implementation (Kafka, in-memory) offers.
+
+Semantics both implementations keep (the conformance suite in ``tests/bus`` checks them):
+
+* Records with the same key land on the same partition, in send order.
+* A consumer in a group receives the partitions the group assigns it; committed offsets survive the
+  consumer. A record not committed when its consumer leaves is delivered again to another member.
+* ``pause``/``resume`` stop and restart fetching from partitions without leaving the group.
+* Topics keep records (retention), so a group-less consumer can read them again from any offset or
+  timestamp: the priority topics are the platform's request log.
+
+Concurrency: a :class:`Bus` may be shared by many tasks of one event loop; ``send`` is safe to call
+concurrently. A :class:`Consumer` belongs to one task (one caller of ``getmany`` at a time).
+Cancellation: cancelling ``getmany`` loses no records (uncommitted ones are redelivered).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class TopicPartition:
+    topic: str
+    partition: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp_ms: int
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.topic, self.partition)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMetadata:
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    name: str
+    partitions: int = 1
+    replication: int = 1
+    retention_ms: int | None = None  # None = the broker default; -1 = forever
+
+
+StartFrom = Literal["earliest", "latest"] | int  # int = a timestamp in ms
+
+RebalanceCallback = Callable[[set[TopicPartition]], Awaitable[None] | None]
+
+
+class BusError(RuntimeError):
+    """The bus could not do what was asked (broker unreachable, topic missing, ...)."""
+
+
+class Consumer(abc.ABC):
+    """One member of a consumer group (or a group-less reader). Use as ``async with``."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Leave the group without committing. Idempotent."""
+
+    @abc.abstractmethod
+    async def getmany(self, timeout_ms: int = 100, max_records: int | None = None) -> list[Record]:
+        """Records from the assigned, non-paused partitions, in offset order per partition.
+        Returns ``[]`` after ``timeout_ms`` when nothing arrived."""
+
+    @abc.abstractmethod
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Commit, per partition, the offset of the next record to read (last processed + 1)."""
+
+    @abc.abstractmethod
+    def pause(self, *partitions: TopicPartition) -> None: ...
+
+    @abc.abstractmethod
+    def resume(self, *partitions: TopicPartition) -> None: ...
+
+    @abc.abstractmethod
+    def paused(self) -> set[TopicPartition]: ...
+
+    @abc.abstractmethod
+    def assignment(self) -> set[TopicPartition]: ...
+
+    async def __aenter__(self) -> "Consumer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+class Bus(abc.ABC):
+    """A connection to the bus: one shared producer plus a consumer factory. Use as ``async with``."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Connect. Raises :class:`BusError` within the configured timeout when it cannot."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Flush pending sends and disconnect. Idempotent."""
+
+    @abc.abstractmethod
+    async def send(
+        self,
+        topic: str,
+        value: bytes,
+        key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes]] = (),
+    ) -> RecordMetadata:
+        """Send one record and wait for the acknowledgement (``acks=all`` on Kafka)."""
+
+    @abc.abstractmethod
+    async def ensure_topics(self, specs: Iterable[TopicSpec]) -> list[str]:
+        """Create the topics that do not exist; return the names created. Idempotent."""
+
+    @abc.abstractmethod
+    async def partitions_for(self, topic: str) -> list[int]: ...
+
+    @abc.abstractmethod
+    def consumer(
+        self,
+        topics: Sequence[str],
+        group_id: str | None = None,
+        start_from: StartFrom = "latest",
+        on_assigned: RebalanceCallback | None = None,
+        on_revoked: RebalanceCallback | None = None,
+    ) -> Consumer:
+        """A consumer (not yet started). With ``group_id`` it joins that group and resumes from its
+        committed offsets (``start_from`` applies when there are none); without, it reads every
+        partition from ``start_from``."""
+
+    async def __aenter__(self) -> "Bus":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

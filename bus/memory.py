@@ -1,0 +1,519 @@
+"""In-process bus with Kafka's semantics: the embedded ``make serve`` mode and fast tests.
+
+One :class:`MemoryBroker` holds the topics, their partitions (append-only logs) and the consumer
+groups. A :class:`MemoryBus` is a connection to a broker: ``memory://`` gets a private broker,
+``memory://<name>`` a named one shared by every bus of this process that uses the same name (so an
+edge and a worker in one process talk through it as they would through Kafka).
+
+Semantics kept (the conformance suite checks them against Kafka too):
+
+* Keyed records go to ``murmur2(key) % partitions``, the Java client's default partitioner, so a
+  key lands on the same partition number on both implementations; unkeyed records round-robin.
+* Consumer groups: the broker-side :class:`_Group` assigns each topic's partitions to the live
+  members subscribed to it (range assignor, members in join order). Every join or leave is an
+  eager rebalance run by the joining/leaving task, as aiokafka's coordinator does it: every member's
+  ``on_revoked(its partitions)`` first (commits still accepted there), then the new assignment, then
+  every ``on_assigned(its new partitions)``; both are called on every rebalance, possibly with an
+  empty set. Positions restart from the group's committed offsets (else ``start_from``) and the
+  paused set is cleared. Records not committed when a member leaves are read again by the member
+  that receives the partition. Callbacks run in the task that joined/left; an exception in one is
+  logged, not raised.
+* Committed offsets live in the broker, per group, and survive every consumer.
+* Topics that do not exist are created on first use (send or subscribe) with ``default_partitions``,
+  like a broker with ``auto.create.topics.enable=true``.
+
+Bounded memory: each partition keeps at most ``max_records_per_partition`` records (default
+100,000); older ones are dropped from the head, as Kafka's size retention does. Topics with a
+``retention_ms`` (from :class:`TopicSpec`, else the bus default; ``None``/``-1`` = no age limit)
+also drop records older than that, checked on append. A consumer whose position fell below the
+head continues from the head (``auto.offset.reset=earliest``).
+
+Concurrency: everything runs on one event loop, no threads, no locks needed; the broker itself holds
+no loop-bound objects, so a named broker may outlive an event loop (tests). Consumers wait on an
+``asyncio.Event`` set by ``send``/rebalances: ``getmany`` wakes as soon as a record arrives.
+Cancelling ``getmany`` loses nothing: positions advance only in the synchronous step that returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import inspect
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from bus.base import (
+    Bus,
+    BusError,
+    Consumer,
+    RebalanceCallback,
+    Record,
+    RecordMetadata,
+    StartFrom,
+    TopicPartition,
+    TopicSpec,
+)
+from bus.topics import validate_topic
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_RECORDS_PER_PARTITION = 100_000
+GETMANY_BATCH_LIMIT = 1000  # records per getmany when the caller gives no max_records
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (``org.apache.kafka.common.utils.Utils.murmur2``), as a signed-free uint32."""
+    length = len(data)
+    m, r = 0x5BD1E995, 24
+    h = (0x9747B28C ^ length) & 0xFFFFFFFF
+    for i in range(0, length - length % 4, 4):
+        k = int.from_bytes(data[i : i + 4], "little")
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> r
+        k = (k * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    tail = length % 4
+    base = length - tail
+    if tail >= 3:
+        h ^= data[base + 2] << 16
+    if tail >= 2:
+        h ^= data[base + 1] << 8
+    if tail >= 1:
+        h ^= data[base]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h
+
+
+def partition_for_key(key: bytes, partitions: int) -> int:
+    """The partition the Java client (and aiokafka's DefaultPartitioner) picks for ``key``."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _Partition:
+    """An append-only log; ``start`` is the offset of ``records[0]`` (moves on retention)."""
+
+    __slots__ = ("records", "start")
+
+    def __init__(self) -> None:
+        self.records: deque[Record] = deque()
+        self.start = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.records)
+
+    def read(self, offset: int, limit: int) -> list[Record]:
+        i = max(offset, self.start) - self.start
+        return list(itertools.islice(self.records, i, i + limit))
+
+    def offset_for_time(self, ts_ms: int) -> int:
+        """First offset whose timestamp is >= ``ts_ms`` (timestamps are non-decreasing), else end."""
+        i = bisect.bisect_left(self.records, ts_ms, key=lambda rec: rec.timestamp_ms)
+        return self.start + i
+
+
+@dataclass
+class _Topic:
+    name: str
+    partitions: list[_Partition]
+    retention_ms: int | None
+    rr: itertools.count = field(default_factory=itertools.count)
+
+
+class _Group:
+    """Broker-side group coordinator: members, their assignment, committed offsets."""
+
+    def __init__(self, group_id: str) -> None:
+        self.group_id = group_id
+        self.members: list[MemoryConsumer] = []
+        self.assignment: dict[MemoryConsumer, frozenset[TopicPartition]] = {}
+        self.committed: dict[TopicPartition, int] = {}
+        self.generation = 0
+
+    async def rebalance(self, broker: MemoryBroker) -> None:
+        """Eager rebalance: every member's ``on_revoked`` (its partitions still committable), then
+        the new range assignment, then every ``on_assigned``. A join/leave during a callback starts
+        a newer generation; this one then stops and leaves the rest to it."""
+        self.generation += 1
+        gen = self.generation
+        for member in list(self.members):
+            await member._revoke()
+            if self.generation != gen:
+                return
+        self.assignment = self._assign(broker)
+        for member in self.members:
+            member._set_assignment(self.assignment.get(member, frozenset()), self.committed)
+        for member in list(self.members):
+            await member._notify_assigned(gen)
+            if self.generation != gen:
+                return
+
+    def _assign(self, broker: MemoryBroker) -> dict[MemoryConsumer, frozenset[TopicPartition]]:
+        new: dict[MemoryConsumer, set[TopicPartition]] = {m: set() for m in self.members}
+        for topic in sorted({t for m in self.members for t in m.topics}):
+            subs = [m for m in self.members if topic in m.topics]
+            n = len(broker.topic(topic).partitions)
+            per, extra = divmod(n, len(subs))
+            p = 0
+            for i, member in enumerate(subs):  # range assignor, members in join order
+                count = per + (1 if i < extra else 0)
+                new[member].update(TopicPartition(topic, q) for q in range(p, p + count))
+                p += count
+        return {m: frozenset(tps) for m, tps in new.items()}
+
+
+class MemoryBroker:
+    """The shared state behind one or more :class:`MemoryBus` connections. Not loop-bound."""
+
+    def __init__(
+        self,
+        default_partitions: int = 1,
+        max_records_per_partition: int = DEFAULT_MAX_RECORDS_PER_PARTITION,
+        retention_ms: int | None = None,
+    ) -> None:
+        if default_partitions < 1:
+            raise ValueError(f"default_partitions must be >= 1, got {default_partitions}")
+        if max_records_per_partition < 1:
+            raise ValueError(f"max_records_per_partition must be >= 1, got {max_records_per_partition}")
+        self.default_partitions = default_partitions
+        self.max_records_per_partition = max_records_per_partition
+        self.retention_ms = retention_ms
+        self.topics: dict[str, _Topic] = {}
+        self.groups: dict[str, _Group] = {}
+        self.listeners: dict[str, set[MemoryConsumer]] = {}
+
+    def create(self, spec: TopicSpec) -> bool:
+        validate_topic(spec.name)
+        if spec.partitions < 1:
+            raise ValueError(f"topic {spec.name}: partitions must be >= 1, got {spec.partitions}")
+        if spec.name in self.topics:
+            return False
+        retention = spec.retention_ms if spec.retention_ms is not None else self.retention_ms
+        self.topics[spec.name] = _Topic(spec.name, [_Partition() for _ in range(spec.partitions)], retention)
+        return True
+
+    def topic(self, name: str) -> _Topic:
+        """The topic, created with the default partition count when missing (auto-create)."""
+        t = self.topics.get(name)
+        if t is None:
+            self.create(TopicSpec(name, self.default_partitions))
+            t = self.topics[name]
+        return t
+
+    def append(self, topic: str, value: bytes, key: bytes | None, headers: tuple[tuple[str, bytes], ...]) -> Record:
+        t = self.topic(topic)
+        n = len(t.partitions)
+        p = partition_for_key(key, n) if key is not None else next(t.rr) % n
+        part = t.partitions[p]
+        now = _now_ms()
+        rec = Record(topic, p, part.end, key, value, now, headers)
+        part.records.append(rec)
+        while len(part.records) > self.max_records_per_partition:
+            part.records.popleft()
+            part.start += 1
+        if t.retention_ms is not None and t.retention_ms >= 0:
+            horizon = now - t.retention_ms
+            while part.records and part.records[0].timestamp_ms < horizon:
+                part.records.popleft()
+                part.start += 1
+        for consumer in self.listeners.get(topic, ()):
+            consumer._wake()
+        return rec
+
+    def group(self, group_id: str) -> _Group:
+        g = self.groups.get(group_id)
+        if g is None:
+            g = self.groups[group_id] = _Group(group_id)
+        return g
+
+
+_NAMED: dict[str, MemoryBroker] = {}
+
+
+def named_broker(name: str, **options: int | None) -> MemoryBroker:
+    """The process-wide broker called ``name`` (created on first use with ``options``)."""
+    broker = _NAMED.get(name)
+    if broker is None:
+        broker = _NAMED[name] = MemoryBroker(**options)  # type: ignore[arg-type]
+    return broker
+
+
+def forget_named(name: str) -> None:
+    """Drop a named broker and its records (tests, or an embedded server shutting down for good)."""
+    _NAMED.pop(name, None)
+
+
+class MemoryConsumer(Consumer):
+    """A group member or group-less reader on a :class:`MemoryBroker`. See the module docstring."""
+
+    def __init__(
+        self,
+        bus: MemoryBus,
+        topics: Sequence[str],
+        group_id: str | None,
+        start_from: StartFrom,
+        on_assigned: RebalanceCallback | None,
+        on_revoked: RebalanceCallback | None,
+    ) -> None:
+        if isinstance(topics, str) or not topics:
+            raise ValueError("topics must be a non-empty list of topic names")
+        if not (start_from in ("earliest", "latest") or (isinstance(start_from, int) and not isinstance(start_from, bool))):
+            raise ValueError(f"start_from must be 'earliest', 'latest' or a timestamp in ms, got {start_from!r}")
+        self._bus = bus
+        self.topics = frozenset(validate_topic(t) for t in topics)
+        self.group_id = group_id
+        self._start_from = start_from
+        self._on_assigned = on_assigned
+        self._on_revoked = on_revoked
+        self._event: asyncio.Event | None = None
+        self._positions: dict[TopicPartition, int] = {}
+        self._paused: set[TopicPartition] = set()
+        self._rr = 0
+        self._state = "new"  # new -> started -> stopped
+
+    # Consumers are used as dict keys by the group: identity semantics.
+    __hash__ = object.__hash__
+
+    def _wake(self) -> None:
+        if self._event is not None:
+            self._event.set()
+
+    @property
+    def _broker(self) -> MemoryBroker:
+        return self._bus.broker
+
+    async def start(self) -> None:
+        if self._state == "started":
+            return
+        if self._state == "stopped":
+            raise BusError("a stopped consumer cannot be restarted; create a new one")
+        if not self._bus.started:
+            raise BusError(f"{self._bus.url}: bus is not started")
+        self._event = asyncio.Event()
+        self._state = "started"
+        broker = self._broker
+        for t in self.topics:
+            broker.topic(t)
+            broker.listeners.setdefault(t, set()).add(self)
+        if self.group_id is None:
+            for t in sorted(self.topics):
+                for p in range(len(broker.topics[t].partitions)):
+                    tp = TopicPartition(t, p)
+                    self._positions[tp] = self._reset_position(tp)
+        else:
+            group = broker.group(self.group_id)
+            group.members.append(self)
+            await group.rebalance(broker)
+
+    async def stop(self) -> None:
+        if self._state != "started":
+            self._state = "stopped"
+            return
+        self._state = "stopped"
+        broker = self._broker
+        for t in self.topics:
+            broker.listeners.get(t, set()).discard(self)
+        if self.group_id is not None:
+            group = broker.group(self.group_id)
+            if self in group.members:
+                group.members.remove(self)
+                group.assignment.pop(self, None)
+                await group.rebalance(broker)
+        self._positions.clear()
+        self._paused.clear()
+        self._wake()
+        self._bus._forget(self)
+
+    def _reset_position(self, tp: TopicPartition) -> int:
+        part = self._broker.topics[tp.topic].partitions[tp.partition]
+        if self._start_from == "earliest":
+            return part.start
+        if self._start_from == "latest":
+            return part.end
+        return part.offset_for_time(int(self._start_from))
+
+    async def _revoke(self) -> None:
+        """Rebalance phase 1 (called by the group): hand back every partition."""
+        await _call(self._on_revoked, set(self._positions), "on_revoked")
+        self._positions = {}
+        self._paused.clear()
+
+    def _set_assignment(self, tps: frozenset[TopicPartition], committed: Mapping[TopicPartition, int]) -> None:
+        """Rebalance phase 2: positions restart from the committed offsets (else ``start_from``)."""
+        self._paused.clear()
+        self._positions = {}
+        for tp in sorted(tps):
+            offset = committed.get(tp)
+            self._positions[tp] = offset if offset is not None else self._reset_position(tp)
+        self._wake()
+
+    async def _notify_assigned(self, gen: int) -> None:
+        """Rebalance phase 3."""
+        await _call(self._on_assigned, set(self._positions), "on_assigned")
+
+    def _check_started(self) -> None:
+        if self._state != "started":
+            raise BusError(f"consumer is {self._state}, not started")
+
+    async def getmany(self, timeout_ms: int = 100, max_records: int | None = None) -> list[Record]:
+        self._check_started()
+        if max_records is not None and max_records < 1:
+            raise ValueError(f"max_records must be >= 1, got {max_records}")
+        limit = max_records or GETMANY_BATCH_LIMIT
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_ms, 0) / 1000
+        assert self._event is not None
+        while True:
+            self._check_started()  # stop() from another task wakes us: raise instead of waiting on
+            self._event.clear()
+            out = self._take(limit)
+            if out:
+                return out
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return []
+            try:
+                await asyncio.wait_for(self._event.wait(), remaining)
+            except TimeoutError:
+                return []
+
+    def _take(self, limit: int) -> list[Record]:
+        """Read up to ``limit`` records, round-robin over partitions; advances positions (sync)."""
+        tps = [tp for tp in self._positions if tp not in self._paused]
+        if not tps:
+            return []
+        self._rr = (self._rr + 1) % len(tps)
+        out: list[Record] = []
+        for tp in tps[self._rr :] + tps[: self._rr]:
+            if len(out) >= limit:
+                break
+            part = self._broker.topics[tp.topic].partitions[tp.partition]
+            pos = max(self._positions[tp], part.start)
+            recs = part.read(pos, limit - len(out))
+            if recs:
+                out.extend(recs)
+                self._positions[tp] = recs[-1].offset + 1
+        return out
+
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        self._check_started()
+        if self.group_id is None:
+            raise BusError("commit needs a consumer group: this consumer was created without group_id")
+        group = self._broker.group(self.group_id)
+        mine = group.assignment.get(self, frozenset())
+        for tp, offset in offsets.items():
+            if tp not in mine:
+                raise BusError(f"commit failed: {tp.topic}[{tp.partition}] is not assigned to this member (rebalanced)")
+            end = self._broker.topics[tp.topic].partitions[tp.partition].end
+            if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= end:
+                raise ValueError(f"commit offset for {tp.topic}[{tp.partition}] must be in [0, {end}], got {offset!r}")
+        for tp, offset in offsets.items():
+            group.committed[tp] = offset
+
+    def pause(self, *partitions: TopicPartition) -> None:
+        self._check_started()
+        for tp in partitions:
+            if tp not in self._positions:
+                raise BusError(f"cannot pause {tp.topic}[{tp.partition}]: not assigned to this consumer")
+        self._paused.update(partitions)
+
+    def resume(self, *partitions: TopicPartition) -> None:
+        self._paused.difference_update(partitions)
+        self._wake()
+
+    def paused(self) -> set[TopicPartition]:
+        return set(self._paused)
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._positions)
+
+
+async def _call(cb: RebalanceCallback | None, tps: set[TopicPartition], what: str) -> None:
+    """Run a rebalance callback; like aiokafka, an exception is logged and does not stop the group."""
+    if cb is None:
+        return
+    try:
+        result = cb(tps)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        log.exception("%s callback failed", what)
+
+
+class MemoryBus(Bus):
+    """A connection to a :class:`MemoryBroker`. Owns the consumers it creates: ``stop`` stops them."""
+
+    def __init__(self, url: str = "memory://", broker: MemoryBroker | None = None) -> None:
+        self.url = url
+        self.broker = broker if broker is not None else MemoryBroker()
+        self.started = False
+        self._consumers: list[MemoryConsumer] = []
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        if not self.started:
+            return
+        self.started = False
+        for consumer in list(self._consumers):
+            await consumer.stop()
+        self._consumers.clear()
+
+    def _forget(self, consumer: MemoryConsumer) -> None:
+        if consumer in self._consumers:
+            self._consumers.remove(consumer)
+
+    def _check_started(self) -> None:
+        if not self.started:
+            raise BusError(f"{self.url}: bus is not started")
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes,
+        key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes]] = (),
+    ) -> RecordMetadata:
+        self._check_started()
+        if not isinstance(value, (bytes, bytearray)):
+            raise TypeError(f"value must be bytes, got {type(value).__name__}")
+        if key is not None and not isinstance(key, (bytes, bytearray)):
+            raise TypeError(f"key must be bytes or None, got {type(key).__name__}")
+        validate_topic(topic)
+        rec = self.broker.append(topic, bytes(value), None if key is None else bytes(key), tuple(headers))
+        return RecordMetadata(rec.topic, rec.partition, rec.offset, rec.timestamp_ms)
+
+    async def ensure_topics(self, specs: Iterable[TopicSpec]) -> list[str]:
+        self._check_started()
+        return [s.name for s in specs if self.broker.create(s)]
+
+    async def partitions_for(self, topic: str) -> list[int]:
+        self._check_started()
+        t = self.broker.topics.get(topic)
+        if t is None:
+            raise BusError(f"{self.url}: unknown topic {topic!r}")
+        return list(range(len(t.partitions)))
+
+    def consumer(
+        self,
+        topics: Sequence[str],
+        group_id: str | None = None,
+        start_from: StartFrom = "latest",
+        on_assigned: RebalanceCallback | None = None,
+        on_revoked: RebalanceCallback | None = None,
+    ) -> MemoryConsumer:
+        c = MemoryConsumer(self, topics, group_id, start_from, on_assigned, on_revoked)
+        self._consumers.append(c)
+        return c

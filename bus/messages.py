@@ -1,0 +1,376 @@
+"""Typed, versioned messages that cross the bus, and their orjson codec.
+
+Every record on a lockgate topic is one JSON object ``{"v": <schema>, "type": <kind>, ...fields}``.
+The classes here are the only shapes that travel; nothing else crosses a module boundary as a bare
+dict. This module is pure (no asyncio, no Kafka, no torch) so every actor and test can use it.
+
+Decoding untrusted bytes raises :class:`DecodeError` (a ``ValueError``) naming what was wrong;
+consumers turn that into a dead-letter record and keep consuming.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
+from typing import Any, Union
+
+import orjson
+
+SCHEMA_VERSION = 1
+
+
+class Tier(IntEnum):
+    """Priority tier. Lower value = more urgent; the value is the tier's rank."""
+
+    P0 = 0  # interactive, premium
+    P1 = 1  # interactive, standard
+    P2 = 2  # batch / background
+
+
+class FinishReason:
+    STOP = "stop"  # EOS, stop string or stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the operator
+
+    ALL = (STOP, LENGTH, ABORT)
+
+
+class ErrorCode:
+    INVALID_REQUEST = "invalid_request"
+    EXPIRED = "expired"
+    OVERLOADED = "overloaded"
+    RATE_LIMITED = "rate_limited"
+    UNAUTHORIZED = "unauthorized"
+    INTERNAL = "internal"
+    CANCELLED = "cancelled"
+
+
+class DecodeError(ValueError):
+    """Raised for bytes that are not a valid lockgate message; the text says why."""
+
+
+def _check_int(name: str, value: int, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_float(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request. Validated on construction: bad values raise ``ValueError``
+    naming the field and its limit.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` disables top-k. ``seed`` makes sampling
+    reproducible (same seed, same prompt, same tokens). ``stop`` strings never appear in the output.
+    ``logprobs`` asks for the top-n log-probabilities of each sampled position (0..20).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    MAX_LOGPROBS = 20
+    MAX_STOP_STRINGS = 16
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        temperature = _check_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, lo=0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+        if isinstance(self.stop, (str, bytes)) or not isinstance(self.stop, (tuple, list)):
+            raise ValueError(f"stop must be a list of strings, got {type(self.stop).__name__}")
+        if len(self.stop) > self.MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings, at most {self.MAX_STOP_STRINGS} allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise ValueError("stop_token_ids must be a list of integers")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[]", t, lo=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a boolean")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=self.MAX_LOGPROBS)
+        # Normalise lists (from JSON) to tuples so the value stays hashable and frozen.
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    """One generation request on a priority topic. ``prompt_token_ids`` is authoritative (the
+    edge tokenizes); ``prompt_text``/``messages`` are kept for logs and replay.
+
+    ``attempt`` counts re-publications (replay, retries); workers echo it in every reply so a
+    reply consumer can tell streams apart. Times are UNIX seconds.
+    """
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    reply_to: str
+    tenant: str = "anonymous"
+    tier: int = Tier.P1
+    enqueued_at: float = 0.0
+    deadline: float | None = None
+    prompt_text: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    cache_salt: str | None = None
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(self.reply_to, str) or not self.reply_to:
+            raise ValueError("reply_to must be a non-empty topic name")
+        _check_int("tier", self.tier, lo=min(Tier), hi=max(Tier))
+        if not isinstance(self.prompt_token_ids, (tuple, list)) or not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if self.messages is not None:
+            object.__setattr__(self, "messages", tuple(self.messages))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """Tokens of one request produced in one engine step, in order.
+
+    ``seq`` is the output index of ``token_ids[0]``; ``text_offset`` is the number of output
+    characters before ``text``. A consumer keeps the next index it expects and drops what it
+    already has, so a re-run after a worker crash (same tokens, deterministic) shows up once.
+    """
+
+    request_id: str
+    attempt: int
+    seq: int
+    token_ids: tuple[int, ...]
+    text: str
+    text_offset: int
+    logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # per token: top-n (id, logprob)
+    worker_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Seconds. ``queue`` = enqueue to first schedule; ``ttft`` = enqueue to first token;
+    ``tpot`` = mean time per output token after the first; ``e2e`` = enqueue to finish."""
+
+    queue: float = 0.0
+    ttft: float = 0.0
+    tpot: float = 0.0
+    e2e: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    request_id: str
+    attempt: int
+    finish_reason: str
+    num_tokens: int  # total output tokens; also the seq after the last chunk
+    usage: Usage
+    timings: Timings = field(default_factory=Timings)
+    worker_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    request_id: str
+    code: str
+    message: str
+    attempt: int = 0
+    retry_after: float | None = None
+    worker_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: str
+    reason: str = "client"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """Heartbeat. ``queue_depth[t]`` / ``est_wait_s[t]`` are per tier (index = tier rank)."""
+
+    worker_id: str
+    model: str
+    ts: float
+    queue_depth: tuple[int, ...] = (0, 0, 0)
+    est_wait_s: tuple[float, ...] = (0.0, 0.0, 0.0)
+    running: int = 0
+    max_num_seqs: int = 0
+    kv_usage: float = 0.0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    tokens_per_s: float = 0.0
+    draining: bool = False
+
+
+Message = Union[InferenceRequest, TokenChunk, Finished, Error, Cancel, WorkerStatus]
+
+_TYPE_NAMES: dict[type, str] = {
+    InferenceRequest: "request",
+    TokenChunk: "chunk",
+    Finished: "finished",
+    Error: "error",
+    Cancel: "cancel",
+    WorkerStatus: "status",
+}
+_BY_NAME: dict[str, type] = {v: k for k, v in _TYPE_NAMES.items()}
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise a message to one JSON object with its schema version and type tag."""
+    kind = _TYPE_NAMES.get(type(msg))
+    if kind is None:
+        raise TypeError(f"not a bus message: {type(msg).__name__}")
+    body = orjson.dumps(msg)  # orjson serialises (slotted) dataclasses natively
+    # Every message has at least one field, so ``body`` is ``{"...`` and splicing is safe.
+    return b'{"v":%d,"type":"%s",%s' % (SCHEMA_VERSION, kind.encode(), body[1:])
+
+
+def decode(data: bytes | bytearray | memoryview | str) -> Message:
+    """Parse one record. Raises :class:`DecodeError` naming the problem; never anything else."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise DecodeError(f"expected a JSON object, got {type(obj).__name__}")
+    version = obj.pop("v", None)
+    if version != SCHEMA_VERSION:
+        raise DecodeError(f"unsupported schema version {version!r} (this build reads {SCHEMA_VERSION})")
+    kind = obj.pop("type", None)
+    cls = _BY_NAME.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise DecodeError(f"unknown message type {kind!r}")
+    try:
+        return _build(cls, obj, kind)
+    except DecodeError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise DecodeError(f"invalid {kind}: {exc}") from None
+
+
+def decode_as(cls: type, data: bytes) -> Any:
+    """Decode and check the type; a record of another kind raises :class:`DecodeError`."""
+    msg = decode(data)
+    if not isinstance(msg, cls):
+        raise DecodeError(f"expected {_TYPE_NAMES[cls]}, got {_TYPE_NAMES[type(msg)]}")
+    return msg
+
+
+# --- generic, strict dict -> dataclass conversion -------------------------------------------------
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    h = _HINTS.get(cls)
+    if h is None:
+        h = _HINTS[cls] = typing.get_type_hints(cls)
+    return h
+
+
+def _build(cls: type, obj: Any, path: str) -> Any:
+    if not isinstance(obj, dict):
+        raise DecodeError(f"{path}: expected an object, got {type(obj).__name__}")
+    hints = _hints(cls)
+    kwargs = {}
+    names = set()
+    for f in fields(cls):
+        names.add(f.name)
+        if f.name in obj:
+            kwargs[f.name] = _convert(hints[f.name], obj[f.name], f"{path}.{f.name}")
+    unknown = set(obj) - names
+    if unknown:
+        raise DecodeError(f"{path}: unknown field(s) {sorted(unknown)}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # missing required fields
+        raise DecodeError(f"{path}: {exc}") from None
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise DecodeError(f"{path}: must not be null")
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, path)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise DecodeError(f"{path}: expected a list, got {type(value).__name__}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise DecodeError(f"{path}: expected {len(args)} items, got {len(value)}")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if tp is Any:
+        return value
+    if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
+        return _build(tp, value, path)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise DecodeError(f"{path}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DecodeError(f"{path}: expected an integer, got {type(value).__name__}")
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            raise DecodeError(f"{path}: expected {tp.__name__}, got {type(value).__name__}")
+        return value
+    raise DecodeError(f"{path}: unsupported field type {tp!r}")

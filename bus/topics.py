@@ -1,0 +1,78 @@
+"""Topic names and the default topic layout. Pure.
+
+Layout (``<ns>`` defaults to ``lockgate``, ``<model>`` is the model name made topic-safe):
+
+* ``<ns>.req.<model>.p0|p1|p2`` — priority topics, the durable request log, keyed by request id.
+* ``<ns>.reply.<owner>``        — a reply topic: one per edge instance, per batch job, or per request.
+* ``<ns>.control``              — broadcast control (``Cancel``); every worker reads all of it.
+* ``<ns>.status``               — worker heartbeats (``WorkerStatus``).
+* ``<ns>.dlq``                  — dead letters: records that could not be decoded, with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from bus.base import TopicSpec
+from bus.messages import Tier
+
+_UNSAFE = re.compile(r"[^a-zA-Z0-9._-]+")
+MAX_TOPIC_LEN = 249  # Kafka's limit
+
+
+def safe_name(name: str) -> str:
+    """Map any model/owner name onto Kafka's topic alphabet ``[a-zA-Z0-9._-]``."""
+    out = _UNSAFE.sub("-", name.strip()).strip("-.") or "default"
+    return out[-120:]
+
+
+def validate_topic(name: str) -> str:
+    if not name or len(name) > MAX_TOPIC_LEN or _UNSAFE.search(name) or name in (".", ".."):
+        raise ValueError(f"invalid topic name {name!r}: use 1-{MAX_TOPIC_LEN} chars of [a-zA-Z0-9._-]")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class TopicLayout:
+    namespace: str = "lockgate"
+    partitions: int = 6
+    replication: int = 1
+    retention_ms: int = 7 * 24 * 3600 * 1000  # a week of replayable request log
+    reply_retention_ms: int = 3600 * 1000
+
+    def request_topic(self, model: str, tier: int) -> str:
+        if tier not in tuple(Tier):
+            raise ValueError(f"tier must be one of {[int(t) for t in Tier]}, got {tier}")
+        return f"{self.namespace}.req.{safe_name(model)}.p{int(tier)}"
+
+    def request_topics(self, model: str) -> list[str]:
+        return [self.request_topic(model, t) for t in Tier]
+
+    def reply_topic(self, owner: str) -> str:
+        return f"{self.namespace}.reply.{safe_name(owner)}"
+
+    @property
+    def control_topic(self) -> str:
+        return f"{self.namespace}.control"
+
+    @property
+    def status_topic(self) -> str:
+        return f"{self.namespace}.status"
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return f"{self.namespace}.dlq"
+
+    def model_specs(self, model: str) -> list[TopicSpec]:
+        """Everything one model needs: its priority topics plus the shared control/status/dlq."""
+        reqs = [TopicSpec(t, self.partitions, self.replication, self.retention_ms) for t in self.request_topics(model)]
+        shared = [
+            TopicSpec(self.control_topic, 1, self.replication, self.reply_retention_ms),
+            TopicSpec(self.status_topic, 1, self.replication, self.reply_retention_ms),
+            TopicSpec(self.dead_letter_topic, 1, self.replication, self.retention_ms),
+        ]
+        return reqs + shared
+
+    def reply_spec(self, owner: str, partitions: int | None = None) -> TopicSpec:
+        return TopicSpec(self.reply_topic(owner), partitions or self.partitions, self.replication, self.reply_retention_ms)

@@ -1,0 +1,199 @@
+"""Edge configuration and the API-key file. Pure: no asyncio, no websockets.
+
+The key file is JSON Lines: one JSON object per line, blank lines and lines starting with ``#``
+ignored. Keys are never stored in clear; each entry holds the SHA-256 hex digest of the key::
+
+    {"sha256": "9f86d0...", "tenant": "acme", "tier": 1, "requests_per_min": 60,
+     "tokens_per_min": 200000, "max_streams": 8}
+
+``tier`` (0, 1 or 2) picks the priority topic. The limits are optional (defaults below; ``0`` means
+unlimited). ``lockgate keys add --tenant acme --tier 1 --keys keys.jsonl`` makes a random key,
+appends its hashed entry and prints the key once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bus.messages import Tier
+from bus.topics import TopicLayout
+
+DEFAULT_REQUESTS_PER_MIN = 120
+DEFAULT_TOKENS_PER_MIN = 500_000
+DEFAULT_MAX_STREAMS = 16
+KEY_PREFIX = "lg-"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key file; the message names the file, line and field."""
+
+
+def hash_key(key: str) -> str:
+    """The stored form of an API key: SHA-256 hex of its UTF-8 bytes."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh random API key (URL- and subprotocol-safe: ``[A-Za-z0-9_-]``)."""
+    return KEY_PREFIX + secrets.token_urlsafe(24)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """What one API key grants. ``0`` in a limit means unlimited."""
+
+    key_hash: str
+    tenant: str
+    tier: int = int(Tier.P1)
+    requests_per_min: int = DEFAULT_REQUESTS_PER_MIN
+    tokens_per_min: int = DEFAULT_TOKENS_PER_MIN
+    max_streams: int = DEFAULT_MAX_STREAMS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key_hash, str) or len(self.key_hash) != 64 or any(
+            c not in "0123456789abcdef" for c in self.key_hash
+        ):
+            raise ConfigError("sha256 must be 64 lowercase hex characters")
+        if not isinstance(self.tenant, str) or not self.tenant or len(self.tenant) > 128:
+            raise ConfigError("tenant must be a non-empty string of at most 128 characters")
+        if isinstance(self.tier, bool) or self.tier not in tuple(int(t) for t in Tier):
+            raise ConfigError(f"tier must be one of {[int(t) for t in Tier]}, got {self.tier!r}")
+        for name in ("requests_per_min", "tokens_per_min", "max_streams"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "sha256": self.key_hash,
+                "tenant": self.tenant,
+                "tier": self.tier,
+                "requests_per_min": self.requests_per_min,
+                "tokens_per_min": self.tokens_per_min,
+                "max_streams": self.max_streams,
+            }
+        )
+
+
+_ENTRY_FIELDS = {"sha256", "tenant", "tier", "requests_per_min", "tokens_per_min", "max_streams"}
+
+
+def parse_keys(text: str, source: str = "<keys>") -> dict[str, KeyEntry]:
+    """Parse a key file's text into ``{sha256: entry}``. Raises :class:`ConfigError` naming the line."""
+    out: dict[str, KeyEntry] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{where}: expected a JSON object")
+        unknown = set(obj) - _ENTRY_FIELDS
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}")
+        if "sha256" not in obj or "tenant" not in obj:
+            raise ConfigError(f"{where}: sha256 and tenant are required")
+        try:
+            entry = KeyEntry(
+                key_hash=obj["sha256"],
+                tenant=obj["tenant"],
+                tier=obj.get("tier", int(Tier.P1)),
+                requests_per_min=obj.get("requests_per_min", DEFAULT_REQUESTS_PER_MIN),
+                tokens_per_min=obj.get("tokens_per_min", DEFAULT_TOKENS_PER_MIN),
+                max_streams=obj.get("max_streams", DEFAULT_MAX_STREAMS),
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if entry.key_hash in out:
+            raise ConfigError(f"{where}: duplicate key (same sha256 as an earlier line)")
+        out[entry.key_hash] = entry
+    return out
+
+
+def load_keys(path: str | Path) -> dict[str, KeyEntry]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read key file {p}: {exc.strerror or exc}") from None
+    return parse_keys(text, str(p))
+
+
+def add_key(path: str | Path | None, tenant: str, tier: int = int(Tier.P1), **limits: int) -> tuple[str, KeyEntry]:
+    """Make a new key; append its hashed entry to ``path`` (when given). Returns (clear key, entry)."""
+    key = new_key()
+    entry = KeyEntry(hash_key(key), tenant, tier, **limits)
+    if path is not None:
+        p = Path(path)
+        if p.exists():
+            load_keys(p)  # refuse to append to a broken file
+        with p.open("a", encoding="utf-8") as f:
+            f.write(entry.to_json() + "\n")
+    return key, entry
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeConfig:
+    """Everything an :class:`~edge.server.Edge` needs besides the bus.
+
+    ``keys is None`` is dev mode: every connection is admitted (with or without a key) as tenant
+    ``dev`` on ``dev_tier``. ``slo_wait_s[t]`` is the longest estimated queue wait tier ``t`` may
+    see before new requests are shed. Sizes are bytes, times seconds.
+    """
+
+    model: str  # the served model name (topic names, `model` field check)
+    model_path: str | None = None  # local HF folder with the tokenizer; None = the caller passes one
+    host: str = "127.0.0.1"
+    port: int = 8765
+    edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
+    layout: TopicLayout = field(default_factory=TopicLayout)
+    keys: dict[str, KeyEntry] | None = None
+    dev_tier: int = int(Tier.P1)
+    # admission
+    max_frame_bytes: int = 1 << 20
+    max_streams_per_connection: int = 64
+    max_connections: int = 100_000
+    default_max_tokens: int = 256
+    request_timeout_s: float = 300.0  # deadline on the bus; the edge gives up (error expired) after it
+    # load shedding
+    slo_wait_s: tuple[float, float, float] = (2.0, 5.0, 60.0)
+    max_queue_depth: tuple[int, int, int] = (0, 0, 0)  # per tier, 0 = no depth limit
+    heartbeat_stale_s: float = 3.0
+    # slow clients
+    send_queue_frames: int = 1024
+    slow_client_grace_s: float = 5.0
+    # websockets
+    ping_interval_s: float | None = 20.0
+    ping_timeout_s: float | None = 20.0
+    close_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("model must be a non-empty name")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.dev_tier not in tuple(int(t) for t in Tier):
+            raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
+        for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",
+                     "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if len(self.slo_wait_s) != len(Tier) or any(s <= 0 for s in self.slo_wait_s):
+            raise ConfigError(f"slo_wait_s needs {len(Tier)} positive values (one per tier)")
+        if len(self.max_queue_depth) != len(Tier) or any(d < 0 for d in self.max_queue_depth):
+            raise ConfigError(f"max_queue_depth needs {len(Tier)} values >= 0 (one per tier)")
+        if self.heartbeat_stale_s <= 0 or self.request_timeout_s <= 0 or self.slow_client_grace_s < 0:
+            raise ConfigError("heartbeat_stale_s and request_timeout_s must be > 0, slow_client_grace_s >= 0")
+
+    @property
+    def dev_mode(self) -> bool:
+        return self.keys is None

@@ -1,0 +1,248 @@
+"""The client protocol: typed frames, strict parsing, server-frame encoding, prompt tokenization.
+
+Every frame is one JSON object with a ``type``. See ``docs/protocol.md`` for the full description.
+:func:`parse_client_frame` never raises anything but :class:`ProtocolError`, whose ``field`` names
+the offending field (``None`` when the frame as a whole is bad), so the session answers with an
+``error`` frame and the connection stays usable. Pure apart from the tokenizer (CPU only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from bus.messages import ChatMessage, ErrorCode, SamplingParams
+
+MAX_ID_LEN = 128
+MAX_MESSAGES = 512
+ROLES = ("system", "user", "assistant", "tool")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                    "ignore_eos", "logprobs")
+_GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids") + _SAMPLING_FIELDS)
+_CANCEL_FIELDS = frozenset(("type", "id", "request_id"))
+
+
+class ProtocolError(Exception):
+    """A frame the server refuses. Becomes ``{"type": "error", ...}`` for the client."""
+
+    def __init__(self, message: str, field: str | None = None, id: str | None = None,
+                 code: str = ErrorCode.INVALID_REQUEST, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.id = id
+        self.code = code
+        self.retry_after = retry_after
+
+    def frame(self) -> bytes:
+        return error_frame(self.code, self.message, id=self.id, field=self.field, retry_after=self.retry_after)
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    id: str  # the client's id for this request, unique among its in-flight requests on the connection
+    sampling: SamplingParams
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt: str | None = None
+    model: str | None = None
+    max_tokens_given: bool = False
+    token_ids: bool = False  # echo token ids in each delta
+
+
+@dataclass(frozen=True, slots=True)
+class CancelFrame:
+    id: str | None = None
+    request_id: str | None = None
+
+
+ClientFrame = Generate | CancelFrame
+
+
+def _str(obj: dict, name: str, fid: str | None, *, required: bool = False, max_len: int | None = None) -> str | None:
+    v = obj.get(name)
+    if v is None:
+        if required:
+            raise ProtocolError(f"{name} is required", name, fid)
+        return None
+    if not isinstance(v, str):
+        raise ProtocolError(f"{name} must be a string, got {_tname(v)}", name, fid)
+    if required and not v:
+        raise ProtocolError(f"{name} must not be empty", name, fid)
+    if max_len is not None and len(v) > max_len:
+        raise ProtocolError(f"{name} is longer than {max_len} characters", name, fid)
+    return v
+
+
+def _tname(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def parse_client_frame(data: str | bytes, default_max_tokens: int = 256) -> ClientFrame:
+    """Parse and validate one client frame. Raises :class:`ProtocolError` only."""
+    try:
+        obj = orjson.loads(data)
+    except (orjson.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"frame is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"frame must be a JSON object, got {_tname(obj)}")
+    fid = obj.get("id") if isinstance(obj.get("id"), str) and len(obj["id"]) <= MAX_ID_LEN else None
+    kind = obj.get("type")
+    if kind == "generate":
+        return _parse_generate(obj, fid, default_max_tokens)
+    if kind == "cancel":
+        unknown = set(obj) - _CANCEL_FIELDS
+        if unknown:
+            raise ProtocolError(f"unknown field {sorted(unknown)[0]!r}", sorted(unknown)[0], fid)
+        cid = _str(obj, "id", fid, max_len=MAX_ID_LEN)
+        rid = _str(obj, "request_id", fid, max_len=MAX_ID_LEN)
+        if not cid and not rid:
+            raise ProtocolError("cancel needs id or request_id", "id", fid)
+        return CancelFrame(cid or None, rid or None)
+    if kind is None:
+        raise ProtocolError("type is required ('generate' or 'cancel')", "type", fid)
+    raise ProtocolError(f"unknown type {str(kind)[:40]!r}: expected 'generate' or 'cancel'", "type", fid)
+
+
+def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Generate:
+    unknown = set(obj) - _GENERATE_FIELDS
+    if unknown:
+        name = sorted(unknown)[0]
+        raise ProtocolError(f"unknown field {name[:40]!r}", name[:40], fid)
+    cid = _str(obj, "id", fid, required=True, max_len=MAX_ID_LEN)
+    model = _str(obj, "model", cid)
+    prompt = _str(obj, "prompt", cid)
+    messages = None
+    raw = obj.get("messages")
+    if raw is not None:
+        if not isinstance(raw, list) or not raw:
+            raise ProtocolError("messages must be a non-empty array of {role, content}", "messages", cid)
+        if len(raw) > MAX_MESSAGES:
+            raise ProtocolError(f"messages has {len(raw)} entries, at most {MAX_MESSAGES}", "messages", cid)
+        out = []
+        for i, m in enumerate(raw):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict) or set(m) - {"role", "content"}:
+                raise ProtocolError(f"{where} must be an object with only role and content", where, cid)
+            role, content = m.get("role"), m.get("content")
+            if role not in ROLES:
+                raise ProtocolError(f"{where}.role must be one of {list(ROLES)}", f"{where}.role", cid)
+            if not isinstance(content, str):
+                raise ProtocolError(f"{where}.content must be a string, got {_tname(content)}", f"{where}.content", cid)
+            out.append(ChatMessage(role, content))
+        messages = tuple(out)
+    if (messages is None) == (prompt is None):
+        raise ProtocolError("give exactly one of messages or prompt", "messages", cid)
+    if prompt is not None and not prompt:
+        raise ProtocolError("prompt must not be empty", "prompt", cid)
+    token_ids = obj.get("token_ids", False)
+    if not isinstance(token_ids, bool):
+        raise ProtocolError("token_ids must be a boolean", "token_ids", cid)
+    kwargs = {k: obj[k] for k in _SAMPLING_FIELDS if k in obj and obj[k] is not None}
+    kwargs.setdefault("max_tokens", default_max_tokens)
+    for k in ("stop", "stop_token_ids"):
+        if k in kwargs and not isinstance(kwargs[k], list):
+            raise ProtocolError(f"{k} must be an array, got {_tname(kwargs[k])}", k, cid)
+    for k in ("temperature", "top_p"):
+        v = kwargs.get(k)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ProtocolError(f"{k} must be finite", k, cid)
+    try:
+        sampling = SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        field = next((k for k in _SAMPLING_FIELDS if msg.startswith(k)), None)
+        raise ProtocolError(msg[:300], field, cid) from None
+    return Generate(cid, sampling, messages, prompt, model, "max_tokens" in obj, token_ids)
+
+
+# --- server frames ------------------------------------------------------------------------------
+
+def _dumps(obj: dict) -> bytes:
+    return orjson.dumps(obj)
+
+
+def accepted_frame(id: str, request_id: str, prompt_tokens: int, max_tokens: int) -> bytes:
+    return _dumps({"type": "accepted", "id": id, "request_id": request_id,
+                   "prompt_tokens": prompt_tokens, "max_tokens": max_tokens})
+
+
+def delta_frame(id: str, seq: int, text: str, token_ids: Sequence[int] | None = None,
+                logprobs: Any = None) -> bytes:
+    obj: dict[str, Any] = {"type": "delta", "id": id, "seq": seq, "text": text}
+    if token_ids is not None:
+        obj["token_ids"] = token_ids
+    if logprobs is not None:
+        obj["logprobs"] = logprobs
+    return _dumps(obj)
+
+
+def done_frame(id: str, request_id: str, finish_reason: str, usage: dict, timings: dict) -> bytes:
+    return _dumps({"type": "done", "id": id, "request_id": request_id, "finish_reason": finish_reason,
+                   "usage": usage, "timings": timings})
+
+
+def error_frame(code: str, message: str, *, id: str | None = None, request_id: str | None = None,
+                field: str | None = None, retry_after: float | None = None) -> bytes:
+    obj: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if id is not None:
+        obj["id"] = id
+    if request_id is not None:
+        obj["request_id"] = request_id
+    if field is not None:
+        obj["field"] = field
+    if retry_after is not None:
+        obj["retry_after"] = retry_after
+    return _dumps(obj)
+
+
+# --- tokenization -------------------------------------------------------------------------------
+
+class PromptEncoder:
+    """Chat template + tokenizer of the served model, and its context length.
+
+    ``encode`` is CPU-bound (a few ms for long prompts); callers run big prompts in a thread.
+    HF fast tokenizers are thread-safe for encoding.
+    """
+
+    def __init__(self, tokenizer: Any, context_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+
+    @classmethod
+    def from_path(cls, path: str) -> "PromptEncoder":
+        import json
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        ctx = int(cfg.get("max_position_embeddings") or getattr(tok, "model_max_length", 2048))
+        return cls(tok, ctx)
+
+    def encode(self, frame: Generate) -> list[int]:
+        """Token ids of the prompt. Raises :class:`ProtocolError` (field ``messages``/``prompt``)
+        when the template fails or the prompt does not fit the context."""
+        field = "messages" if frame.messages is not None else "prompt"
+        try:
+            if frame.messages is not None:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in frame.messages],
+                    tokenize=False, add_generation_prompt=True)
+            else:
+                text = frame.prompt
+            ids = list(self.tokenizer(text, add_special_tokens=frame.messages is None)["input_ids"])
+        except Exception as exc:  # template/tokenizer errors are the input's fault
+            raise ProtocolError(f"cannot tokenize {field}: {str(exc)[:200]}", field, frame.id) from None
+        if not ids:
+            raise ProtocolError(f"{field} tokenizes to nothing", field, frame.id)
+        if len(ids) >= self.context_len:
+            raise ProtocolError(
+                f"{field} is {len(ids)} tokens; the model's context is {self.context_len} "
+                f"(prompt must leave room for at least one output token)", field, frame.id)
+        return ids

@@ -1,0 +1,145 @@
+"""Reply routing: ONE consumer of the edge's own reply topic feeds every session.
+
+Each admitted request is a :class:`Stream` registered here under its request id. The router task
+decodes each reply record, drops duplicates by (request id, seq) and hands the rest to the stream's
+session (:meth:`Session.on_chunk` / ``on_finished`` / ``on_error``), which only appends to a bounded
+queue — routing never awaits a client, so one slow client cannot stall the others.
+
+Dedupe: a stream keeps ``next_seq`` (the next output index it expects) and ``chars`` (output
+characters delivered). A chunk entirely below ``next_seq`` is a duplicate (a worker re-running the
+request after a crash re-sends from seq 0 with the same tokens) and is dropped; a chunk that
+overlaps is trimmed by tokens and, using ``text_offset``, by characters. Records for request ids
+the edge no longer tracks (finished, cancelled, from a previous edge life) are counted and dropped.
+
+Concurrency: all methods run on the edge's event loop; :meth:`run` is the only task that reads the
+consumer. Cancelling :meth:`run` stops the consumer and loses nothing that matters (reply topics are
+per edge; in-flight streams are ended by their sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from bus.base import Bus, Record
+from bus.messages import DecodeError, Error, Finished, TokenChunk, decode
+
+if TYPE_CHECKING:
+    from edge.auth import Principal
+    from edge.metrics import EdgeMetrics
+    from edge.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class Stream:
+    """One request in flight: where its replies go and how far it got."""
+
+    __slots__ = ("request_id", "client_id", "session", "principal", "labels", "prompt_tokens", "max_tokens",
+                 "charged", "next_seq", "chars", "admitted_at", "first_at", "deadline", "token_ids", "ended")
+
+    def __init__(self, request_id: str, client_id: str, session: "Session", principal: "Principal",
+                 labels: tuple[str, str], prompt_tokens: int, max_tokens: int, admitted_at: float,
+                 deadline: float, token_ids: bool) -> None:
+        self.request_id = request_id
+        self.client_id = client_id
+        self.session = session
+        self.principal = principal
+        self.labels = labels  # (model, tier) metric labels
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.charged = prompt_tokens + max_tokens
+        self.next_seq = 0
+        self.chars = 0
+        self.admitted_at = admitted_at  # loop time
+        self.first_at: float | None = None
+        self.deadline = deadline  # loop time
+        self.token_ids = token_ids
+        self.ended = False
+
+
+def dedupe(stream: Stream, chunk: TokenChunk) -> tuple[int, str, tuple[int, ...], tuple | None] | None:
+    """The new part of ``chunk`` for ``stream`` as (seq, text, token_ids, logprobs), advancing the
+    stream, or ``None`` when nothing in it is new. Pure apart from updating ``stream``."""
+    n = len(chunk.token_ids)
+    end = chunk.seq + n
+    if end <= stream.next_seq and n:
+        return None
+    skip = max(0, stream.next_seq - chunk.seq)
+    token_ids = chunk.token_ids[skip:] if skip else chunk.token_ids
+    logprobs = chunk.logprobs[skip:] if (skip and chunk.logprobs is not None) else chunk.logprobs
+    seq = chunk.seq + skip
+    text = chunk.text
+    text_end = chunk.text_offset + len(text)
+    if text_end <= stream.chars:
+        text = ""
+    elif chunk.text_offset < stream.chars:
+        text = text[stream.chars - chunk.text_offset:]
+    if not token_ids and not text:
+        return None
+    stream.next_seq = max(stream.next_seq, end)
+    stream.chars = max(stream.chars, text_end)
+    return seq, text, token_ids, logprobs
+
+
+class ReplyRouter:
+    def __init__(self, bus: Bus, topic: str, metrics: "EdgeMetrics") -> None:
+        self.bus = bus
+        self.topic = topic
+        self.metrics = metrics
+        self.streams: dict[str, Stream] = {}
+        self.connected = False
+        self._ready = asyncio.Event()
+
+    def register(self, stream: Stream) -> None:
+        self.streams[stream.request_id] = stream
+
+    def unregister(self, request_id: str) -> Stream | None:
+        return self.streams.pop(request_id, None)
+
+    async def wait_ready(self) -> None:
+        """Return once the consumer is started (records sent after this are seen)."""
+        await self._ready.wait()
+
+    async def run(self) -> None:
+        consumer = self.bus.consumer([self.topic], group_id=None, start_from="latest")
+        await consumer.start()
+        self.connected = True
+        self._ready.set()
+        try:
+            while True:
+                records = await consumer.getmany(timeout_ms=200, max_records=4096)
+                if records:
+                    now = time.time()
+                    for rec in records:
+                        self._route(rec, now)
+        finally:
+            self.connected = False
+            await consumer.stop()
+
+    def _route(self, rec: Record, now: float) -> None:
+        try:
+            msg = decode(rec.value)
+        except DecodeError as exc:
+            self.metrics.bad_records.inc()
+            log.warning("undecodable record on %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
+            return
+        stream = self.streams.get(getattr(msg, "request_id", ""))
+        if stream is None:
+            self.metrics.orphans.inc()
+            return
+        if isinstance(msg, TokenChunk):
+            new = dedupe(stream, msg)
+            if new is None:
+                self.metrics.duplicates.inc()
+                return
+            self.metrics.route.observe(max(0.0, now - rec.timestamp_ms / 1000))
+            stream.session.on_chunk(stream, *new)
+        elif isinstance(msg, Finished):
+            stream.session.on_finished(stream, msg)
+        elif isinstance(msg, Error):
+            stream.session.on_error(stream, msg)
+        else:
+            log.warning("unexpected %s on reply topic %s", type(msg).__name__, rec.topic)

@@ -1,0 +1,285 @@
+"""The edge: WebSocket + HTTP server in front of the bus. Embeddable: ``Edge(config, bus)``.
+
+Lifecycle: ``await edge.start()`` (or ``async with edge``) creates the topics it needs, starts the
+reply router, the heartbeat reader, the cancel publisher and the sweep, then listens;
+``await edge.stop()`` stops listening, closes every connection with 1001 (their requests are
+cancelled on the bus) and stops the background tasks. Both are idempotent. The bus belongs to the
+caller: it must be started before ``start()`` and is left running by ``stop()``, so one bus can be
+shared with workers in the same process.
+
+Every background task is created and owned here and awaited in ``stop()``. Every queue is bounded:
+per-session send queues (``send_queue_frames``) and the cancel outbox (``CANCEL_OUTBOX``).
+
+HTTP on the same port (``process_request``): ``/healthz``, ``/readyz``, ``/metrics``, ``/``. A
+WebSocket handshake on ``/`` or ``/ws`` is authenticated here (401), shed (503) or accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import weakref
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from bus.base import Bus
+from bus.messages import Cancel, DecodeError, InferenceRequest, WorkerStatus, decode, encode
+from edge.auth import AuthError, Authenticator, Principal, extract_key, select_subprotocol
+from edge.config import EdgeConfig
+from edge.metrics import CONTENT_TYPE, EdgeMetrics
+from edge.protocol import PromptEncoder
+from edge.ratelimit import RateLimiter
+from edge.router import ReplyRouter
+from edge.session import Session
+from edge.shedding import LoadShedder
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+CANCEL_OUTBOX = 65536
+SWEEP_INTERVAL_S = 0.25
+WS_PATHS = ("/", "/ws")
+
+
+class Edge:
+    def __init__(self, config: EdgeConfig, bus: Bus, encoder: PromptEncoder | None = None) -> None:
+        self.config = config
+        self.bus = bus
+        self.encoder = encoder
+        self.metrics = EdgeMetrics()
+        self.limiter = RateLimiter()
+        self.shedder = LoadShedder(config.model, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)
+        self.auth = Authenticator(config.keys, config.dev_tier)
+        self.reply_topic = config.layout.reply_topic(config.edge_id)
+        self.router = ReplyRouter(bus, self.reply_topic, self.metrics)
+        self.sessions: set[Session] = set()
+        # set by process_request, taken by the handler; weak so failed handshakes leave nothing behind
+        self._principals: weakref.WeakKeyDictionary[ServerConnection, Principal] = weakref.WeakKeyDictionary()
+        self._ids = itertools.count()
+        self._cancels: asyncio.Queue[Cancel] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._server: Any = None
+        self._state = "new"  # new -> starting -> started -> stopped
+        self._lock = asyncio.Lock()
+        self._page: bytes | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        async with self._lock:
+            if self._state == "started":
+                return
+            if self._state == "stopped":
+                raise RuntimeError("a stopped Edge cannot be restarted; create a new one")
+            cfg = self.config
+            if self.encoder is None:
+                if cfg.model_path is None:
+                    raise ValueError("EdgeConfig.model_path is required when no encoder is given")
+                self.encoder = await asyncio.to_thread(PromptEncoder.from_path, cfg.model_path)
+            await self.bus.ensure_topics(cfg.layout.model_specs(cfg.model) + [cfg.layout.reply_spec(cfg.edge_id)])
+            self._cancels = asyncio.Queue(CANCEL_OUTBOX)
+            loop = asyncio.get_running_loop()
+            self._tasks = [
+                loop.create_task(self.router.run(), name="edge-router"),
+                loop.create_task(self._read_status(), name="edge-status"),
+                loop.create_task(self._publish_cancels(), name="edge-cancels"),
+                loop.create_task(self._sweep(), name="edge-sweep"),
+            ]
+            try:
+                await asyncio.wait_for(self.router.wait_ready(), 30)
+                self._server = await serve(
+                    self._handle, cfg.host, cfg.port,
+                    process_request=self._process_request,
+                    select_subprotocol=lambda conn, offered: select_subprotocol(offered),
+                    max_size=cfg.max_frame_bytes, max_queue=16, compression=None,
+                    ping_interval=cfg.ping_interval_s, ping_timeout=cfg.ping_timeout_s,
+                    close_timeout=cfg.close_timeout_s, backlog=4096)
+            except BaseException:
+                await self._stop_tasks()
+                self._state = "stopped"
+                raise
+            self._state = "started"
+            log.info("edge %s listening on %s:%d (model %s, reply topic %s)%s", cfg.edge_id, cfg.host, self.port,
+                     cfg.model, self.reply_topic, " [DEV MODE: no API keys]" if cfg.dev_mode else "")
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if self._state != "started":
+                self._state = "stopped"
+                return
+            self._state = "stopped"
+            self._server.close(close_connections=True)
+            await self._server.wait_closed()
+            # Handlers have ended and queued their Cancels: give the outbox a moment to drain.
+            for _ in range(100):
+                if self._cancels is None or self._cancels.empty():
+                    break
+                await asyncio.sleep(0.01)
+            await self._stop_tasks()
+
+    async def _stop_tasks(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def __aenter__(self) -> "Edge":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with ``port=0``)."""
+        return self._server.sockets[0].getsockname()[1] if self._server else self.config.port
+
+    # --- bus ----------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"{self.config.edge_id}-{next(self._ids):x}"
+
+    async def publish_request(self, req: InferenceRequest) -> None:
+        topic = self.config.layout.request_topic(req.model, req.tier)
+        await self.bus.send(topic, encode(req), key=req.request_id.encode())
+
+    def publish_cancel(self, request_id: str, reason: str) -> None:
+        """Queue a Cancel for the control topic (non-blocking; dropped with a warning if the outbox
+        is full — the worker then finishes the request and the edge drops its replies)."""
+        self.metrics.cancels.labels(reason).inc()
+        if self._cancels is None:
+            return
+        try:
+            self._cancels.put_nowait(Cancel(request_id, reason))
+        except asyncio.QueueFull:
+            log.warning("cancel outbox full: dropping Cancel(%s)", request_id)
+
+    async def _publish_cancels(self) -> None:
+        assert self._cancels is not None
+        topic = self.config.layout.control_topic
+        while True:
+            c = await self._cancels.get()
+            try:
+                await self.bus.send(topic, encode(c), key=c.request_id.encode())
+            except Exception as exc:  # keep going: a lost Cancel only wastes worker time
+                log.warning("publishing Cancel(%s) failed: %s", c.request_id, exc)
+
+    async def _read_status(self) -> None:
+        stale = self.config.heartbeat_stale_s
+        consumer = self.bus.consumer([self.config.layout.status_topic], group_id=None,
+                                     start_from=int((time.time() - stale) * 1000))
+        await consumer.start()
+        try:
+            while True:
+                for rec in await consumer.getmany(timeout_ms=500, max_records=1024):
+                    try:
+                        msg = decode(rec.value)
+                    except DecodeError:
+                        self.metrics.bad_records.inc()
+                        continue
+                    if isinstance(msg, WorkerStatus):
+                        age = max(0.0, time.time() - rec.timestamp_ms / 1000)
+                        self.shedder.observe(msg, time.monotonic() - age)
+        finally:
+            await consumer.stop()
+
+    async def _sweep(self) -> None:
+        """Every SWEEP_INTERVAL_S: slow writers, request deadlines, live-worker gauge."""
+        loop = asyncio.get_running_loop()
+        grace = self.config.slow_client_grace_s
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now = loop.time()
+            for s in list(self.sessions):
+                if s.send_since is not None and now - s.send_since > grace:
+                    s.kill(1008, "client too slow: socket write blocked")
+            for st in list(self.router.streams.values()):
+                if now > st.deadline:
+                    from bus.messages import ErrorCode
+                    from edge.protocol import error_frame
+                    st.session.end(st, error_frame(ErrorCode.EXPIRED, "no reply before the request deadline",
+                                                   id=st.client_id, request_id=st.request_id),
+                                   used=st.next_seq, cancel_reason="expired")
+            mono = time.monotonic()
+            self.shedder.prune(mono)
+            self.metrics.live_workers.set(len(self.shedder.live(mono)))
+
+    # --- HTTP + handshake ---------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, str]:
+        if not self.router.connected:
+            return False, "not ready: reply consumer not connected to the bus"
+        ok, why = self.shedder.readiness(time.monotonic())
+        return ok, ("ready: " if ok else "not ready: ") + why
+
+    def _process_request(self, conn: ServerConnection, request: Request) -> Response | None:
+        route = urlsplit(request.path).path
+        if route == "/healthz":
+            return _text(HTTPStatus.OK, "ok\n")
+        if route == "/readyz":
+            ok, why = self.readiness()
+            return _text(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, why + "\n")
+        if route == "/metrics":
+            return _response(HTTPStatus.OK, self.metrics.render(), CONTENT_TYPE)
+        upgrade = (request.headers.get("Upgrade") or "").lower() == "websocket"
+        if not upgrade:
+            if route in ("/", "/index.html"):
+                return _response(HTTPStatus.OK, self._index(), "text/html; charset=utf-8")
+            return _text(HTTPStatus.NOT_FOUND, f"no such path {route!r}\n")
+        if route not in WS_PATHS:
+            return _text(HTTPStatus.NOT_FOUND, "WebSocket endpoint is /ws\n")
+        try:
+            principal = self.auth.authenticate(extract_key(request.path, request.headers))
+        except AuthError as exc:
+            self.metrics.rejections.labels("unauthorized").inc()
+            resp = _text(HTTPStatus.UNAUTHORIZED, f"{exc}\n")
+            resp.headers["WWW-Authenticate"] = 'Bearer realm="lockgate"'
+            return resp
+        if len(self.sessions) + len(self._principals) >= self.config.max_connections:
+            self.metrics.rejections.labels("overloaded").inc()
+            return _text(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n", retry_after=1.0)
+        shed = self.shedder.check(principal.tier, time.monotonic())
+        if shed is not None:
+            self.metrics.rejections.labels("overloaded").inc()
+            return _text(HTTPStatus.SERVICE_UNAVAILABLE, f"overloaded: {shed.reason}\n", retry_after=shed.retry_after)
+        self._principals[conn] = principal
+        return None
+
+    def _index(self) -> bytes:
+        if self._page is None or os.environ.get("LOCKGATE_DEV_STATIC"):
+            self._page = (STATIC_DIR / "index.html").read_bytes()
+        return self._page
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        principal = self._principals.pop(ws, None)
+        if principal is None:  # cannot happen: process_request admitted it
+            await ws.close(1011, "internal error: no principal")
+            return
+        session = Session(self, ws, principal)
+        self.sessions.add(session)
+        self.metrics.connections.inc()
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+            self.metrics.connections.dec()
+
+
+def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
+                       ("Cache-Control", "no-store"), ("Connection", "close")])
+    return Response(status.value, status.phrase, headers, body)
+
+
+def _text(status: HTTPStatus, text: str, retry_after: float | None = None) -> Response:
+    resp = _response(status, text.encode(), "text/plain; charset=utf-8")
+    if retry_after is not None:
+        resp.headers["Retry-After"] = str(max(1, int(-(-retry_after // 1))))
+    return resp

@@ -1,0 +1,268 @@
+"""One WebSocket connection: reads client frames, admits requests, writes server frames.
+
+Concurrency contract:
+
+* :meth:`Session.run` is the connection handler; it owns the writer task and reads frames in
+  order. A ``generate`` is admitted (validated, tokenized, charged, published) before the next frame
+  is read, so frames of one connection are handled in order.
+* Everything the router calls (``on_chunk``/``on_finished``/``on_error``) is synchronous and only
+  appends to the bounded send queue (``send_queue_frames`` items).
+* Slow-client policy: the connection is closed with 1008 ("client too slow") when the send queue is
+  full, or when one write to the socket has been blocked for more than ``slow_client_grace_s``
+  (checked by the edge's sweep, every 0.25 s). Its requests are cancelled. Nothing is buffered
+  beyond the queue and the socket's write buffer (websockets' ``write_limit``).
+* When :meth:`run` returns (client gone, closed, or the task cancelled), every request still in
+  flight is ended and a :class:`~bus.messages.Cancel` is published for it (reason ``disconnect``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from websockets.exceptions import ConnectionClosed
+
+from bus.messages import ErrorCode, Finished, InferenceRequest
+from bus.messages import Error as BusErrorMsg
+from edge.protocol import (
+    CancelFrame,
+    Generate,
+    ProtocolError,
+    accepted_frame,
+    delta_frame,
+    done_frame,
+    error_frame,
+    parse_client_frame,
+)
+from edge.router import Stream
+
+if TYPE_CHECKING:
+    from edge.auth import Principal
+    from edge.server import Edge
+
+log = logging.getLogger(__name__)
+
+CLOSE_SLOW = 1008
+THREAD_TOKENIZE_CHARS = 8192  # prompts longer than this are tokenized off the event loop
+MAX_COALESCE = 512
+
+
+class _Delta:
+    __slots__ = ("id", "seq", "text", "token_ids", "logprobs")
+
+    def __init__(self, id: str, seq: int, text: str, token_ids: list | None, logprobs: list | None) -> None:
+        self.id, self.seq, self.text, self.token_ids, self.logprobs = id, seq, text, token_ids, logprobs
+
+
+def coalesce(items: list) -> list[bytes]:
+    """Merge consecutive deltas of one request into one frame (fewer, larger frames under load)."""
+    out: list[bytes] = []
+    cur: _Delta | None = None
+    for it in items:
+        if isinstance(it, _Delta):
+            if cur is not None and cur.id == it.id:
+                cur.text += it.text
+                if cur.token_ids is not None and it.token_ids is not None:
+                    cur.token_ids.extend(it.token_ids)
+                if cur.logprobs is not None and it.logprobs is not None:
+                    cur.logprobs.extend(it.logprobs)
+                continue
+            if cur is not None:
+                out.append(delta_frame(cur.id, cur.seq, cur.text, cur.token_ids, cur.logprobs))
+            cur = it
+        else:
+            if cur is not None:
+                out.append(delta_frame(cur.id, cur.seq, cur.text, cur.token_ids, cur.logprobs))
+                cur = None
+            out.append(it)
+    if cur is not None:
+        out.append(delta_frame(cur.id, cur.seq, cur.text, cur.token_ids, cur.logprobs))
+    return out
+
+
+class Session:
+    def __init__(self, edge: "Edge", ws: Any, principal: "Principal") -> None:
+        self.edge = edge
+        self.ws = ws
+        self.principal = principal
+        self.queue: asyncio.Queue = asyncio.Queue(edge.config.send_queue_frames)
+        self.streams: dict[str, Stream] = {}  # client id -> stream
+        self.send_since: float | None = None  # loop time the current socket write started
+        self.closing = False
+        self._close_task: asyncio.Task | None = None
+
+    # --- outbound -----------------------------------------------------------------------------
+    def push(self, item: bytes | _Delta) -> bool:
+        if self.closing:
+            return False
+        try:
+            self.queue.put_nowait(item)
+            return True
+        except asyncio.QueueFull:
+            self.kill(CLOSE_SLOW, "client too slow: send queue full")
+            return False
+
+    def kill(self, code: int, reason: str) -> None:
+        """Close the connection soon (non-blocking). The handler ends and cancels its requests."""
+        if self.closing:
+            return
+        self.closing = True
+        if code == CLOSE_SLOW:
+            self.edge.metrics.slow_disconnects.inc()
+            log.info("closing slow client %s (%s)", self.principal.tenant, reason)
+        self._close_task = asyncio.get_running_loop().create_task(self.ws.close(code, reason))
+
+    async def _writer(self) -> None:
+        q, ws, loop = self.queue, self.ws, asyncio.get_running_loop()
+        while True:
+            items = [await q.get()]
+            while not q.empty() and len(items) < MAX_COALESCE:
+                items.append(q.get_nowait())
+            for frame in coalesce(items):
+                self.send_since = loop.time()
+                await ws.send(frame, text=True)
+                self.send_since = None
+
+    # --- router callbacks (sync, never block) -------------------------------------------------
+    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple, logprobs: tuple | None) -> None:
+        now = asyncio.get_running_loop().time()
+        if s.first_at is None:
+            s.first_at = now
+            self.edge.metrics.ttft.labels(*s.labels).observe(now - s.admitted_at)
+        self.edge.metrics.generation_tokens.labels(*s.labels).inc(len(token_ids))
+        lp = [[list(p) for p in pos] for pos in logprobs] if logprobs is not None else None
+        self.push(_Delta(s.client_id, seq, text, list(token_ids) if s.token_ids else None, lp))
+
+    def on_finished(self, s: Stream, msg: Finished) -> None:
+        now = asyncio.get_running_loop().time()
+        m = self.edge.metrics
+        m.e2e.labels(*s.labels).observe(now - s.admitted_at)
+        if s.first_at is not None and s.next_seq > 1:
+            m.tpot.labels(*s.labels).observe((now - s.first_at) / (s.next_seq - 1))
+        m.success.labels(*s.labels, msg.finish_reason).inc()
+        usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": max(msg.num_tokens, s.next_seq),
+                 "cached_tokens": msg.usage.cached_tokens}
+        timings = {"ttft": round(s.first_at - s.admitted_at, 6) if s.first_at is not None else None,
+                   "e2e": round(now - s.admitted_at, 6), "queue": msg.timings.queue,
+                   "worker_ttft": msg.timings.ttft, "tpot": msg.timings.tpot}
+        self.end(s, done_frame(s.client_id, s.request_id, msg.finish_reason, usage, timings), used=s.next_seq)
+
+    def on_error(self, s: Stream, msg: BusErrorMsg) -> None:
+        self.edge.metrics.rejections.labels(msg.code).inc()
+        self.end(s, error_frame(msg.code, msg.message, id=s.client_id, request_id=s.request_id,
+                                retry_after=msg.retry_after), used=s.next_seq)
+
+    def end(self, s: Stream, frame: bytes | None, used: int, cancel_reason: str | None = None) -> None:
+        """End a stream once: unregister, refund, send ``frame``, publish a Cancel if asked."""
+        if s.ended:
+            return
+        s.ended = True
+        self.edge.router.unregister(s.request_id)
+        if self.streams.get(s.client_id) is s:
+            del self.streams[s.client_id]
+        self.edge.metrics.streams.dec()
+        self.edge.limiter.release(s.principal.entry, max(0, s.max_tokens - used), time.monotonic())
+        if frame is not None:
+            self.push(frame)
+        if cancel_reason is not None:
+            self.edge.publish_cancel(s.request_id, cancel_reason)
+
+    # --- inbound ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        writer = asyncio.get_running_loop().create_task(self._writer())
+        try:
+            async for message in self.ws:
+                if self.closing:
+                    break
+                await self.on_frame(message)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closing = True
+            writer.cancel()
+            for s in list(self.streams.values()):
+                self.end(s, None, used=s.next_seq, cancel_reason="disconnect")
+            await asyncio.gather(writer, return_exceptions=True)
+            if self._close_task is not None:
+                await asyncio.gather(self._close_task, return_exceptions=True)
+
+    async def on_frame(self, message: str | bytes) -> None:
+        try:
+            frame = parse_client_frame(message, self.edge.config.default_max_tokens)
+            if isinstance(frame, Generate):
+                await self.generate(frame)
+            else:
+                self.cancel(frame)
+        except ProtocolError as exc:
+            self.edge.metrics.rejections.labels(exc.code).inc()
+            self.push(exc.frame())
+
+    def cancel(self, frame: CancelFrame) -> None:
+        s = self.streams.get(frame.id) if frame.id else None
+        if s is None and frame.request_id:
+            s = next((x for x in self.streams.values() if x.request_id == frame.request_id), None)
+        if s is None:
+            raise ProtocolError("no request in flight with that id", "request_id" if frame.request_id else "id",
+                                frame.id)
+        usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.next_seq, "cached_tokens": 0}
+        now = asyncio.get_running_loop().time()
+        timings = {"ttft": round(s.first_at - s.admitted_at, 6) if s.first_at is not None else None,
+                   "e2e": round(now - s.admitted_at, 6)}
+        self.edge.metrics.success.labels(*s.labels, "abort").inc()
+        self.end(s, done_frame(s.client_id, s.request_id, "abort", usage, timings), used=s.next_seq,
+                 cancel_reason="client")
+
+    async def generate(self, g: Generate) -> None:
+        edge, cfg, p = self.edge, self.edge.config, self.principal
+        if g.model is not None and g.model != cfg.model:
+            raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
+                                "model", g.id)
+        if g.id in self.streams:
+            raise ProtocolError("a request with this id is already in flight on this connection", "id", g.id)
+        if len(self.streams) >= cfg.max_streams_per_connection:
+            raise ProtocolError(f"{len(self.streams)} requests in flight on this connection, at most "
+                                f"{cfg.max_streams_per_connection}", "max_streams_per_connection", g.id,
+                                code=ErrorCode.RATE_LIMITED, retry_after=1.0)
+        shed = edge.shedder.check(p.tier, time.monotonic())
+        if shed is not None:
+            raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
+        size = len(g.prompt) if g.prompt is not None else sum(len(m.content) for m in g.messages or ())
+        if size > THREAD_TOKENIZE_CHARS:
+            ids = await asyncio.to_thread(edge.encoder.encode, g)
+        else:
+            ids = edge.encoder.encode(g)
+        if self.closing:
+            return
+        room = edge.encoder.context_len - len(ids)
+        max_tokens = min(g.sampling.max_tokens, room)
+        sampling = g.sampling
+        if max_tokens != sampling.max_tokens:
+            from dataclasses import replace
+            sampling = replace(sampling, max_tokens=max_tokens)
+        limited = edge.limiter.admit(p.entry, len(ids) + max_tokens, time.monotonic())
+        if limited is not None:
+            raise ProtocolError(limited.message, limited.field, g.id, code=ErrorCode.RATE_LIMITED,
+                                retry_after=limited.retry_after)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        rid = edge.new_request_id()
+        labels = (cfg.model, f"p{p.tier}")
+        s = Stream(rid, g.id, self, p, labels, len(ids), max_tokens, now, now + cfg.request_timeout_s, g.token_ids)
+        edge.router.register(s)
+        self.streams[g.id] = s
+        edge.metrics.streams.inc()
+        edge.metrics.prompt_tokens.labels(*labels).inc(len(ids))
+        self.push(accepted_frame(g.id, rid, len(ids), max_tokens))
+        wall = time.time()
+        req = InferenceRequest(
+            request_id=rid, model=cfg.model, prompt_token_ids=tuple(ids), sampling=sampling,
+            reply_to=edge.reply_topic, tenant=p.tenant, tier=p.tier, enqueued_at=wall,
+            deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages)
+        try:
+            await edge.publish_request(req)
+        except Exception as exc:  # the bus is down: tell the client, keep the connection
+            log.warning("publishing %s failed: %s", rid, exc)
+            self.end(s, error_frame(ErrorCode.INTERNAL, f"could not queue the request: {exc}"[:300], id=g.id,
+                                    request_id=rid, retry_after=1.0), used=0)

@@ -1,0 +1,77 @@
+"""The ``lockgate`` command line: one entry point, subcommands registered by each package.
+
+Each package has a ``commands`` module with ``register(sub, bench)``: ``sub`` takes top-level
+subcommands, ``bench`` takes ``lockgate bench <name>``. Those modules import nothing heavy at
+module level (torch, transformers, aiokafka load inside the command), so ``lockgate --help`` is fast.
+Every flag has an environment variable twin ``LOCKGATE_<FLAG>`` (see README, Configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+COMMAND_MODULES = (
+    "engine_workers.commands",
+    "bus.commands",
+    "edge.commands",
+    "producers.commands",
+)
+
+
+def env_default(name: str, default: object) -> object:
+    """Default for flag ``--name``: env ``LOCKGATE_NAME`` if set, else ``default``."""
+    key = "LOCKGATE_" + name.upper().replace("-", "_")
+    raw = os.environ.get(key)
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return raw
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lockgate", description="lockgate LLM inference platform")
+    parser.add_argument("--log-level", default=env_default("log-level", "INFO"), help="logging level (env LOCKGATE_LOG_LEVEL)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench_parser = sub.add_parser("bench", help="benchmarks (print measured figures)")
+    bench = bench_parser.add_subparsers(dest="bench", metavar="BENCH")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub, bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        rc = func(args)
+    except KeyboardInterrupt:
+        return 130
+    except ValueError as exc:  # user input: say what was wrong, no traceback
+        print(f"lockgate: error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Engine configuration. Every field has a CLI flag and a ``LOCKGATE_*`` env var (README)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # None/"default" = SmolLM2-135M-Instruct (converted on first use)
+    device: str = "auto"  # auto = cuda if available, else cpu
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
+    kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CPU: of a quarter of free RAM, <= 2 GiB)
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # context limit; None = the model's, capped by KV capacity
+    long_prefill_token_threshold: int = 0  # max prompt tokens of one sequence per step (0 = budget)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    seed: int = 0  # engine RNG for unseeded sampling
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,92 @@
+"""The model runner: owns the weights and the KV tensors, executes one scheduled batch per step.
+
+It decides nothing: the scheduler picked the tokens, the KV manager picked the blocks. One forward
+runs the whole mixed prefill+decode batch (no per-sequence loop over the model).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine_workers.attention import build_metadata
+from engine_workers.loader import LoadedModel
+from engine_workers.llama import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype_size(dtype)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 GEMMs are ~300x slower than fp32 on CPUs without AMX; fp32 is the CPU default.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
+    return table[name]
+
+
+def kv_budget_blocks(
+    spec: ModelSpec, block_size: int, dtype: torch.dtype, device: torch.device,
+    kv_cache_bytes: int | None, memory_fraction: float,
+) -> int:
+    per_block = kv_block_bytes(spec, block_size, dtype)
+    if kv_cache_bytes is None:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            kv_cache_bytes = int(free * memory_fraction)
+        else:
+            import psutil
+
+            kv_cache_bytes = int(min(psutil.virtual_memory().available * memory_fraction * 0.25, 2 << 30))
+    blocks = kv_cache_bytes // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
+    return int(blocks)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = loaded.model
+        self.spec = loaded.spec
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        shape = (slots, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.spec.num_layers)
+        ]
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, block_size, slots,
+                 kv_block_bytes(self.spec, block_size, dtype) * num_blocks / 2**20)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[tuple[list[int], int, list[int], bool]]) -> torch.Tensor:
+        """``chunks``: per sequence ``(token_ids_to_compute, num_computed_before, block_ids, samples)``.
+
+        Returns float32 logits ``[S, vocab]`` for the chunks with ``samples=True``, in order.
+        """
+        ids: list[int] = []
+        meta_in = []
+        logit_rows = []
+        for tokens, start, blocks, samples in chunks:
+            ids.extend(tokens)
+            meta_in.append((start, len(tokens), blocks))
+            if samples:
+                logit_rows.append(len(ids) - 1)
+        meta, positions = build_metadata(meta_in, self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta, rows)

@@ -1,0 +1,11 @@
+"""Paged KV cache bookkeeping: block pool, prefix hashing, per-sequence block tables.
+
+Pure Python (no torch, no asyncio): the engine's scheduler calls it to decide; the runner owns
+the tensors (``engine_workers.kv_tensors``) and only reads block ids from here.
+"""
+
+from kv_store.block_pool import Block, BlockPool
+from kv_store.hashing import block_hashes, hash_block
+from kv_store.manager import KVCacheManager, PrefixStats
+
+__all__ = ["Block", "BlockPool", "KVCacheManager", "PrefixStats", "block_hashes", "hash_block"]

@@ -1,0 +1,286 @@
+"""One conformance suite, run against the memory bus and a real Kafka broker (``bus_url`` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import pytest
+
+from bus import Bus, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, decode, decode_or_deadletter, encode
+from bus.deadletter import parse_dead_letter
+from bus.memory import partition_for_key
+from bus.messages import (
+    Cancel,
+    ChatMessage,
+    Error,
+    Finished,
+    InferenceRequest,
+    SamplingParams,
+    Timings,
+    TokenChunk,
+    Usage,
+    WorkerStatus,
+)
+
+WAIT_S = 20.0  # generous upper bound for a record to show up on a loaded 2-core machine
+
+
+async def drain(consumer: Consumer, n: int, timeout_s: float = WAIT_S) -> list[Record]:
+    """Read until ``n`` records arrived (fails after ``timeout_s``)."""
+    out: list[Record] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        assert left > 0, f"got {len(out)} of {n} records within {timeout_s}s"
+        out.extend(await consumer.getmany(timeout_ms=int(min(left, 0.5) * 1000)))
+    return out
+
+
+async def quiet(consumer: Consumer, seconds: float = 1.0) -> list[Record]:
+    """Everything the consumer yields for ``seconds`` (used to assert that nothing arrives)."""
+    out: list[Record] = []
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        out.extend(await consumer.getmany(timeout_ms=int(left * 1000) + 1))
+    return out
+
+
+def ends(records: list[Record]) -> dict[int, int]:
+    """Per partition, the offset to commit after processing ``records``."""
+    out: dict[int, int] = {}
+    for r in records:
+        out[r.partition] = max(out.get(r.partition, 0), r.offset + 1)
+    return out
+
+
+def key_for_partition(partition: int, partitions: int, prefix: str = "k") -> bytes:
+    for i in range(10_000):
+        key = f"{prefix}{i}".encode()
+        if partition_for_key(key, partitions) == partition:
+            return key
+    raise AssertionError("no key found")
+
+
+def all_messages() -> list:
+    return [
+        InferenceRequest(
+            request_id="r1",
+            model="smol",
+            prompt_token_ids=(1, 2, 3),
+            sampling=SamplingParams(max_tokens=8, temperature=0.5, top_k=4, seed=7, stop=("\n",), logprobs=2),
+            reply_to="lockgate.reply.edge-1",
+            tenant="acme",
+            tier=0,
+            enqueued_at=1.5,
+            deadline=9.5,
+            prompt_text="hi",
+            messages=(ChatMessage("user", "hi"),),
+            cache_salt="s",
+            attempt=1,
+        ),
+        TokenChunk("r1", 1, 0, (5, 6), "ab", 0, logprobs=(((5, -0.1),), ((6, -0.2),)), worker_id="w"),
+        Finished("r1", 1, "stop", 2, Usage(3, 2, 1), Timings(0.1, 0.2, 0.01, 0.3), worker_id="w"),
+        Error("r2", "overloaded", "busy", attempt=0, retry_after=1.0),
+        Cancel("r1", "client"),
+        WorkerStatus("w", "smol", 12.0, (1, 2, 3), (0.1, 0.2, 0.3), 4, 8, 0.5, 100, 50, 99.0, False),
+    ]
+
+
+async def test_round_trip_every_message_type(bus: Bus, name: str) -> None:
+    msgs = all_messages()
+    for m in msgs:
+        meta = await bus.send(name, encode(m), key=b"r1", headers=[("h", b"v")])
+        assert meta.topic == name and meta.offset >= 0
+    async with bus.consumer([name], start_from="earliest") as c:
+        recs = await drain(c, len(msgs))
+    assert [decode(r.value) for r in recs] == msgs
+    assert all(r.key == b"r1" and ("h", b"v") in r.headers and r.timestamp_ms > 0 for r in recs)
+    assert [r.offset for r in recs] == list(range(len(msgs)))
+
+
+async def test_per_key_order_across_partitions(bus: Bus, name: str) -> None:
+    partitions, keys, per_key = 4, 40, 25
+    await bus.ensure_topics([TopicSpec(name, partitions)])
+
+    async def produce(k: int) -> None:
+        for seq in range(per_key):
+            meta = await bus.send(name, f"{k}:{seq}".encode(), key=f"req-{k}".encode())
+            # Same partitioner as the Java client: a key lands on the same partition on both buses.
+            assert meta.partition == partition_for_key(f"req-{k}".encode(), partitions)
+
+    await asyncio.gather(*(produce(k) for k in range(keys)))
+    async with bus.consumer([name], start_from="earliest") as c:
+        recs = await drain(c, keys * per_key)
+    seen: dict[str, list[int]] = defaultdict(list)
+    parts: dict[str, set[int]] = defaultdict(set)
+    for r in recs:
+        k, seq = r.value.decode().split(":")
+        seen[k].append(int(seq))
+        parts[k].add(r.partition)
+    assert len(seen) == keys
+    assert all(s == list(range(per_key)) for s in seen.values()), "a key's records arrived out of order"
+    assert all(len(p) == 1 for p in parts.values())
+    assert len({p for ps in parts.values() for p in ps}) > 1, "keys should spread over partitions"
+
+
+async def test_group_failover_redelivers_uncommitted(bus: Bus, name: str) -> None:
+    await bus.ensure_topics([TopicSpec(name, 2)])
+    group = name + ".g"
+    sent = {f"m{i}".encode() for i in range(10)}
+    for v in sorted(sent):
+        await bus.send(name, v, key=v)
+    a = bus.consumer([name], group_id=group, start_from="earliest")
+    await a.start()
+    assert a.assignment() == {TopicPartition(name, 0), TopicPartition(name, 1)}
+    got_a = await drain(a, 10)
+    assert {r.value for r in got_a} == sent
+    await a.stop()  # leaves without committing
+    async with bus.consumer([name], group_id=group, start_from="earliest") as b:
+        got_b = await drain(b, 10)
+        assert {r.value for r in got_b} == sent
+        await b.commit({TopicPartition(name, p): await_end for p, await_end in ends(got_b).items()})
+    async with bus.consumer([name], group_id=group, start_from="earliest") as c:
+        assert await quiet(c, 0.5) == [], "B committed everything: nothing is left for C"
+
+
+async def test_committed_records_are_not_redelivered(bus: Bus, name: str) -> None:
+    group = name + ".g"
+    for i in range(10):
+        await bus.send(name, f"m{i}".encode(), key=b"same")
+    async with bus.consumer([name], group_id=group, start_from="earliest") as a:
+        recs = await drain(a, 10)
+        tp = recs[0].tp
+        await a.commit({tp: recs[5].offset + 1})  # processed m0..m5
+    async with bus.consumer([name], group_id=group, start_from="earliest") as b:
+        again = await drain(b, 4)
+        assert [r.value for r in again] == [b"m6", b"m7", b"m8", b"m9"]
+        await b.commit({tp: again[-1].offset + 1})
+        assert await quiet(b, 0.5) == []
+    async with bus.consumer([name], group_id=group, start_from="earliest") as c:
+        assert await quiet(c, 1.0) == []
+
+
+async def test_rebalance_splits_partitions_and_calls_back(bus: Bus, name: str) -> None:
+    await bus.ensure_topics([TopicSpec(name, 4)])
+    group = name + ".g"
+    events: dict[str, list[tuple[str, set[TopicPartition]]]] = defaultdict(list)
+
+    def cb(who: str, what: str):
+        async def f(tps: set[TopicPartition]) -> None:
+            events[who].append((what, set(tps)))
+
+        return f
+
+    everything = {TopicPartition(name, p) for p in range(4)}
+    a = bus.consumer([name], group_id=group, on_assigned=cb("a", "assigned"), on_revoked=cb("a", "revoked"))
+    b = bus.consumer([name], group_id=group, on_assigned=cb("b", "assigned"), on_revoked=cb("b", "revoked"))
+    async with a:
+        assert a.assignment() == everything
+        assert events["a"][-1] == ("assigned", everything)
+        async with b:
+            deadline = time.monotonic() + WAIT_S
+            while not (a.assignment() and b.assignment() and a.assignment() | b.assignment() == everything
+                       and not a.assignment() & b.assignment()):
+                assert time.monotonic() < deadline, "group did not rebalance"
+                await a.getmany(timeout_ms=100)
+                await b.getmany(timeout_ms=100)
+            assert not a.assignment() & b.assignment()
+            assert ("revoked", everything) in events["a"]
+            assert events["b"][-1] == ("assigned", b.assignment())
+
+
+async def test_pause_resume(bus: Bus, name: str) -> None:
+    await bus.ensure_topics([TopicSpec(name, 2)])
+    k0, k1 = key_for_partition(0, 2), key_for_partition(1, 2)
+    tp0 = TopicPartition(name, 0)
+    async with bus.consumer([name], start_from="earliest") as c:
+        c.pause(tp0)
+        assert c.paused() == {tp0}
+        await bus.send(name, b"p0", key=k0)
+        await bus.send(name, b"p1", key=k1)
+        got = await drain(c, 1)
+        assert [(r.partition, r.value) for r in got] == [(1, b"p1")]
+        assert await quiet(c, 0.7) == [], "a paused partition must yield nothing"
+        c.resume(tp0)
+        assert c.paused() == set()
+        got = await drain(c, 1)
+        assert [(r.partition, r.value) for r in got] == [(0, b"p0")]
+
+
+async def test_getmany_wakes_promptly(bus: Bus, name: str) -> None:
+    await bus.ensure_topics([TopicSpec(name, 1)])
+    async with bus.consumer([name], start_from="latest") as c:
+        await c.getmany(timeout_ms=50)
+        task = asyncio.create_task(c.getmany(timeout_ms=15_000))
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await bus.send(name, b"x")
+        recs = await task
+        assert [r.value for r in recs] == [b"x"]
+        assert time.monotonic() - t0 < 2.0, "getmany must return when a record arrives, not at its timeout"
+
+
+async def test_ensure_topics_is_idempotent(bus: Bus, name: str) -> None:
+    specs = [TopicSpec(name + ".a", 3), TopicSpec(name + ".b", 1)]
+    assert sorted(await bus.ensure_topics(specs)) == [name + ".a", name + ".b"]
+    assert await bus.ensure_topics(specs) == []
+    assert await bus.ensure_topics(specs + [TopicSpec(name + ".c", 2)]) == [name + ".c"]
+    assert await bus.partitions_for(name + ".a") == [0, 1, 2]
+    assert await bus.partitions_for(name + ".c") == [0, 1]
+
+
+async def test_malformed_records_go_to_dead_letter_topic(bus: Bus, name: str) -> None:
+    layout = TopicLayout(namespace=name)
+    topic = layout.request_topic("m", 1)
+    good = Cancel("r9")
+    await bus.send(topic, b"\x00not json", key=b"bad1")
+    await bus.send(topic, b'{"v":99,"type":"cancel","request_id":"x"}', key=b"bad2")
+    await bus.send(topic, encode(good), key=b"r9")
+    decoded = []
+    async with bus.consumer([topic], start_from="earliest") as c:
+        for rec in await drain(c, 3):
+            msg = await decode_or_deadletter(bus, layout, rec)
+            if msg is not None:
+                decoded.append(msg)
+    assert decoded == [good], "consumption continues after dead letters"
+    async with bus.consumer([layout.dead_letter_topic], start_from="earliest") as d:
+        dead = [parse_dead_letter(r) for r in await drain(d, 2)]
+    assert [(x.source_topic, x.source_offset, x.value, x.key) for x in dead] == [
+        (topic, 0, b"\x00not json", b"bad1"),
+        (topic, 1, b'{"v":99,"type":"cancel","request_id":"x"}', b"bad2"),
+    ]
+    assert "not JSON" in dead[0].reason
+    assert "schema version 99" in dead[1].reason
+
+
+async def test_groupless_replay_from_earliest_timestamp_latest(bus: Bus, name: str) -> None:
+    for i in range(5):
+        await bus.send(name, f"old{i}".encode(), key=b"k")
+    await asyncio.sleep(0.05)
+    mark = int(time.time() * 1000)
+    await asyncio.sleep(0.05)
+    for i in range(5):
+        await bus.send(name, f"new{i}".encode(), key=b"k")
+    async with bus.consumer([name], start_from="earliest") as c:
+        assert [r.value.decode() for r in await drain(c, 10)] == [f"old{i}" for i in range(5)] + [
+            f"new{i}" for i in range(5)
+        ]
+    async with bus.consumer([name], start_from=mark) as c:
+        assert [r.value.decode() for r in await drain(c, 5)] == [f"new{i}" for i in range(5)]
+        assert await quiet(c, 0.3) == []
+    async with bus.consumer([name], start_from="latest") as c:
+        assert await quiet(c, 0.3) == []
+        await bus.send(name, b"later", key=b"k")
+        assert [r.value for r in await drain(c, 1)] == [b"later"]
+
+
+async def test_commit_without_group_is_an_error(bus: Bus, name: str) -> None:
+    from bus import BusError
+
+    await bus.send(name, b"x")
+    async with bus.consumer([name], start_from="earliest") as c:
+        rec = (await drain(c, 1))[0]
+        with pytest.raises(BusError, match="group"):
+            await c.commit({rec.tp: rec.offset + 1})

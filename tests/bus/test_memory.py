@@ -1,0 +1,141 @@
+"""What only the memory bus has: bounded retention, named brokers, URL options, its exact contracts."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from bus import BusError, MemoryBus, TopicPartition, TopicSpec, connect, forget_named
+from bus.memory import partition_for_key
+
+
+async def test_partition_count_bound_drops_oldest_and_readers_skip_ahead() -> None:
+    async with connect("memory://?max_records_per_partition=3") as bus:
+        for i in range(5):
+            meta = await bus.send("t", str(i).encode())
+            assert meta.offset == i
+        async with bus.consumer(["t"], start_from="earliest") as c:
+            recs = await c.getmany(timeout_ms=10)
+        assert [(r.offset, r.value) for r in recs] == [(2, b"2"), (3, b"3"), (4, b"4")]
+
+
+async def test_retention_by_age() -> None:
+    async with connect("memory://") as bus:
+        await bus.ensure_topics([TopicSpec("t", 1, retention_ms=30)])
+        await bus.send("t", b"old")
+        await asyncio.sleep(0.06)
+        await bus.send("t", b"new")
+        async with bus.consumer(["t"], start_from="earliest") as c:
+            assert [r.value for r in await c.getmany(timeout_ms=10)] == [b"new"]
+
+
+async def test_named_broker_is_shared_between_buses() -> None:
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    try:
+        async with connect(f"memory://{name}") as producer, connect(f"memory://{name}") as worker:
+            async with worker.consumer(["t"], group_id="g", start_from="earliest") as c:
+                await producer.send("t", b"hello")
+                assert [r.value for r in await c.getmany(timeout_ms=1000)] == [b"hello"]
+        async with connect("memory://") as private:
+            async with private.consumer(["t"], start_from="earliest") as c:
+                assert await c.getmany(timeout_ms=10) == []
+    finally:
+        forget_named(name)
+
+
+def test_connect_rejects_bad_urls_and_options() -> None:
+    with pytest.raises(ValueError, match="unsupported bus URL"):
+        connect("redis://x")
+    with pytest.raises(ValueError, match="unknown option 'nope'"):
+        connect("memory://?nope=1")
+    with pytest.raises(ValueError, match="not a valid int"):
+        connect("memory://?default_partitions=x")
+    with pytest.raises(ValueError, match="not host:port"):
+        connect("kafka://localhost")
+    with pytest.raises(ValueError, match="no bootstrap"):
+        connect("kafka://")
+    assert isinstance(connect("memory://", default_partitions=4), MemoryBus)
+
+
+async def test_send_validates_topic_and_types() -> None:
+    async with connect("memory://") as bus:
+        with pytest.raises(ValueError, match="invalid topic name"):
+            await bus.send("bad topic!", b"x")
+        with pytest.raises(TypeError, match="value must be bytes"):
+            await bus.send("t", "text")  # type: ignore[arg-type]
+    with pytest.raises(BusError, match="not started"):
+        await bus.send("t", b"x")
+
+
+async def test_default_partitions_and_keyed_placement() -> None:
+    async with connect("memory://?default_partitions=5") as bus:
+        meta = await bus.send("t", b"x", key=b"request-42")
+        assert await bus.partitions_for("t") == [0, 1, 2, 3, 4]
+        assert meta.partition == partition_for_key(b"request-42", 5)
+        with pytest.raises(BusError, match="unknown topic"):
+            await bus.partitions_for("missing")
+
+
+async def test_cancelled_getmany_loses_nothing() -> None:
+    async with connect("memory://") as bus, bus.consumer(["t"], group_id="g", start_from="earliest") as c:
+        task = asyncio.create_task(c.getmany(timeout_ms=5000))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await bus.send("t", b"x")
+        assert [r.value for r in await c.getmany(timeout_ms=100)] == [b"x"]
+
+
+async def test_stop_wakes_a_waiting_getmany_and_bus_stop_stops_consumers() -> None:
+    bus = connect("memory://")
+    await bus.start()
+    c = bus.consumer(["t"])
+    await c.start()
+    task = asyncio.create_task(c.getmany(timeout_ms=10_000))
+    await asyncio.sleep(0.01)
+    await bus.stop()
+    with pytest.raises(BusError, match="stopped"):
+        await asyncio.wait_for(task, 1.0)
+    await bus.stop()  # idempotent
+    await c.stop()
+    with pytest.raises(BusError, match="cannot be restarted"):
+        await c.start()
+
+
+async def test_commit_in_on_revoked_counts_and_stale_commit_fails() -> None:
+    async with connect("memory://") as bus:
+        await bus.ensure_topics([TopicSpec("t", 2)])
+        for i in range(4):
+            await bus.send("t", str(i).encode(), key=str(i).encode())
+        processed: dict[TopicPartition, int] = {}
+
+        async def on_revoked(tps: set[TopicPartition]) -> None:
+            await a.commit({tp: off for tp, off in processed.items() if tp in tps})
+
+        a = bus.consumer(["t"], group_id="g", start_from="earliest", on_revoked=on_revoked)
+        await a.start()
+        for r in await a.getmany(timeout_ms=100):
+            processed[r.tp] = r.offset + 1
+        async with bus.consumer(["t"], group_id="g", start_from="earliest") as b:
+            # a committed what it had processed when it lost its partition: b gets nothing again.
+            assert await b.getmany(timeout_ms=50) == []
+            lost = next(iter(b.assignment()))
+            with pytest.raises(BusError, match="not assigned to this member"):
+                await a.commit({lost: 0})
+        await a.stop()
+
+
+async def test_bad_consumer_arguments() -> None:
+    async with connect("memory://") as bus:
+        with pytest.raises(ValueError, match="non-empty list"):
+            bus.consumer("t")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="start_from"):
+            bus.consumer(["t"], start_from="middle")  # type: ignore[arg-type]
+        async with bus.consumer(["t"]) as c:
+            with pytest.raises(BusError, match="not assigned"):
+                c.pause(TopicPartition("other", 0))
+            with pytest.raises(ValueError, match="max_records"):
+                await c.getmany(max_records=0)

@@ -1,0 +1,29 @@
+"""Shared fixtures for every package's tests. Keep each fixture small and documented.
+
+``kafka_bootstrap`` (session): the address of a real Apache Kafka broker for tests marked
+``@pytest.mark.kafka``. It uses ``LOCKGATE_TEST_KAFKA`` (``host:port``, exported by ``make test``)
+when set, else starts the local broker itself (``lockgate kafka start``, jars cached under
+``~/.cache/lockgate/kafka``). When no broker can be had the test fails, never skips.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> str:
+    addr = os.environ.get("LOCKGATE_TEST_KAFKA", "").strip()
+    if addr:
+        return addr
+    from bus import kafka_local
+
+    port = int(os.environ.get("LOCKGATE_TEST_KAFKA_PORT", "9092"))
+    try:
+        info = kafka_local.start(nodes=1, port=port)
+    except Exception as exc:  # noqa: BLE001 - any failure to get a broker fails the Kafka tests
+        where = "in CI " if os.environ.get("CI") else ""
+        pytest.fail(f"Kafka tests need a broker {where}and none could be started: {exc}", pytrace=False)
+    return info.bootstrap
