@@ -12,7 +12,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
-    kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CPU: of a quarter of free RAM, <= 2 GiB)
+    kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CPU: of a quarter of free RAM, <= 1 GiB)
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # context limit; None = the model's, capped by KV capacity

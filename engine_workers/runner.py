@@ -49,7 +49,7 @@ def kv_budget_blocks(
         else:
             import psutil
 
-            kv_cache_bytes = int(min(psutil.virtual_memory().available * memory_fraction * 0.25, 2 << 30))
+            kv_cache_bytes = int(min(psutil.virtual_memory().available * memory_fraction * 0.25, 1 << 30))
     blocks = kv_cache_bytes // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")

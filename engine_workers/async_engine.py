@@ -1,0 +1,202 @@
+"""Run an :class:`Engine` on its own thread and talk to it from asyncio.
+
+The step loop runs on one dedicated thread (torch releases the GIL inside kernels), so the event
+loop — Kafka I/O, heartbeats, cancels, WebSockets — never waits on a forward pass.
+
+Contracts:
+* ``submit``/``abort`` may be called from the event loop at any time; they are queued and applied
+  by the engine thread between two steps (so an abort frees its blocks within one step).
+* Each step's outputs are handed to the event loop in one ``call_soon_threadsafe`` call, in step
+  order; per request, outputs arrive in token order.
+* ``stop()`` stops the thread after the step in progress; requests still inside are dropped
+  (callers that need them finished drain first). ``stop`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from bus.messages import SamplingParams
+from engine_workers.engine import Engine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine state as of the last step; read from any thread."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    last_batch_tokens: int = 0
+    last_batch_seqs: int = 0
+    tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
+    max_num_seqs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    kwargs: dict
+    future: concurrent.futures.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None, max_commands: int = 4096) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._commands: queue.Queue = queue.Queue(maxsize=max_commands)
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self.snapshot = EngineSnapshot(max_num_seqs=engine.config.max_num_seqs,
+                                       kv_blocks_total=engine.kv.num_blocks, kv_blocks_free=engine.kv.num_free_blocks)
+        self.error: BaseException | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="lockgate-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def __aenter__(self) -> "AsyncEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to ``None`` once it is in the engine, or raises the
+        engine's ``ValueError`` for bad input. Raises ``queue.Full`` if the command queue is full."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put_nowait(_Add(request_id, dict(prompt=prompt, params=params, **kwargs), fut))
+        self._wake.set()
+        return fut
+
+    async def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> None:
+        await asyncio.wrap_future(self.submit(request_id, prompt, params, **kwargs))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put_nowait(("abort", request_id))
+        self._wake.set()
+
+    async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs. Cancelling the iteration aborts the request."""
+        params = params or SamplingParams()
+        stream: asyncio.Queue = asyncio.Queue(maxsize=params.max_tokens + 2)  # bounded: <= 1 output per token + final
+        self._streams[request_id] = stream
+        try:
+            await self.add_request(request_id, prompt, params, **kwargs)
+            while True:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        except BaseException:
+            self.abort(request_id)
+            raise
+        finally:
+            self._streams.pop(request_id, None)
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                if not cmd.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    self.engine.add_request(cmd.request_id, **cmd.kwargs)
+                except Exception as exc:  # bad input: tell the caller, keep serving
+                    cmd.future.set_exception(exc)
+                else:
+                    cmd.future.set_result(None)
+            else:
+                self.engine.abort(cmd[1])
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._update_snapshot(outputs)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # a crash of the step loop: fail everything loudly
+            log.exception("engine step loop crashed")
+            self.error = exc
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _update_snapshot(self, outputs: list[RequestOutput]) -> None:
+        e = self.engine
+        now = time.monotonic()
+        self._rate.append((now, e.stats.generated_tokens))
+        t0, n0 = self._rate[0]
+        rate = (e.stats.generated_tokens - n0) / (now - t0) if now > t0 else 0.0
+        self.snapshot = EngineSnapshot(
+            running=e.num_running(), waiting=e.num_waiting(), kv_blocks_total=e.kv.num_blocks,
+            kv_blocks_free=e.kv.num_free_blocks, kv_usage=e.kv.usage(), prefix_queries=e.kv.stats.queries,
+            prefix_hits=e.kv.stats.hits, preemptions=e.stats.preemptions, steps=e.stats.steps,
+            prompt_tokens=e.stats.prompt_tokens, generated_tokens=e.stats.generated_tokens,
+            last_batch_tokens=e.stats.last_batch_tokens, last_batch_seqs=e.stats.last_batch_seqs,
+            tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs,
+        )
+
+    # -- event-loop side --------------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+        if self._on_outputs is not None:
+            self._on_outputs(outputs)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(RuntimeError(f"engine crashed: {exc!r}"))
