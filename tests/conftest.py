@@ -27,3 +27,20 @@ def kafka_bootstrap() -> str:
         where = "in CI " if os.environ.get("CI") else ""
         pytest.fail(f"Kafka tests need a broker {where}and none could be started: {exc}", pytrace=False)
     return info.bootstrap
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama checkpoint (2 layers, 512-token BPE vocab, chat template), written once
+    per session with ``save_pretrained`` and loaded through the real loading code."""
+    from engine_workers.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The default SmolLM2-135M-Instruct checkpoint (converted from GGUF once, cached)."""
+    from engine_workers.model_store import ensure_default_model
+
+    return str(ensure_default_model())

@@ -1,0 +1,130 @@
+"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure``, ``lockgate bench bus``.
+
+Imports nothing heavy at module level (aiokafka loads inside the commands). Every flag has its
+``LOCKGATE_<FLAG>`` environment twin through :func:`engine_workers.cli.env_default`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine_workers.cli import env_default
+
+
+def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    kafka = sub.add_parser("kafka", help="run a local Apache Kafka (KRaft) on 127.0.0.1 for dev/tests")
+    kafka.add_argument("action", choices=("start", "stop", "status"))
+    kafka.add_argument("--nodes", type=int, choices=(1, 3), default=env_default("kafka-nodes", 1),
+                       help="1, or 3 for a loopback cluster for fault tests (env LOCKGATE_KAFKA_NODES)")
+    kafka.add_argument("--port", type=int, default=env_default("kafka-port", 9092),
+                       help="client port of node 0; node i uses port+i, its controller port+100+i (env LOCKGATE_KAFKA_PORT)")
+    kafka.add_argument("--dir", default=env_default("kafka-dir", "~/.cache/lockgate/kafka"),
+                       help="jar cache and cluster data (env LOCKGATE_KAFKA_DIR)")
+    kafka.add_argument("--timeout", type=float, default=env_default("kafka-timeout", 120.0),
+                       help="seconds to wait for the broker to answer (env LOCKGATE_KAFKA_TIMEOUT)")
+    kafka.add_argument("--fresh", action="store_true", default=env_default("kafka-fresh", False),
+                       help="start: wipe the cluster's data first (env LOCKGATE_KAFKA_FRESH)")
+    kafka.set_defaults(func=_kafka)
+
+    topics = sub.add_parser("topics", help="manage bus topics")
+    tsub = topics.add_subparsers(dest="topics_action", metavar="ACTION", required=True)
+    ensure = tsub.add_parser("ensure", help="create the topics a model needs (idempotent)")
+    ensure.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"), help="bus URL (env LOCKGATE_BUS)")
+    ensure.add_argument("--model", action="append", default=None, required=env_default("model", None) is None,
+                        help="model name; repeat for several (env LOCKGATE_MODEL)")
+    ensure.add_argument("--partitions", type=int, default=env_default("partitions", 6),
+                        help="partitions per priority topic (env LOCKGATE_PARTITIONS)")
+    ensure.add_argument("--replication", type=int, default=env_default("replication", 1),
+                        help="replication factor (env LOCKGATE_REPLICATION)")
+    ensure.add_argument("--namespace", default=env_default("namespace", "lockgate"),
+                        help="topic name prefix (env LOCKGATE_NAMESPACE)")
+    ensure.add_argument("--reply", action="append", default=[], metavar="OWNER",
+                        help="also create the reply topic of OWNER (edge instance, batch job); repeatable")
+    ensure.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
+                        help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
+    ensure.set_defaults(func=_topics_ensure)
+
+    b = bench.add_parser("bus", help="produce->consume latency p50/p99 and records/s: memory bus vs --bus")
+    b.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),
+                   help="bus compared with memory:// (env LOCKGATE_BUS); memory:// alone measures just that")
+    b.add_argument("--rate", type=int, default=env_default("rate", 1000), help="records/s offered (env LOCKGATE_RATE)")
+    b.add_argument("--seconds", type=float, default=env_default("seconds", 5.0), help="measured seconds (env LOCKGATE_SECONDS)")
+    b.add_argument("--partitions", type=int, default=env_default("partitions", 6), help="partitions of the bench topic")
+    b.add_argument("--payload", type=int, default=env_default("payload", 200), help="bytes per record")
+    b.add_argument("--json", action="store_true", default=env_default("json", False), help="print JSON instead of a table")
+    b.set_defaults(func=_bench_bus)
+
+
+def _kafka(args: argparse.Namespace) -> int:
+    from bus import kafka_local
+
+    base = Path(args.dir).expanduser()
+    try:
+        if args.action == "start":
+            info = kafka_local.start(args.nodes, args.port, base, timeout_s=args.timeout, fresh=args.fresh)
+            print(f"kafka running: bootstrap {info.bootstrap} pids {list(info.pids)} dir {info.directory}")
+        elif args.action == "stop":
+            pids = kafka_local.stop(args.nodes, args.port, base)
+            print(f"kafka stopped: pids {pids}" if pids else "kafka: nothing of ours was running")
+        else:
+            info = kafka_local.status(args.nodes, args.port, base)
+            state = "running" if info.running else ("partly running" if any(info.pids) else "stopped")
+            print(f"kafka {state}: bootstrap {info.bootstrap} pids {list(info.pids)} dir {info.directory}")
+            return 0 if info.running else 3
+    except kafka_local.KafkaLocalError as exc:
+        print(f"lockgate kafka {args.action}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _topics_ensure(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from bus import BusError, TopicLayout, connect
+
+    models = args.model or [str(env_default("model", ""))]
+    if args.partitions < 1 or args.replication < 1:
+        raise ValueError("--partitions and --replication must be >= 1")
+    layout = TopicLayout(namespace=args.namespace, partitions=args.partitions, replication=args.replication)
+    specs = {s.name: s for m in models for s in layout.model_specs(m)}
+    specs.update({s.name: s for s in (layout.reply_spec(o) for o in args.reply)})
+    kwargs = {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}
+
+    async def run() -> list[str]:
+        async with connect(args.bus, **kwargs) as bus:
+            return await bus.ensure_topics(specs.values())
+
+    try:
+        created = asyncio.run(run())
+    except BusError as exc:
+        print(f"lockgate topics ensure: {exc}", file=sys.stderr)
+        return 1
+    for name in sorted(specs):
+        print(f"{'created' if name in created else 'exists '} {name}")
+    return 0
+
+
+def _bench_bus(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from bus import BusError
+    from bus.bench import bench_one, format_table
+
+    urls = ["memory://"] + ([args.bus] if not args.bus.startswith("memory:") else [])
+    results = []
+    try:
+        for url in urls:
+            results.append(asyncio.run(bench_one(url, args.rate, args.seconds, args.partitions, args.payload)))
+    except BusError as exc:
+        print(f"lockgate bench bus: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        print(f"lockgate bench bus --rate {args.rate} --seconds {args.seconds:g} --partitions {args.partitions} "
+              f"--payload {args.payload}")
+        print(format_table(results))
+    return 0

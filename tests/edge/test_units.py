@@ -1,0 +1,239 @@
+"""Pure unit tests: key file, auth, rate limits, load shedding, protocol parsing, dedupe, coalescing."""
+
+from __future__ import annotations
+
+import pytest
+
+from bus.messages import TokenChunk, WorkerStatus
+from edge.auth import AuthError, Authenticator, extract_key, select_subprotocol
+from edge.config import ConfigError, EdgeConfig, KeyEntry, add_key, hash_key, load_keys, parse_keys
+from edge.protocol import CancelFrame, Generate, ProtocolError, parse_client_frame
+from edge.ratelimit import KeyLimiter, TokenBucket
+from edge.router import Stream, dedupe
+from edge.session import _Delta, coalesce
+from edge.shedding import LoadShedder
+
+
+# --- config / keys --------------------------------------------------------------------------------
+
+def test_add_key_appends_hashed_entry(tmp_path):
+    path = tmp_path / "keys.jsonl"
+    key, entry = add_key(path, "acme", 0, requests_per_min=5)
+    key2, _ = add_key(path, "beta")
+    text = path.read_text()
+    assert key not in text and key2 not in text
+    keys = load_keys(path)
+    assert keys[hash_key(key)].tenant == "acme" and keys[hash_key(key)].tier == 0
+    assert keys[hash_key(key)].requests_per_min == 5
+    assert keys[hash_key(key2)].tier == 1
+
+
+@pytest.mark.parametrize("line, word", [
+    ("{nope", "not JSON"),
+    ('{"tenant": "a"}', "sha256"),
+    ('{"sha256": "xyz", "tenant": "a"}', "sha256"),
+    ('{"sha256": "%s", "tenant": "a", "tier": 7}' % ("a" * 64), "tier"),
+    ('{"sha256": "%s", "tenant": "a", "requests_per_min": -1}' % ("a" * 64), "requests_per_min"),
+    ('{"sha256": "%s", "tenant": "a", "colour": 1}' % ("a" * 64), "colour"),
+])
+def test_bad_key_file_names_line_and_field(line, word):
+    with pytest.raises(ConfigError, match=word) as ei:
+        parse_keys("# comment\n\n" + line, "k.jsonl")
+    assert "k.jsonl:3" in str(ei.value)
+
+
+def test_missing_key_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read key file"):
+        load_keys(tmp_path / "nope")
+
+
+def test_edge_config_validates():
+    with pytest.raises(ConfigError, match="slo_wait_s"):
+        EdgeConfig(model="m", slo_wait_s=(1.0, 2.0))
+    with pytest.raises(ConfigError, match="port"):
+        EdgeConfig(model="m", port=70000)
+    assert EdgeConfig(model="m").dev_mode
+
+
+# --- auth -----------------------------------------------------------------------------------------
+
+def test_extract_key_sources():
+    assert extract_key("/ws", {"Authorization": "Bearer abc"}) == "abc"
+    assert extract_key("/ws", {"Sec-WebSocket-Protocol": "lockgate.v1, bearer.k1"}) == "k1"
+    assert extract_key("/ws?api_key=q1&x=2", {}) == "q1"
+    assert extract_key("/ws", {"Authorization": "Basic zzz"}) is None
+    assert extract_key("/ws", {}) is None
+    assert select_subprotocol(["bearer.k1", "lockgate.v1"]) == "lockgate.v1"
+    assert select_subprotocol(["bearer.k1"]) is None
+
+
+def test_authenticator():
+    e = KeyEntry(hash_key("good"), "acme", 0)
+    auth = Authenticator({e.key_hash: e})
+    assert auth.authenticate("good").tenant == "acme"
+    assert auth.authenticate("good").tier == 0
+    with pytest.raises(AuthError, match="missing"):
+        auth.authenticate(None)
+    with pytest.raises(AuthError, match="invalid"):
+        auth.authenticate("bad")
+    dev = Authenticator(None, dev_tier=2)
+    assert dev.authenticate(None).tenant == "dev" and dev.authenticate("x").tier == 2
+
+
+# --- rate limits ----------------------------------------------------------------------------------
+
+def test_token_bucket_refills():
+    b = TokenBucket(60, now=0.0)  # 1/s, capacity 60
+    b.take(60, 0.0)
+    assert b.wait_for(1, 0.0) == pytest.approx(1.0)
+    assert b.wait_for(1, 1.0) == 0.0
+    assert b.wait_for(30, 10.0) == pytest.approx(20.0)
+    assert TokenBucket(0, 0.0).wait_for(10**9, 0.0) == 0.0  # 0 = unlimited
+
+
+def test_requests_per_min():
+    lim = KeyLimiter(KeyEntry("a" * 64, "t", 1, requests_per_min=2, tokens_per_min=0, max_streams=0), 0.0)
+    assert lim.admit(10, 0.0) is None and lim.admit(10, 0.0) is None
+    r = lim.admit(10, 0.0)
+    assert r is not None and r.field == "requests_per_min" and r.retry_after == pytest.approx(30.0)
+    assert lim.admit(10, 30.0) is None
+
+
+def test_tokens_per_min_and_refund():
+    lim = KeyLimiter(KeyEntry("a" * 64, "t", 1, requests_per_min=0, tokens_per_min=600, max_streams=0), 0.0)
+    assert lim.admit(500, 0.0) is None
+    r = lim.admit(200, 0.0)
+    assert r.field == "tokens_per_min" and r.retry_after == pytest.approx(10.0)
+    lim.release(400, 0.0)  # used only 100 of 500
+    assert lim.admit(200, 0.0) is None
+    big = lim.admit(601, 0.0)
+    assert big.field == "tokens_per_min" and big.retry_after is None
+
+
+def test_concurrent_streams():
+    lim = KeyLimiter(KeyEntry("a" * 64, "t", 1, requests_per_min=0, tokens_per_min=0, max_streams=1), 0.0)
+    assert lim.admit(1, 0.0) is None
+    assert lim.admit(1, 0.0).field == "max_streams"
+    lim.release(0, 0.0)
+    assert lim.admit(1, 0.0) is None
+
+
+# --- load shedding --------------------------------------------------------------------------------
+
+def _st(wid="w", wait=(0.0, 0.0, 0.0), depth=(0, 0, 0), draining=False, model="m"):
+    return WorkerStatus(wid, model, 0.0, depth, wait, draining=draining)
+
+
+def test_no_worker_is_overloaded_and_not_ready():
+    s = LoadShedder("m", (1.0, 5.0, 60.0), stale_after_s=3.0)
+    assert s.check(1, 0.0).retry_after == 3.0
+    ok, why = s.readiness(0.0)
+    assert not ok and "no worker heartbeat" in why
+    s.observe(_st(), 10.0)
+    assert s.check(1, 11.0) is None and s.readiness(11.0)[0]
+    shed = s.check(1, 14.0)  # stale now: the worker is presumed dead
+    assert shed is not None and "last heartbeat 4.0s ago" in shed.reason
+    s.observe(_st(model="other"), 14.0)
+    assert s.check(1, 14.0) is not None
+
+
+def test_wait_over_slo_per_tier():
+    s = LoadShedder("m", (1.0, 5.0, 60.0))
+    s.observe(_st("a", wait=(2.0, 9.0, 9.0)), 0.0)
+    s.observe(_st("b", wait=(3.0, 12.0, 9.0)), 0.0)
+    assert s.check(0, 0.0).retry_after == pytest.approx(1.0)  # min wait 2 vs 1
+    assert s.check(1, 0.0).retry_after == pytest.approx(4.0)  # min wait 9 vs 5
+    assert s.check(2, 0.0) is None
+    s.observe(_st("c", draining=True), 0.0)  # draining workers take no new work
+    assert s.check(1, 0.0) is not None
+
+
+def test_queue_depth_limit_and_retry_clamp():
+    s = LoadShedder("m", (1.0, 5.0, 60.0), max_queue_depth=(0, 10, 0))
+    s.observe(_st(depth=(0, 10, 0)), 0.0)
+    assert "queue depth" in s.check(1, 0.0).reason
+    s.observe(_st(wait=(1000.0, 0, 0)), 0.0)
+    assert s.check(0, 0.0).retry_after == 30.0
+
+
+# --- protocol -------------------------------------------------------------------------------------
+
+def test_parse_generate_and_cancel():
+    g = parse_client_frame('{"type":"generate","id":"a","prompt":"hi","max_tokens":5,"temperature":0,"stop":["x"]}')
+    assert isinstance(g, Generate) and g.sampling.max_tokens == 5 and g.sampling.greedy and g.prompt == "hi"
+    g = parse_client_frame(b'{"type":"generate","id":"b","messages":[{"role":"user","content":"hi"}]}', 77)
+    assert g.messages[0].content == "hi" and g.sampling.max_tokens == 77
+    assert parse_client_frame('{"type":"cancel","id":"a"}') == CancelFrame("a", None)
+
+
+@pytest.mark.parametrize("frame, field", [
+    ('{"type":"generate","id":"a","prompt":"hi","temperature":-1}', "temperature"),
+    ('{"type":"generate","id":"a","prompt":"hi","top_p":2}', "top_p"),
+    ('{"type":"generate","id":"a","prompt":"hi","max_tokens":0}', "max_tokens"),
+    ('{"type":"generate","id":"a","prompt":"hi","max_tokens":"5"}', "max_tokens"),
+    ('{"type":"generate","id":"a","prompt":"hi","logprobs":99}', "logprobs"),
+    ('{"type":"generate","id":"a","prompt":"hi","stop":"x"}', "stop"),
+    ('{"type":"generate","id":"a","prompt":"hi","seed":-4}', "seed"),
+    ('{"type":"generate","id":"a","prompt":"hi","bogus":1}', "bogus"),
+    ('{"type":"generate","id":"a"}', "messages"),
+    ('{"type":"generate","id":"a","prompt":"x","messages":[]}', "messages"),
+    ('{"type":"generate","id":"a","messages":[{"role":"x","content":"y"}]}', "messages[0].role"),
+    ('{"type":"generate","id":"a","messages":[{"role":"user","content":5}]}', "messages[0].content"),
+    ('{"type":"generate","prompt":"hi"}', "id"),
+    ('{"type":"generate","id":5,"prompt":"hi"}', "id"),
+    ('{"type":"launch"}', "type"),
+    ('{"id":"a"}', "type"),
+    ('{"type":"cancel"}', "id"),
+])
+def test_bad_frames_name_the_field(frame, field):
+    with pytest.raises(ProtocolError) as ei:
+        parse_client_frame(frame)
+    assert ei.value.field == field, ei.value.message
+    assert ei.value.code == "invalid_request"
+
+
+@pytest.mark.parametrize("frame", [b"\xff\xfe", "[1,2]", "null", "", "{", "1e999"])
+def test_not_an_object(frame):
+    with pytest.raises(ProtocolError) as ei:
+        parse_client_frame(frame)
+    assert ei.value.field is None
+
+
+def test_prompt_length_vs_context(encoder):
+    from edge.protocol import PromptEncoder
+
+    small = PromptEncoder(encoder.tokenizer, 8)
+    g = parse_client_frame('{"type":"generate","id":"a","prompt":"%s"}' % ("hello world " * 20))
+    with pytest.raises(ProtocolError, match="context is 8") as ei:
+        small.encode(g)
+    assert ei.value.field == "prompt"
+    g = parse_client_frame('{"type":"generate","id":"a","messages":[{"role":"user","content":"hi"}]}')
+    ids = encoder.encode(g)
+    assert encoder.tokenizer.decode(ids).startswith("<|im_start|>user\nhi<|im_end|>")
+
+
+# --- dedupe / coalescing --------------------------------------------------------------------------
+
+def _chunk(seq, text, off, n=1):
+    return TokenChunk("r", 0, seq, tuple(range(seq, seq + n)), text, off)
+
+
+def test_dedupe_drops_replays_and_trims_overlap():
+    s = Stream("r", "c", None, None, ("m", "p1"), 1, 10, 0.0, 1e9, False)
+    assert dedupe(s, _chunk(0, "ab", 0)) == (0, "ab", (0,), None)
+    assert dedupe(s, _chunk(1, "c", 2)) == (1, "c", (1,), None)
+    assert dedupe(s, _chunk(0, "ab", 0)) is None  # replay after a restart
+    assert dedupe(s, _chunk(1, "c", 2)) is None
+    assert dedupe(s, _chunk(1, "cde", 2, n=3)) == (2, "de", (2, 3), None)  # overlap: trimmed
+    assert (s.next_seq, s.chars) == (4, 5)
+
+
+def test_coalesce_merges_consecutive_deltas_of_one_request():
+    frames = coalesce([_Delta("a", 0, "x", [1], None), _Delta("a", 1, "y", [2], None), b"F",
+                       _Delta("a", 2, "z", None, None), _Delta("b", 0, "q", None, None)])
+    import orjson
+
+    out = [orjson.loads(f) if f != b"F" else "F" for f in frames]
+    assert out[0] == {"type": "delta", "id": "a", "seq": 0, "text": "xy", "token_ids": [1, 2]}
+    assert out[1] == "F"
+    assert [o["text"] for o in out[2:]] == ["z", "q"]
