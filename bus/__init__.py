@@ -63,6 +63,7 @@ _KAFKA_OPTIONS = {
     "request_timeout_ms": int,
     "linger_ms": int,
     "session_timeout_ms": int,
+    "fetch_max_wait_ms": int,
     "heartbeat_interval_ms": int,
     "assignment_timeout_s": float,
     "default_partitions": int,

@@ -113,11 +113,18 @@ def _bench_bus(args: argparse.Namespace) -> int:
     from bus import BusError
     from bus.bench import bench_one, format_table
 
+    try:
+        import uvloop  # what the services run on; the default loop costs ~20% more CPU per record
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
     urls = ["memory://"] + ([args.bus] if not args.bus.startswith("memory:") else [])
     results = []
     try:
         for url in urls:
-            results.append(asyncio.run(bench_one(url, args.rate, args.seconds, args.partitions, args.payload)))
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                results.append(runner.run(bench_one(url, args.rate, args.seconds, args.partitions, args.payload)))
     except BusError as exc:
         print(f"lockgate bench bus: {exc}", file=sys.stderr)
         return 1

@@ -57,43 +57,13 @@ from bus.base import (
     TopicPartition,
     TopicSpec,
 )
+from bus.partitioner import murmur2, partition_for_key  # noqa: F401 - re-exported
 from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RECORDS_PER_PARTITION = 100_000
 GETMANY_BATCH_LIMIT = 1000  # records per getmany when the caller gives no max_records
-
-
-def murmur2(data: bytes) -> int:
-    """Kafka's murmur2 (``org.apache.kafka.common.utils.Utils.murmur2``), as a signed-free uint32."""
-    length = len(data)
-    m, r = 0x5BD1E995, 24
-    h = (0x9747B28C ^ length) & 0xFFFFFFFF
-    for i in range(0, length - length % 4, 4):
-        k = int.from_bytes(data[i : i + 4], "little")
-        k = (k * m) & 0xFFFFFFFF
-        k ^= k >> r
-        k = (k * m) & 0xFFFFFFFF
-        h = ((h * m) & 0xFFFFFFFF) ^ k
-    tail = length % 4
-    base = length - tail
-    if tail >= 3:
-        h ^= data[base + 2] << 16
-    if tail >= 2:
-        h ^= data[base + 1] << 8
-    if tail >= 1:
-        h ^= data[base]
-        h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * m) & 0xFFFFFFFF
-    h ^= h >> 15
-    return h
-
-
-def partition_for_key(key: bytes, partitions: int) -> int:
-    """The partition the Java client (and aiokafka's DefaultPartitioner) picks for ``key``."""
-    return (murmur2(key) & 0x7FFFFFFF) % partitions
 
 
 def _now_ms() -> int:
@@ -319,6 +289,7 @@ class MemoryConsumer(Consumer):
     async def stop(self) -> None:
         if self._state != "started":
             self._state = "stopped"
+            self._bus._forget(self)
             return
         self._state = "stopped"
         broker = self._broker

@@ -122,6 +122,10 @@ def register(sub, bench) -> None:
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=_bench_engine)
 
+    from engine_workers import serve
+
+    serve.register(sub)
+
     import importlib
 
     try:

@@ -67,6 +67,12 @@ class OffsetTracker(Generic[K]):
         part.inflight.discard(offset)
         return True
 
+    def seen(self, tp: K, offset: int) -> bool:
+        """True when ``offset`` was tracked before (in flight or finished) and the partition was not
+        forgotten since: a re-delivery after a rebalance that kept the partition here."""
+        part = self._parts.get(tp)
+        return part is not None and offset < part.next_offset and (offset >= part.committed or offset in part.inflight)
+
     def in_flight(self, tp: K | None = None) -> int:
         if tp is not None:
             part = self._parts.get(tp)

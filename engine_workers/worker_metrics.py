@@ -22,7 +22,8 @@ dashboards port by a prefix swap:
 ========================================  ==========  ==========================================
 
 Plus lockgate-only counters: ``lockgate:request_errors_total`` (model, code) and
-``lockgate:dead_letters_total``. Every metric carries ``worker_id`` as a constant label. Not
+``lockgate:dead_letters_total``. The worker is identified by its scrape target (one registry and
+one ``/metrics`` port per worker), not by a label. Not
 thread-safe by contract: updated from the worker's event loop only (prometheus-client itself is).
 """
 
@@ -46,37 +47,34 @@ class WorkerMetrics:
     def __init__(self, model: str, worker_id: str) -> None:
         self.model = model
         self.registry = r = CollectorRegistry()
-        c = {"worker_id": worker_id}
         mt = ["model", "tier"]
         m = ["model"]
         self.ttft = Histogram("lockgate:time_to_first_token_seconds", "Time to first token (enqueue to first token).",
-                              mt, buckets=LATENCY_BUCKETS, registry=r, const_labels=c)
+                              mt, buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("lockgate:time_per_output_token_seconds", "Mean time per output token after the first "
-                              "(inter-token latency).", mt, buckets=TPOT_BUCKETS, registry=r, const_labels=c)
+                              "(inter-token latency).", mt, buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("lockgate:e2e_request_latency_seconds", "End-to-end request latency (enqueue to finish).",
-                             mt, buckets=LATENCY_BUCKETS, registry=r, const_labels=c)
+                             mt, buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("lockgate:request_queue_time_seconds", "Queue time (enqueue to first scheduled).",
-                               mt, buckets=LATENCY_BUCKETS, registry=r, const_labels=c)
-        self.running = Gauge("lockgate:num_requests_running", "Requests running in the engine.", m, registry=r, const_labels=c)
+                               mt, buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("lockgate:num_requests_running", "Requests running in the engine.", m, registry=r)
         self.waiting = Gauge("lockgate:num_requests_waiting", "Requests waiting (intake + engine queue).", mt,
-                             registry=r, const_labels=c)
-        self.kv_usage = Gauge("lockgate:kv_cache_usage_perc", "KV-cache usage (0..1).", m, registry=r, const_labels=c)
-        self.prompt_tokens = Counter("lockgate:prompt_tokens", "Prompt tokens processed.", m, registry=r, const_labels=c)
-        self.generation_tokens = Counter("lockgate:generation_tokens", "Tokens generated.", m, registry=r, const_labels=c)
-        self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prefix-cache block lookups.", m, registry=r,
-                                      const_labels=c)
-        self.prefix_hits = Counter("lockgate:prefix_cache_hits", "Prefix-cache block hits.", m, registry=r, const_labels=c)
-        self.preemptions = Counter("lockgate:num_preemptions", "Preemptions (recompute).", m, registry=r, const_labels=c)
+                             registry=r)
+        self.kv_usage = Gauge("lockgate:kv_cache_usage_perc", "KV-cache usage (0..1).", m, registry=r)
+        self.prompt_tokens = Counter("lockgate:prompt_tokens", "Prompt tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("lockgate:generation_tokens", "Tokens generated.", m, registry=r)
+        self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prefix-cache block lookups.", m, registry=r)
+        self.prefix_hits = Counter("lockgate:prefix_cache_hits", "Prefix-cache block hits.", m, registry=r)
+        self.preemptions = Counter("lockgate:num_preemptions", "Preemptions (recompute).", m, registry=r)
         self.success = Counter("lockgate:request_success", "Finished requests.", ["model", "finished_reason"],
-                               registry=r, const_labels=c)
+                               registry=r)
         self.errors = Counter("lockgate:request_errors", "Requests answered with an Error.", ["model", "code"],
-                              registry=r, const_labels=c)
-        self.dead_letters = Counter("lockgate:dead_letters", "Undecodable records sent to the DLQ.", registry=r,
-                                    const_labels=c)
+                              registry=r)
+        self.dead_letters = Counter("lockgate:dead_letters", "Undecodable records sent to the DLQ.", registry=r)
         self.iteration_tokens = Histogram("lockgate:iteration_tokens_total", "Tokens per engine step.", m,
-                                          buckets=BATCH_TOKEN_BUCKETS, registry=r, const_labels=c)
+                                          buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.iteration_seqs = Histogram("lockgate:iteration_seqs", "Sequences per engine step.", m,
-                                        buckets=BATCH_SEQ_BUCKETS, registry=r, const_labels=c)
+                                        buckets=BATCH_SEQ_BUCKETS, registry=r)
         self._last = EngineSnapshot()
 
     def observe_finished(self, tier: int, reason: str, queue: float, ttft: float | None, tpot: float | None,

@@ -51,19 +51,16 @@ class Reply:
 
 
 class _Pending:
-    __slots__ = ("future", "tokens", "text", "times", "dups", "gaps")
+    __slots__ = ("future", "tokens", "text", "text_len", "times", "dups", "gaps")
 
     def __init__(self, future: asyncio.Future) -> None:
         self.future = future
         self.tokens: list[int] = []
         self.text: list[str] = []
+        self.text_len = 0
         self.times: list[float] = []
         self.dups = 0
         self.gaps = 0
-
-    @property
-    def text_len(self) -> int:
-        return sum(len(t) for t in self.text)
 
 
 def merge_chunk(p: _Pending, chunk: TokenChunk, now: float) -> bool:
@@ -84,6 +81,7 @@ def merge_chunk(p: _Pending, chunk: TokenChunk, now: float) -> bool:
         cut = max(0, p.text_len - chunk.text_offset)  # text_offset = chars before this chunk's text
         text = text[cut:]
     p.text.append(text)
+    p.text_len += len(text)
     p.times.append(now)
     return True
 

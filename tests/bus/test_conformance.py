@@ -10,7 +10,7 @@ import pytest
 
 from bus import Bus, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, decode, decode_or_deadletter, encode
 from bus.deadletter import parse_dead_letter
-from bus.memory import partition_for_key
+from bus.partitioner import partition_for_key
 from bus.messages import (
     Cancel,
     ChatMessage,

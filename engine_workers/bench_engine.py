@@ -1,0 +1,187 @@
+"""``lockgate bench engine``: one seeded heterogeneous workload through three engines, one run.
+
+(a) HF ``generate()`` in padded static batches of 8 (left padding; a batch runs until its longest
+    request is done), (b) transformers' own continuous batching (its ``ContinuousBatchingManager``,
+    per-request ``max_new_tokens``), (c) lockgate. All fp32 on this machine's CPU (or the configured
+    device), EOS ignored so every engine produces exactly the requested tokens.
+
+Printed: output tokens/s of each and the ratios; lockgate's share of the machine's roofline (fp32
+GEMM FLOP/s measured in the same run vs the model FLOPs lockgate actually executed per second);
+and, at one KV budget, how many of the workload's sequences fit at once with paged blocks vs with
+contiguous reservation at max length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bus.messages import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompts: list[list[int]]
+    outputs: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.outputs)
+
+
+def make_workload(vocab: int, n: int, seed: int, prompt_range=(8, 256), output_range=(8, 96), low: int = 3) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(low, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
+    outputs = [rng.randint(*output_range) for _ in range(n)]
+    return Workload(prompts, outputs)
+
+
+def measure_gemm_flops(dtype=torch.float32, n: int = 1024, seconds: float = 1.5) -> float:
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        iters += 1
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def run_hf_static(model, wl: Workload, batch: int = 8) -> float:
+    from transformers import GenerationConfig
+
+    pad = 0
+    start = time.perf_counter()
+    for i in range(0, len(wl.prompts), batch):
+        prompts, outs = wl.prompts[i : i + batch], wl.outputs[i : i + batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        cfg = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=None, pad_token_id=pad)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, generation_config=cfg)
+    return time.perf_counter() - start
+
+
+def run_hf_continuous(model, wl: Workload) -> float:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=max(wl.outputs), do_sample=False, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as manager:
+        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=m) for i, (p, m) in enumerate(zip(wl.prompts, wl.outputs))]
+        pending = set(ids)
+        deadline = time.monotonic() + 3600
+        while pending and time.monotonic() < deadline:
+            res = manager.get_result(timeout=1)
+            if res is not None and res.is_finished():
+                pending.discard(res.request_id)
+        if pending:
+            raise RuntimeError(f"HF continuous batching left {len(pending)} requests unfinished")
+    return time.perf_counter() - start
+
+
+def run_lockgate(engine, wl: Workload) -> tuple[float, int]:
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.outputs]
+    computed0 = engine.stats.computed_tokens
+    start = time.perf_counter()
+    done = engine.generate(wl.prompts, params)
+    elapsed = time.perf_counter() - start
+    assert [len(d.token_ids) for d in done] == wl.outputs
+    return elapsed, engine.stats.computed_tokens - computed0
+
+
+def model_flops(spec, computed_tokens: int, sampled_tokens: int, avg_ctx: float) -> float:
+    h, hd = spec.hidden_size, spec.head_dim
+    per_layer = 2 * h * (spec.num_heads + 2 * spec.num_kv_heads) * hd + 2 * spec.num_heads * hd * h + 2 * 3 * h * spec.intermediate_size
+    attn = 4 * avg_ctx * spec.num_heads * hd  # QK^T and PV per token per layer
+    return computed_tokens * spec.num_layers * (per_layer + attn) + sampled_tokens * 2 * h * spec.vocab_size
+
+
+def capacity(wl: Workload, num_blocks: int, block_size: int, max_model_len: int) -> tuple[int, int]:
+    """Sequences of the workload resident at once: paged (blocks for their actual length) vs
+    contiguous (a max_model_len reservation each)."""
+    # A sequence of the workload's mix holds ceil(len / block_size) blocks on average when paged.
+    mean_blocks = sum(-(-(len(p) + m) // block_size) for p, m in zip(wl.prompts, wl.outputs)) / len(wl.prompts)
+    return int(num_blocks // mean_blocks), num_blocks * block_size // max_model_len
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine_workers.commands import engine_config_from_args
+    from engine_workers.engine import Engine
+
+    config = engine_config_from_args(args)
+    engine = Engine(config)
+    spec = engine.loaded.spec
+    wl = make_workload(spec.vocab_size, args.num_requests, args.seed)
+    results: dict = {"model": str(engine.loaded.path), "device": str(engine.device), "dtype": str(engine.dtype),
+                     "threads": torch.get_num_threads(), "requests": len(wl.prompts), "output_tokens": wl.output_tokens,
+                     "prompt_tokens": sum(map(len, wl.prompts))}
+    gemm = measure_gemm_flops() if engine.device.type == "cpu" else None
+    results["gemm_flops"] = gemm
+
+    run_lockgate(engine, make_workload(spec.vocab_size, 4, args.seed + 1, (8, 32), (4, 8)))  # warm-up
+    elapsed, computed = run_lockgate(engine, wl)
+    avg_ctx = sum(len(p) + m / 2 for p, m in zip(wl.prompts, wl.outputs)) / len(wl.prompts)
+    flops = model_flops(spec, computed, wl.output_tokens, avg_ctx)
+    results["lockgate"] = {"seconds": elapsed, "tokens_per_s": wl.output_tokens / elapsed, "computed_tokens": computed,
+                           "model_flops_per_s": flops / elapsed}
+    if gemm:
+        results["lockgate"]["roofline_share"] = flops / elapsed / gemm
+    paged, contiguous = capacity(wl, engine.kv.num_blocks, engine.kv.block_size, engine.max_model_len)
+    results["capacity"] = {"kv_blocks": engine.kv.num_blocks, "block_size": engine.kv.block_size, "max_model_len": engine.max_model_len,
+                           "paged_sequences": paged, "contiguous_sequences": contiguous,
+                           "ratio": paged / contiguous if contiguous else float("inf")}
+    if not args.skip_hf:
+        hf = _hf_model(engine.loaded.path)
+        t_static = run_hf_static(hf, wl)
+        results["hf_static_b8"] = {"seconds": t_static, "tokens_per_s": wl.output_tokens / t_static}
+        try:
+            t_cb = run_hf_continuous(hf, wl)
+            results["hf_continuous"] = {"seconds": t_cb, "tokens_per_s": wl.output_tokens / t_cb}
+        except Exception as exc:  # report, do not hide: the comparison is then missing
+            log.exception("HF continuous batching failed")
+            results["hf_continuous"] = {"error": f"{type(exc).__name__}: {exc}"}
+        for key in ("hf_static_b8", "hf_continuous"):
+            if "tokens_per_s" in results[key]:
+                results[f"speedup_vs_{key}"] = results["lockgate"]["tokens_per_s"] / results[key]["tokens_per_s"]
+
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"workload: {results['requests']} requests, {results['prompt_tokens']} prompt + {results['output_tokens']} output tokens "
+          f"(seed {args.seed}); {results['model']} on {results['device']} {results['dtype']}, {results['threads']} threads")
+    rows = [("lockgate", results["lockgate"])] + [(k, results[k]) for k in ("hf_static_b8", "hf_continuous") if k in results]
+    print(f"{'engine':<16}{'seconds':>10}{'out tok/s':>12}")
+    for name, r in rows:
+        if "error" in r:
+            print(f"{name:<16}  failed: {r['error']}")
+        else:
+            print(f"{name:<16}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}")
+    for key in ("speedup_vs_hf_static_b8", "speedup_vs_hf_continuous"):
+        if key in results:
+            print(f"{key}: {results[key]:.2f}x")
+    if gemm:
+        print(f"fp32 GEMM peak (1024^3, this run): {gemm / 1e9:.1f} GFLOP/s; lockgate executed {results['lockgate']['model_flops_per_s'] / 1e9:.1f} "
+              f"GFLOP/s of model FLOPs = {results['lockgate']['roofline_share']:.0%} of roofline")
+    c = results["capacity"]
+    print(f"KV capacity at {c['kv_blocks']} blocks x {c['block_size']}: paged {c['paged_sequences']} sequences vs contiguous "
+          f"(max_model_len {c['max_model_len']}) {c['contiguous_sequences']} -> {c['ratio']:.1f}x")
+    return 0
+

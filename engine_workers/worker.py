@@ -1,0 +1,568 @@
+"""The worker actor: one per engine. Bus records in, engine work, reply streams out.
+
+A thin asyncio shell around three pure parts (``intake``, ``offsets``, the engine's own step loop,
+which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward pass):
+
+* **intake** — a consumer in group ``<ns>.workers.<model>`` reads the model's three priority topics.
+  Records are decoded (undecodable -> dead letter), checked (wrong model -> ``invalid_request``,
+  past deadline -> ``expired``, cancelled earlier -> ``abort``) and queued in the
+  :class:`IntakeQueue`. A tier's partitions are paused while the intake holds
+  ``prefetch_per_tier + free sequence slots`` of that tier, so the worker holds a few requests
+  per tier beyond what it can run (enough to choose by priority, never a hoard).
+* **admission** — from the intake into the engine by effective priority, only while the engine has
+  a free sequence slot and free KV blocks for the prompt (the head of the queue waits for room; no
+  lower-priority request jumps it). The engine ``ValueError`` -> ``invalid_request``.
+* **replies** — the engine's per-step outputs become one ``TokenChunk`` per request per step (more
+  coalesced when the bus lags) and a final ``Finished`` to ``reply_to``, keyed by request id, in
+  order (:class:`ReplySender`: one task per request with something to send, never blocking the
+  engine).
+* **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
+  commits its low watermark (:class:`OffsetTracker`). Revoked partitions: their requests are
+  aborted and forgotten (the new owner re-runs them from the committed offset).
+* **control** — a group-less consumer of the control topic from ``latest``: ``Cancel`` aborts the
+  request (intake or engine, freeing KV within one engine step).
+* **heartbeat** — ``WorkerStatus`` every ``heartbeat_s``; Prometheus metrics; optional
+  ``/healthz``/``/readyz``/``/metrics`` server.
+
+Lifecycle: ``start``/``stop`` idempotent, ``async with``; ``drain()`` stops intake, lets what the
+engine holds finish (up to ``drain_grace_s``), commits it and stops; requests still queued stay
+uncommitted for the other workers. Every background task is owned and cancelled by ``stop``.
+Concurrency: all state lives on the event loop; the engine thread only reaches it through
+``call_soon_threadsafe`` (AsyncEngine's ``on_outputs`` and the admission futures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from bus.base import Bus, BusError, TopicPartition
+from bus.deadletter import DeadLetterer, send_dead_letter
+from bus.messages import (Cancel, DecodeError, Error, ErrorCode, Finished, FinishReason, InferenceRequest, Timings,
+                          Usage, WorkerStatus, decode, encode)
+from bus.topics import TopicLayout, safe_name
+from engine_workers.async_engine import AsyncEngine
+from engine_workers.engine import Engine, RequestOutput
+from engine_workers.health import HealthServer
+from engine_workers.intake import (DEFAULT_AGING_PERIOD_S, NUM_TIERS, IntakeMode, IntakePolicy, IntakeQueue, Pending,
+                                   RateMeter, estimate_wait)
+from engine_workers.offsets import OffsetTracker
+from engine_workers.reply_sender import ReplySender
+from engine_workers.worker_metrics import CONTENT_TYPE, WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 50
+RECENT_CANCELS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: str  # the served model name: topics and the ``InferenceRequest.model`` check
+    worker_id: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
+    layout: TopicLayout = field(default_factory=TopicLayout)
+    intake_mode: IntakeMode | str = IntakeMode.AGING
+    aging_period_s: float = DEFAULT_AGING_PERIOD_S
+    prefetch_per_tier: int = 4
+    heartbeat_s: float = 0.5
+    drain_grace_s: float = 30.0
+    revoke_flush_s: float = 1.0  # on revoke, wait this long for final replies in flight before committing
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None = no HTTP server; 0 = any free port
+    send_retries: int = 3
+    group_id: str | None = None  # default ``<ns>.workers.<model>``
+
+    def __post_init__(self) -> None:
+        IntakePolicy(self.intake_mode, self.aging_period_s)  # validates both
+        object.__setattr__(self, "intake_mode", IntakeMode(self.intake_mode))
+        for name in ("heartbeat_s", "drain_grace_s", "revoke_flush_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.prefetch_per_tier < 1:
+            raise ValueError(f"prefetch_per_tier must be >= 1, got {self.prefetch_per_tier}")
+
+    @property
+    def group(self) -> str:
+        return self.group_id or f"{self.layout.namespace}.workers.{safe_name(self.model)}"
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    eid: str  # engine request id: unique per worker even when a request id comes back
+    req: InferenceRequest
+    tp: TopicPartition | None
+    offset: int
+    arrival: float  # wall clock: enqueued_at (fetch time when unset or in the future)
+    blocks: int  # KV blocks the prompt (+1 token) needs
+    pending: Pending | None = None  # while in the intake
+    admitted: bool = False  # handed to the engine, final output not seen yet
+    started: bool = False  # first output seen (its KV is in the engine's free-block count)
+    closing: bool = False  # final reply queued
+    lost: bool = False  # partition revoked: publish nothing more
+
+
+class Worker:
+    """See the module docstring. ``engine``: an :class:`Engine` (the worker wraps and owns an
+    :class:`AsyncEngine`) or an :class:`AsyncEngine` (started if needed, never stopped here)."""
+
+    def __init__(self, config: WorkerConfig, bus: Bus, engine: Engine | AsyncEngine) -> None:
+        self.config = config
+        self.bus = bus
+        if isinstance(engine, AsyncEngine):
+            self.aengine, self._owns_engine = engine, False
+            engine._on_outputs = self._on_outputs  # AsyncEngine has no public setter (yet)
+        else:
+            self.aengine, self._owns_engine = AsyncEngine(engine, on_outputs=self._on_outputs), True
+        self.engine = self.aengine.engine
+        self.metrics = WorkerMetrics(config.model, config.worker_id)
+        self.policy = IntakePolicy(config.intake_mode, config.aging_period_s, reference_time=time.time())
+        self.intake: IntakeQueue[_Job] = IntakeQueue(self.policy)
+        self.offsets: OffsetTracker[TopicPartition] = OffsetTracker()
+        self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed)
+        self._dlq = DeadLetterer(bus, config.layout)
+        self._topics = config.layout.request_topics(config.model)
+        self._jobs: dict[str, _Job] = {}
+        self._by_rid: dict[str, set[str]] = {}
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._revoking: set[TopicPartition] = set()
+        self._admissions = RateMeter()
+        self._eids = itertools.count()
+        self._in_engine = 0
+        self._reserved_blocks = 0
+        self._consumer = None
+        self._control = None
+        self._tasks: list[asyncio.Task] = []
+        self._health: HealthServer | None = None
+        self._drain_requested = asyncio.Event()
+        self.state = "new"  # new -> started -> draining -> stopped
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.state != "new":
+            return
+        self.state = "starting"
+        try:
+            await self.aengine.start()
+            await self.bus.ensure_topics(self.config.layout.model_specs(self.config.model))
+            self._control = self.bus.consumer([self.config.layout.control_topic], start_from="latest")
+            await self._control.start()
+            self._consumer = self.bus.consumer(self._topics, group_id=self.config.group, start_from="earliest",
+                                               on_assigned=self._on_assigned, on_revoked=self._on_revoked)
+            await self._consumer.start()
+            if self.config.metrics_port is not None:
+                self._health = HealthServer(self.config.metrics_host, self.config.metrics_port, live=self.live,
+                                            ready=self.ready, metrics=self.render_metrics, metrics_content_type=CONTENT_TYPE)
+                await self._health.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self.state = "started"
+        for name, coro in (("intake", self._intake_loop()), ("control", self._control_loop()),
+                           ("heartbeat", self._heartbeat_loop())):
+            self._tasks.append(asyncio.create_task(coro, name=f"{self.config.worker_id}-{name}"))
+        log.info("worker %s serving %s (group %s, intake %s, aging period %gs)", self.config.worker_id,
+                 self.config.model, self.config.group, self.policy.mode.value, self.policy.aging_period_s)
+
+    async def stop(self) -> None:
+        """Stop now: leave the group without committing unfinished work. Idempotent."""
+        if self.state == "stopped":
+            return
+        self.state = "stopped"
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.replies.stop()
+        for c in (self._consumer, self._control):
+            if c is not None:
+                await c.stop()
+        if self._health is not None:
+            await self._health.stop()
+        if self._owns_engine:
+            await self.aengine.stop()
+        elif self.aengine._on_outputs == self._on_outputs:
+            self.aengine._on_outputs = None
+
+    async def drain(self, grace_s: float | None = None) -> bool:
+        """SIGTERM path: stop taking work, finish what the engine holds (up to ``grace_s``, default
+        the config's), commit it, then :meth:`stop`. Queued requests are left uncommitted for the
+        other workers. Returns True when everything admitted finished in time."""
+        if self.state != "started":
+            await self.stop()
+            return True
+        self.state = "draining"
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        for p in self.intake.remove_if(lambda p: True):
+            self._forget(p.item)  # stays in flight in the offset tracker: never committed here
+        deadline = time.monotonic() + grace
+        while self._busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        done = not self._busy()
+        await self._commit()
+        log.info("worker %s drained (%s)", self.config.worker_id, "complete" if done else f"grace {grace:g}s over")
+        await self.stop()
+        return done
+
+    def request_drain(self) -> None:
+        """Signal-handler safe: ask :meth:`run` to drain."""
+        self._drain_requested.set()
+
+    async def run(self) -> int:
+        """Serve until :meth:`request_drain` (then drain) or a background failure. 0 = clean."""
+        waiter = asyncio.ensure_future(self._drain_requested.wait())
+        try:
+            await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not self.live():
+            log.error("worker %s failed; stopping", self.config.worker_id)
+            await self.stop()
+            return 1
+        await self.drain()
+        return 0
+
+    async def __aenter__(self) -> "Worker":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def live(self) -> bool:
+        return self.aengine.error is None and self.state != "stopped" and not any(t.done() for t in self._tasks)
+
+    def ready(self) -> bool:
+        return self.state == "started" and self.live() and bool(self._consumer and self._consumer.assignment())
+
+    def render_metrics(self) -> bytes:
+        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth())
+        return self.metrics.render()
+
+    def _busy(self) -> bool:
+        return any(j.admitted or j.closing for j in self._jobs.values())
+
+    # -- intake -----------------------------------------------------------------------------------
+
+    async def _intake_loop(self) -> None:
+        assert self._consumer is not None
+        while True:
+            self._flow_control()
+            try:
+                records = await self._consumer.getmany(timeout_ms=POLL_MS, max_records=self._fetch_room())
+            except BusError as exc:
+                log.warning("worker %s: fetch failed (%s); retrying", self.config.worker_id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for rec in records:
+                await self._on_record(rec)
+            self._admit()
+            await self._commit()
+
+    def _room(self) -> int:
+        """Free engine sequence slots (0 when the KV blocks are all spoken for)."""
+        snap = self.aengine.snapshot
+        if self._in_engine and snap.kv_blocks_free - self._reserved_blocks <= 0:
+            return 0
+        return max(0, self.engine.config.max_num_seqs - self._in_engine)
+
+    def _fetch_room(self) -> int:
+        limit = self.config.prefetch_per_tier + self._room()
+        return max(1, sum(max(0, limit - d) for d in self.intake.depth()))
+
+    def _flow_control(self) -> None:
+        c = self._consumer
+        assigned, paused = c.assignment(), c.paused()
+        limit = self.config.prefetch_per_tier + self._room()
+        depth = self.intake.depth()
+        for tier, topic in enumerate(self._topics):
+            tps = {tp for tp in assigned if tp.topic == topic}
+            if self.state != "started" or depth[tier] >= limit:
+                if tps - paused:
+                    c.pause(*(tps - paused))
+            elif tps & paused:
+                c.resume(*(tps & paused))
+
+    async def _on_record(self, rec) -> None:
+        tp = rec.tp
+        if self.offsets.seen(tp, rec.offset):
+            return  # re-delivered after a rebalance that left us the partition: we have it
+        self.offsets.track(tp, rec.offset)
+        if self.state != "started":
+            return  # draining: stays uncommitted
+        msg = await self._dlq.decode(rec)
+        if msg is not None and not isinstance(msg, InferenceRequest):
+            await send_dead_letter(self.bus, self.config.layout, rec, f"expected a request, got {type(msg).__name__}")
+            msg = None
+        if msg is None:
+            self.metrics.dead_letters.inc()
+            self.offsets.finish(tp, rec.offset)
+            return
+        now = time.time()
+        arrival = msg.enqueued_at if 0 < msg.enqueued_at <= now else now
+        bs = self.engine.config.block_size
+        job = _Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
+                   -(-(len(msg.prompt_token_ids) + 1) // bs))
+        self._jobs[job.eid] = job
+        self._by_rid.setdefault(msg.request_id, set()).add(job.eid)
+        if safe_name(msg.model) != safe_name(self.config.model):
+            self._reply_error(job, ErrorCode.INVALID_REQUEST, f"model {msg.model!r} is not served here ({self.config.model!r})")
+        elif msg.request_id in self._cancelled:
+            self._reply_unrun(job, FinishReason.ABORT)
+        elif msg.deadline is not None and msg.deadline <= now:
+            self._reply_error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
+        else:
+            job.pending = self.intake.push(msg.request_id, msg.tier, arrival, msg.deadline, job)
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Move requests from the intake into the engine while it has room. Sync, never blocks."""
+        if self.state != "started":
+            return
+        now = time.time()
+        for p in self.intake.expire(now):
+            p.item.pending = None
+            self._reply_error(p.item, ErrorCode.EXPIRED, f"deadline passed {now - p.deadline:.3f}s before admission")
+        while (p := self.intake.peek()) is not None:
+            job = p.item
+            if self._in_engine and (self._room() == 0 or
+                                    job.blocks + self._reserved_blocks > self.aengine.snapshot.kv_blocks_free):
+                break
+            self.intake.pop()
+            job.pending = None
+            self._submit(job)
+
+    def _submit(self, job: _Job) -> None:
+        job.admitted = True
+        self._in_engine += 1
+        self._reserved_blocks += job.blocks
+        self._admissions.record(time.time())
+        r = job.req
+        arrival_mono = job.arrival - (time.time() - time.monotonic())
+        fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), r.sampling, cache_salt=r.cache_salt,
+                                  priority=self.policy.engine_priority(r.tier, job.arrival), arrival_time=arrival_mono)
+        loop = asyncio.get_running_loop()
+
+        def done(f) -> None:  # engine thread
+            if f.exception() is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._on_rejected, job, f.exception())
+
+        fut.add_done_callback(done)
+
+    def _on_rejected(self, job: _Job, exc: BaseException) -> None:
+        self._left_engine(job)
+        code = ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
+        self._reply_error(job, code, str(exc))
+        self._admit()
+
+    def _left_engine(self, job: _Job) -> None:
+        if job.admitted:
+            job.admitted = False
+            self._in_engine -= 1
+            if not job.started:
+                self._reserved_blocks -= job.blocks
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """AsyncEngine callback, on the event loop: publish (non-blocking), then admit more."""
+        prompt = generated = 0
+        for out in outputs:
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            if not job.started and job.admitted and out.token_ids:
+                job.started = True
+                self._reserved_blocks -= job.blocks
+                prompt += out.num_prompt_tokens
+            generated += len(out.token_ids)
+            if job.lost:
+                if out.finished:
+                    self._left_engine(job)
+                    self._forget(job)
+                continue
+            r = job.req
+            if out.token_ids or out.text:
+                self.replies.chunk(job.eid, r.reply_to, r.request_id, r.attempt, out.seq, out.token_ids, out.text,
+                                   out.text_offset, out.logprobs)
+            if out.finished:
+                self._left_engine(job)
+                self._finish(job, out)
+        self.metrics.observe_tokens(prompt, generated)
+        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth())
+        self._admit()
+
+    def _finish(self, job: _Job, out: RequestOutput) -> None:
+        t, n = out.times, out.num_output_tokens
+        timings = Timings()
+        ttft = tpot = None
+        if t is not None:
+            arr = t.arrival
+            end = t.finished if t.finished is not None else time.monotonic()
+            queue = max(0.0, (t.first_scheduled if t.first_scheduled is not None else end) - arr)
+            ttft = max(0.0, t.first_token - arr) if t.first_token is not None else None
+            tpot = (t.last_token - t.first_token) / (n - 1) if n > 1 and t.first_token and t.last_token else None
+            timings = Timings(queue, ttft or 0.0, tpot or 0.0, max(0.0, end - arr))
+            self.metrics.observe_finished(job.req.tier, out.finish_reason, queue, ttft, tpot, timings.e2e)
+        usage = Usage(out.num_prompt_tokens, n, out.num_cached_tokens)
+        msg = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.config.worker_id)
+        self._close(job, msg)
+
+    def _reply_error(self, job: _Job, code: str, message: str) -> None:
+        self.metrics.observe_error(code)
+        r = job.req
+        self._close(job, Error(r.request_id, code, message, r.attempt, worker_id=self.config.worker_id))
+
+    def _reply_unrun(self, job: _Job, reason: str) -> None:
+        r = job.req
+        self._close(job, Finished(r.request_id, r.attempt, reason, 0, Usage(len(r.prompt_token_ids), 0),
+                                  worker_id=self.config.worker_id))
+
+    def _close(self, job: _Job, msg: Finished | Error) -> None:
+        job.closing = True
+        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, encode(msg), lambda: self._done(job))
+
+    def _done(self, job: _Job) -> None:
+        """The final reply is acknowledged: the record's offset may be committed."""
+        self._forget(job)
+        if not job.lost and job.tp is not None:
+            self.offsets.finish(job.tp, job.offset)
+
+    def _forget(self, job: _Job) -> None:
+        self._jobs.pop(job.eid, None)
+        eids = self._by_rid.get(job.req.request_id)
+        if eids is not None:
+            eids.discard(job.eid)
+            if not eids:
+                del self._by_rid[job.req.request_id]
+
+    def _on_send_failed(self, eid: str) -> None:
+        job = self._jobs.get(eid)
+        if job is not None:  # left in flight: never committed here, re-run after a restart/rebalance
+            log.error("worker %s: replies of %s could not be sent; leaving it uncommitted", self.config.worker_id, eid)
+            job.lost = True
+            if job.admitted:
+                self.aengine.abort(job.eid)
+            else:
+                self._forget(job)
+
+    # -- cancel, rebalance, commit ----------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> int:
+        """Abort ``request_id`` wherever it is here; remember it for a while (it may arrive later)."""
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > RECENT_CANCELS:
+            self._cancelled.popitem(last=False)
+        n = 0
+        for eid in list(self._by_rid.get(request_id, ())):
+            job = self._jobs[eid]
+            if job.pending is not None and self.intake.remove(job.pending):
+                job.pending = None
+                self._reply_unrun(job, FinishReason.ABORT)
+                n += 1
+            elif job.admitted and not job.closing:
+                self.aengine.abort(eid)  # frees its KV before the next step; Finished(abort) follows
+                n += 1
+        return n
+
+    async def _control_loop(self) -> None:
+        assert self._control is not None
+        while True:
+            try:
+                records = await self._control.getmany(timeout_ms=500)
+            except BusError as exc:
+                log.warning("worker %s: control fetch failed (%s)", self.config.worker_id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for rec in records:
+                try:
+                    msg = decode(rec.value)
+                except DecodeError as exc:
+                    log.warning("ignoring undecodable control record %s@%d: %s", rec.topic, rec.offset, exc)
+                    continue
+                if isinstance(msg, Cancel):
+                    self.cancel(msg.request_id)
+
+    async def _on_revoked(self, tps: set[TopicPartition]) -> None:
+        """Eager rebalance, phase 1: commit what is done on these partitions (after a short wait
+        for final replies in flight); their requests keep running until :meth:`_on_assigned` says
+        which partitions moved away."""
+        self._revoking |= tps
+        deadline = time.monotonic() + self.config.revoke_flush_s
+        while time.monotonic() < deadline and any(j.closing and j.tp in tps for j in self._jobs.values()):
+            await asyncio.sleep(0.01)
+        await self._commit(tps)
+
+    async def _on_assigned(self, tps: set[TopicPartition]) -> None:
+        lost, self._revoking = self._revoking - tps, set()
+        if not lost:
+            return
+        for p in self.intake.remove_if(lambda p: p.item.tp in lost):
+            p.item.pending = None
+            self._forget(p.item)
+        for job in list(self._jobs.values()):
+            if job.tp in lost and not job.lost:
+                job.lost = True
+                self.replies.drop(job.eid)
+                if job.admitted:
+                    self.aengine.abort(job.eid)  # its final output is swallowed
+                else:
+                    self._forget(job)
+        self.offsets.forget(lost)
+        log.info("worker %s lost %d partitions; their requests were aborted here", self.config.worker_id, len(lost))
+
+    async def _commit(self, only: set[TopicPartition] | None = None) -> None:
+        offsets = self.offsets.committable()
+        if only is not None:
+            offsets = {tp: o for tp, o in offsets.items() if tp in only}
+        if not offsets or self._consumer is None:
+            return
+        mine = self._consumer.assignment()
+        offsets = {tp: o for tp, o in offsets.items() if tp in mine}
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except BusError as exc:
+            log.warning("worker %s: commit failed (%s); will retry", self.config.worker_id, exc)
+        else:
+            self.offsets.committed(offsets)
+
+    # -- status -----------------------------------------------------------------------------------
+
+    def queue_depth(self) -> tuple[int, ...]:
+        """Waiting requests per tier: in the intake plus admitted but not yet running."""
+        depth = list(self.intake.depth())
+        for j in self._jobs.values():
+            if j.admitted and not j.started:
+                depth[j.req.tier] += 1
+        return tuple(depth)
+
+    def status(self) -> WorkerStatus:
+        snap, now = self.aengine.snapshot, time.time()
+        engine_waiting = sum(1 for j in self._jobs.values() if j.admitted and not j.started)
+        rate = self._admissions.rate(now)
+        est = tuple(estimate_wait(self.intake.ahead_of(t, now) + engine_waiting if self._room() == 0 else 0, rate)
+                    for t in range(NUM_TIERS))
+        return WorkerStatus(
+            self.config.worker_id, self.config.model, now, self.queue_depth(), est, snap.running,
+            self.engine.config.max_num_seqs, snap.kv_usage, snap.kv_blocks_total, snap.kv_blocks_free,
+            snap.tokens_per_s, self.state == "draining",
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        topic = self.config.layout.status_topic
+        key = self.config.worker_id.encode()
+        while True:
+            self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth())
+            try:
+                await self.bus.send(topic, encode(self.status()), key=key)
+            except BusError as exc:
+                log.warning("worker %s: heartbeat failed (%s)", self.config.worker_id, exc)
+            await asyncio.sleep(self.config.heartbeat_s)

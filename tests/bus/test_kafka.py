@@ -1,0 +1,59 @@
+"""Kafka-only behaviour: start-up failure, broker-side errors, the local broker helper."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from bus import BusError, TopicSpec, connect
+from bus import kafka_local
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+async def test_unreachable_broker_raises_bus_error_within_timeout() -> None:
+    port = closed_port()
+    bus = connect(f"kafka://127.0.0.1:{port}?connect_timeout_s=2")
+    t0 = time.monotonic()
+    with pytest.raises(BusError, match=f"127.0.0.1:{port} unreachable after 2s"):
+        await bus.start()
+    elapsed = time.monotonic() - t0
+    assert 1.5 <= elapsed < 6, f"gave up after {elapsed:.1f}s, configured 2s"
+    await bus.stop()  # idempotent on a bus that never started
+    with pytest.raises(BusError, match="not started"):
+        await bus.send("t", b"x")
+
+
+@pytest.mark.kafka
+async def test_impossible_replication_is_a_clear_error(kafka_bootstrap: str) -> None:
+    async with connect(f"kafka://{kafka_bootstrap}") as bus:
+        with pytest.raises(BusError, match="cannot create topic .*InvalidReplicationFactor"):
+            await bus.ensure_topics([TopicSpec("t.too-many-replicas", 1, replication=99)])
+        with pytest.raises(BusError, match="unknown topic"):
+            await bus.partitions_for("t.never-created-by-anyone")
+
+
+@pytest.mark.kafka
+def test_local_broker_answers_metadata(kafka_bootstrap: str) -> None:
+    host, port = kafka_bootstrap.split(",")[0].rsplit(":", 1)
+    assert kafka_local.metadata_brokers(host, int(port)) >= 1
+
+
+def test_local_broker_config_and_argument_checks(tmp_path) -> None:
+    with pytest.raises(ValueError, match="--nodes must be 1 or 3"):
+        kafka_local.status(nodes=2)
+    with pytest.raises(ValueError, match="--port"):
+        kafka_local.status(port=80)
+    props = kafka_local._server_properties(1, 3, 19092, tmp_path)
+    assert "controller.quorum.voters=0@127.0.0.1:19192,1@127.0.0.1:19193,2@127.0.0.1:19194" in props
+    assert "listeners=PLAINTEXT://127.0.0.1:19093,CONTROLLER://127.0.0.1:19193" in props
+    assert "offsets.topic.replication.factor=3" in props
+    info = kafka_local.status(nodes=3, port=19092, base=tmp_path)
+    assert not info.running and info.bootstrap == "127.0.0.1:19092,127.0.0.1:19093,127.0.0.1:19094"
+    assert kafka_local.stop(nodes=3, port=19092, base=tmp_path) == []  # nothing of ours: nothing killed

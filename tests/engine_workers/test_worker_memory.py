@@ -1,0 +1,215 @@
+"""The worker over the in-memory bus with the tiny model: streams, cancel, errors, heartbeat, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from bus import MemoryBus, TopicLayout, TopicPartition
+from bus.messages import (Cancel, Error, Finished, InferenceRequest, SamplingParams, TokenChunk, WorkerStatus, decode,
+                          encode)
+from engine_workers.config import EngineConfig
+from engine_workers.engine import Engine
+from engine_workers.worker import Worker, WorkerConfig
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_workers.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+
+
+def make_engine(path: Path, max_num_seqs: int = 4) -> Engine:
+    return Engine(EngineConfig(model=str(path), max_num_seqs=max_num_seqs, num_threads=1, kv_cache_bytes=4 << 20,
+                               max_model_len=512))
+
+
+@pytest.fixture
+def layout() -> TopicLayout:
+    return TopicLayout(namespace=f"t{uuid.uuid4().hex[:8]}", partitions=2)
+
+
+def req(rid: str, layout: TopicLayout, prompt=(5, 6, 7, 8), max_tokens=12, tier=1, **kw) -> InferenceRequest:
+    return InferenceRequest(rid, kw.pop("model", MODEL), tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                            ignore_eos=True), layout.reply_topic("test"), tier=tier, enqueued_at=time.time(), **kw)
+
+
+async def publish(bus, layout: TopicLayout, r: InferenceRequest) -> None:
+    await bus.send(layout.request_topic(MODEL, r.tier), encode(r), key=r.request_id.encode())
+
+
+class Replies:
+    """Reads a reply topic from the beginning, reassembling streams by (request id, seq)."""
+
+    def __init__(self, bus, topic: str) -> None:
+        self.consumer = bus.consumer([topic], start_from="earliest")
+        self.tokens: dict[str, dict[int, int]] = {}
+        self.final: dict[str, Finished | Error] = {}
+        self.chunks: list[TokenChunk] = []
+
+    async def wait(self, ids, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not set(ids) <= set(self.final):
+            assert time.monotonic() < deadline, f"missing replies: {set(ids) - set(self.final)}"
+            await self.poll(100)
+
+    async def poll(self, timeout_ms: int) -> None:
+        for rec in await self.consumer.getmany(timeout_ms=timeout_ms):
+            msg = decode(rec.value)
+            if isinstance(msg, TokenChunk):
+                self.chunks.append(msg)
+                for i, t in enumerate(msg.token_ids):
+                    self.tokens.setdefault(msg.request_id, {})[msg.seq + i] = t
+            elif isinstance(msg, (Finished, Error)):
+                self.final[msg.request_id] = msg
+
+    def stream(self, rid: str) -> list[int]:
+        got = self.tokens.get(rid, {})
+        assert sorted(got) == list(range(len(got))), "gap in seq"
+        return [got[i] for i in range(len(got))]
+
+
+async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicLayout) -> None:
+    engine = make_engine(tiny_dir)
+    prompts = [tuple(range(3 + i, 20 + 3 * i)) for i in range(6)]
+    ref = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, heartbeat_s=0.1), bus, engine) as w:
+        replies = Replies(bus, layout.reply_topic("test"))
+        await replies.consumer.start()
+        reqs = [req(f"r{i}", layout, p, tier=i % 3) for i, p in enumerate(prompts)]
+        for r in reqs:
+            await publish(bus, layout, r)
+        await replies.wait([r.request_id for r in reqs])
+        for r, expected in zip(reqs, ref):
+            assert replies.stream(r.request_id) == list(expected.token_ids)
+            fin = replies.final[r.request_id]
+            assert isinstance(fin, Finished) and fin.finish_reason == "length" and fin.num_tokens == 12
+            assert fin.usage.prompt_tokens == len(r.prompt_token_ids) and fin.worker_id == w.config.worker_id
+            t = fin.timings
+            assert 0 <= t.queue <= t.ttft <= t.e2e < 30 and t.tpot >= 0
+        # every chunk carries the attempt; text offsets are contiguous
+        assert all(c.attempt == 0 for c in replies.chunks)
+        await asyncio.sleep(0.2)  # the intake loop commits within a poll
+        group = bus.broker.group(w.config.group)
+        ends = {TopicPartition(t, p): len(bus.broker.topics[t].partitions[p].records)
+                for t in layout.request_topics(MODEL) for p in range(2)}
+        assert {tp: group.committed.get(tp, 0) for tp in ends} == ends
+        m = w.render_metrics().decode()
+        assert 'lockgate:request_success_total{finished_reason="length",model="tiny"' in m
+        assert "lockgate:time_to_first_token_seconds_bucket" in m and "lockgate:kv_cache_usage_perc" in m
+
+
+async def test_cancel_frees_kv_within_a_step(tiny_dir: Path, layout: TopicLayout) -> None:
+    engine = make_engine(tiny_dir, max_num_seqs=1)
+    total = engine.kv.num_blocks
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout), bus, engine) as w:
+        replies = Replies(bus, layout.reply_topic("test"))
+        await replies.consumer.start()
+        await publish(bus, layout, req("long", layout, prompt=tuple(range(3, 200)), max_tokens=300))
+        await publish(bus, layout, req("queued", layout, max_tokens=5))  # waits in the intake (1 slot)
+        deadline = time.monotonic() + 20
+        while not w.aengine.snapshot.generated_tokens:  # "long" is running, "queued" in the intake
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert engine.kv.num_free_blocks < total
+        steps = w.aengine.snapshot.steps
+        await bus.send(layout.control_topic, encode(Cancel("queued")))
+        await bus.send(layout.control_topic, encode(Cancel("long")))
+        await replies.wait(["long", "queued"], 10)
+        assert replies.final["long"].finish_reason == "abort" and replies.final["queued"].finish_reason == "abort"
+        assert replies.final["queued"].num_tokens == 0
+        assert engine.kv.num_free_blocks == total  # freed by the abort itself
+        assert w.aengine.snapshot.steps - steps <= 2
+        # the worker keeps serving
+        await publish(bus, layout, req("after", layout, max_tokens=3))
+        await replies.wait(["after"], 10)
+        assert replies.final["after"].num_tokens == 3
+
+
+async def test_expired_invalid_and_undecodable(tiny_dir: Path, layout: TopicLayout) -> None:
+    engine = make_engine(tiny_dir)
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout), bus, engine) as w:
+        replies = Replies(bus, layout.reply_topic("test"))
+        await replies.consumer.start()
+        dlq = bus.consumer([layout.dead_letter_topic], start_from="earliest")
+        await dlq.start()
+        await bus.send(layout.request_topic(MODEL, 1), b"{not json", key=b"junk")
+        await publish(bus, layout, req("late", layout, deadline=time.time() - 1))
+        await publish(bus, layout, req("long", layout, prompt=tuple(3 + i % 400 for i in range(600))))
+        await publish(bus, layout, req("vocab", layout, prompt=(5, 10**6)))
+        await publish(bus, layout, req("other", layout, model="other-model"))
+        await publish(bus, layout, req("ok", layout, max_tokens=4))
+        await replies.wait(["late", "long", "vocab", "other", "ok"], 20)
+        f = replies.final
+        assert isinstance(f["late"], Error) and f["late"].code == "expired"
+        assert isinstance(f["long"], Error) and f["long"].code == "invalid_request" and "context limit" in f["long"].message
+        assert isinstance(f["vocab"], Error) and "vocabulary" in f["vocab"].message
+        assert isinstance(f["other"], Error) and f["other"].code == "invalid_request"
+        assert isinstance(f["ok"], Finished) and f["ok"].num_tokens == 4
+        assert "late" not in replies.tokens
+        dead = await dlq.getmany(timeout_ms=1000)
+        assert len(dead) == 1 and dead[0].value == b"{not json"
+        await asyncio.sleep(0.2)
+        group = bus.broker.group(w.config.group)
+        assert sum(group.committed.values()) == 6  # committed past every record, junk included
+
+
+async def test_heartbeat_health_and_metrics(tiny_dir: Path, layout: TopicLayout) -> None:
+    engine = make_engine(tiny_dir)
+    cfg = WorkerConfig(MODEL, layout=layout, heartbeat_s=0.05, metrics_port=0)
+    async with MemoryBus() as bus:
+        status = bus.consumer([layout.status_topic], start_from="earliest")
+        async with Worker(cfg, bus, engine) as w:
+            await status.start()
+            beats = []
+            deadline = time.monotonic() + 5
+            while len(beats) < 3 and time.monotonic() < deadline:
+                beats += [decode(r.value) for r in await status.getmany(timeout_ms=100)]
+            assert len(beats) >= 3 and all(isinstance(b, WorkerStatus) for b in beats)
+            b = beats[-1]
+            assert b.worker_id == cfg.worker_id and b.max_num_seqs == 4 and b.kv_blocks_total == engine.kv.num_blocks
+            assert len(b.queue_depth) == 3 and not b.draining
+            port = w._health.port
+
+            def get(path: str) -> tuple[int, str]:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+                        return resp.status, resp.read().decode()
+                except urllib.error.HTTPError as e:
+                    return e.code, ""
+
+            assert (await asyncio.to_thread(get, "/healthz"))[0] == 200
+            assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
+            code, body = await asyncio.to_thread(get, "/metrics")
+            assert code == 200 and "lockgate:num_requests_running" in body and "lockgate:prompt_tokens_total" in body
+            assert (await asyncio.to_thread(get, "/nope"))[0] == 404
+
+
+async def test_drain_finishes_running_and_leaves_queue_uncommitted(tiny_dir: Path, layout: TopicLayout) -> None:
+    engine = make_engine(tiny_dir, max_num_seqs=1)
+    layout1 = TopicLayout(namespace=layout.namespace, partitions=1)
+    async with MemoryBus() as bus:
+        w = Worker(WorkerConfig(MODEL, layout=layout1), bus, engine)
+        await w.start()
+        replies = Replies(bus, layout1.reply_topic("test"))
+        await replies.consumer.start()
+        await publish(bus, layout1, req("a", layout1, max_tokens=40, tier=0))
+        await publish(bus, layout1, req("b", layout1, max_tokens=40, tier=0))
+        deadline = time.monotonic() + 10
+        while not w.aengine.snapshot.generated_tokens:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert await w.drain(grace_s=20)
+        await replies.wait(["a"], 5)
+        assert replies.final["a"].num_tokens == 40 and "b" not in replies.final
+        committed = bus.broker.group(w.config.group).committed
+        assert committed == {TopicPartition(layout1.request_topic(MODEL, 0), 0): 1}  # b stays for others
+        assert w.state == "stopped"
