@@ -61,7 +61,7 @@ class _Add:
 class AsyncEngine:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None, max_commands: int = 4096) -> None:
         self.engine = engine
-        self._on_outputs = on_outputs
+        self.on_outputs = on_outputs  # called on the event loop with each step's outputs; settable
         self._commands: queue.Queue = queue.Queue(maxsize=max_commands)
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -194,8 +194,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
-        if self._on_outputs is not None:
-            self._on_outputs(outputs)
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():

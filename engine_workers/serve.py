@@ -36,7 +36,8 @@ def register(sub) -> None:
     p.set_defaults(func=_serve)
 
 
-async def run_embedded(args: argparse.Namespace, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> int:
+async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = None, stop: asyncio.Event | None = None) -> int:
+    """Run until ``stop`` is set (or a signal). ``ready`` receives the edge's bound port."""
     import bus as busmod
     from bus.topics import TopicLayout
     from edge.commands import DEV_BANNER, raise_nofile
@@ -67,8 +68,8 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Event | None = N
         await bus.ensure_topics(layout.model_specs(name))
         async with Worker(worker_cfg, bus, engine) as worker, Edge(edge_cfg, bus) as edge:
             print(f"lockgate serving {name} at http://{args.host}:{edge.port}/  (WebSocket: ws://{args.host}:{edge.port}/ws)", flush=True)
-            if ready is not None:
-                ready.set()
+            if ready is not None and not ready.done():
+                ready.set_result(edge.port)
             await stop.wait()
             print("lockgate: shutting down (draining running requests)", file=sys.stderr, flush=True)
             await edge.stop()

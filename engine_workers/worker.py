@@ -115,7 +115,7 @@ class Worker:
         self.bus = bus
         if isinstance(engine, AsyncEngine):
             self.aengine, self._owns_engine = engine, False
-            engine._on_outputs = self._on_outputs  # AsyncEngine has no public setter (yet)
+            engine.on_outputs = self._on_outputs
         else:
             self.aengine, self._owns_engine = AsyncEngine(engine, on_outputs=self._on_outputs), True
         self.engine = self.aengine.engine
@@ -186,8 +186,8 @@ class Worker:
             await self._health.stop()
         if self._owns_engine:
             await self.aengine.stop()
-        elif self.aengine._on_outputs == self._on_outputs:
-            self.aengine._on_outputs = None
+        elif self.aengine.on_outputs == self._on_outputs:
+            self.aengine.on_outputs = None
 
     async def drain(self, grace_s: float | None = None) -> bool:
         """SIGTERM path: stop taking work, finish what the engine holds (up to ``grace_s``, default

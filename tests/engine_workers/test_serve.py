@@ -1,0 +1,49 @@
+"""The embedded platform (`lockgate serve`): a WebSocket client's streamed text equals the engine's
+own output for the same greedy request, and shutdown is clean."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import websockets
+
+from bus.messages import SamplingParams
+from engine_workers.commands import add_engine_args
+from engine_workers.config import EngineConfig
+from engine_workers.engine import Engine
+from engine_workers.serve import register, run_embedded
+
+
+def serve_args(model: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    register(sub)
+    return parser.parse_args(["serve", "--model", model, "--port", "0", "--kv-cache-bytes", "8M", "--bus", "memory://serve-test"])
+
+
+async def test_embedded_platform_streams_engine_output(tiny_model_dir):
+    args = serve_args(tiny_model_dir)
+    ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
+    task = asyncio.create_task(run_embedded(args, ready, stop))
+    port = await asyncio.wait_for(ready, 60)
+    prompt = "Kafka topics are partitioned"
+    async with websockets.connect(f"ws://127.0.0.1:{port}/ws") as ws:
+        await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": prompt, "max_tokens": 24, "temperature": 0}))
+        text, seqs = [], []
+        for _ in range(100):
+            msg = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            if msg["type"] == "delta":
+                text.append(msg["text"])
+                seqs.append(msg["seq"])
+            elif msg["type"] in ("done", "error"):
+                break
+    assert msg["type"] == "done", msg
+    assert seqs == list(range(len(seqs)))
+    engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=8 << 20))
+    (ref,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24))
+    assert "".join(text) == ref.text
+    assert msg["usage"]["completion_tokens"] == len(ref.token_ids)
+    stop.set()
+    assert await asyncio.wait_for(task, 60) == 0
