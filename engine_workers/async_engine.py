@@ -62,6 +62,9 @@ class AsyncEngine:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None, max_commands: int = 4096) -> None:
         self.engine = engine
         self.on_outputs = on_outputs  # called on the event loop with each step's outputs; settable
+        # Called on the engine thread after each step with (batched tokens, sequences); must be
+        # cheap and thread-safe (e.g. a prometheus histogram observe).
+        self.on_step: Callable[[int, int], None] | None = None
         self._commands: queue.Queue = queue.Queue(maxsize=max_commands)
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -162,8 +165,11 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                steps_before = self.engine.stats.steps
                 outputs = self.engine.step()
                 self._update_snapshot(outputs)
+                if self.on_step is not None and self.engine.stats.steps > steps_before:
+                    self.on_step(self.engine.stats.last_batch_tokens, self.engine.stats.last_batch_seqs)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # a crash of the step loop: fail everything loudly

@@ -120,6 +120,7 @@ class Worker:
             self.aengine, self._owns_engine = AsyncEngine(engine, on_outputs=self._on_outputs), True
         self.engine = self.aengine.engine
         self.metrics = WorkerMetrics(config.model, config.worker_id)
+        self.aengine.on_step = self.metrics.observe_step
         self.policy = IntakePolicy(config.intake_mode, config.aging_period_s, reference_time=time.time())
         self.intake: IntakeQueue[_Job] = IntakeQueue(self.policy)
         self.offsets: OffsetTracker[TopicPartition] = OffsetTracker()
@@ -188,6 +189,7 @@ class Worker:
             await self.aengine.stop()
         elif self.aengine.on_outputs == self._on_outputs:
             self.aengine.on_outputs = None
+            self.aengine.on_step = None
 
     async def drain(self, grace_s: float | None = None) -> bool:
         """SIGTERM path: stop taking work, finish what the engine holds (up to ``grace_s``, default
@@ -241,7 +243,7 @@ class Worker:
         return self.state == "started" and self.live() and bool(self._consumer and self._consumer.assignment())
 
     def render_metrics(self) -> bytes:
-        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth())
+        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
         return self.metrics.render()
 
     def _busy(self) -> bool:
@@ -395,7 +397,7 @@ class Worker:
                 self._left_engine(job)
                 self._finish(job, out)
         self.metrics.observe_tokens(prompt, generated)
-        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth())
+        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
         self._admit()
 
     def _finish(self, job: _Job, out: RequestOutput) -> None:
@@ -544,6 +546,14 @@ class Worker:
                 depth[j.req.tier] += 1
         return tuple(depth)
 
+    def running_by_tier(self) -> tuple[int, ...]:
+        """Requests the engine has started (first output seen) and not finished, per tier."""
+        running = [0] * NUM_TIERS
+        for j in self._jobs.values():
+            if j.admitted and j.started:
+                running[j.req.tier] += 1
+        return tuple(running)
+
     def status(self) -> WorkerStatus:
         snap, now = self.aengine.snapshot, time.time()
         engine_waiting = sum(1 for j in self._jobs.values() if j.admitted and not j.started)
@@ -560,7 +570,7 @@ class Worker:
         topic = self.config.layout.status_topic
         key = self.config.worker_id.encode()
         while True:
-            self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth())
+            self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
             try:
                 await self.bus.send(topic, encode(self.status()), key=key)
             except BusError as exc:

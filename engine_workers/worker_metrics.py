@@ -8,18 +8,21 @@ dashboards port by a prefix swap:
 ``lockgate:time_per_output_token_seconds`` histogram  model, tier — a.k.a. inter-token latency
 ``lockgate:e2e_request_latency_seconds``  histogram   model, tier — enqueue to finish
 ``lockgate:request_queue_time_seconds``   histogram   model, tier — enqueue to first scheduled
-``lockgate:num_requests_running``         gauge       model
+``lockgate:num_requests_running``         gauge       model, tier
 ``lockgate:num_requests_waiting``         gauge       model, tier — intake + engine queue
 ``lockgate:kv_cache_usage_perc``          gauge       model — 0..1, as vLLM
 ``lockgate:prompt_tokens_total``          counter     model
 ``lockgate:generation_tokens_total``      counter     model
-``lockgate:prefix_cache_queries_total``   counter     model — blocks looked up
-``lockgate:prefix_cache_hits_total``      counter     model — blocks found
+``lockgate:prefix_cache_queries_total``   counter     model — prompt tokens looked up
+``lockgate:prefix_cache_hits_total``      counter     model — prompt tokens found cached
 ``lockgate:num_preemptions_total``        counter     model
 ``lockgate:request_success_total``        counter     model, finished_reason (vLLM's label name)
 ``lockgate:iteration_tokens_total``       histogram   model — tokens per engine step (vLLM's name)
 ``lockgate:iteration_seqs``               histogram   model — sequences per engine step
 ========================================  ==========  ==========================================
+
+Tier labels are ``p0``/``p1``/``p2``, as on the edge. Batch-size histograms are observed by the
+engine thread once per step (prometheus-client is thread-safe).
 
 Plus lockgate-only counters: ``lockgate:request_errors_total`` (model, code) and
 ``lockgate:dead_letters_total``. The worker is identified by its scrape target (one registry and
@@ -43,6 +46,10 @@ BATCH_SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def tier_label(tier: int) -> str:
+    return f"p{int(tier)}"
+
+
 class WorkerMetrics:
     def __init__(self, model: str, worker_id: str) -> None:
         self.model = model
@@ -57,14 +64,14 @@ class WorkerMetrics:
                              mt, buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("lockgate:request_queue_time_seconds", "Queue time (enqueue to first scheduled).",
                                mt, buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("lockgate:num_requests_running", "Requests running in the engine.", m, registry=r)
+        self.running = Gauge("lockgate:num_requests_running", "Requests running in the engine.", mt, registry=r)
         self.waiting = Gauge("lockgate:num_requests_waiting", "Requests waiting (intake + engine queue).", mt,
                              registry=r)
         self.kv_usage = Gauge("lockgate:kv_cache_usage_perc", "KV-cache usage (0..1).", m, registry=r)
         self.prompt_tokens = Counter("lockgate:prompt_tokens", "Prompt tokens processed.", m, registry=r)
         self.generation_tokens = Counter("lockgate:generation_tokens", "Tokens generated.", m, registry=r)
-        self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prefix-cache block lookups.", m, registry=r)
-        self.prefix_hits = Counter("lockgate:prefix_cache_hits", "Prefix-cache block hits.", m, registry=r)
+        self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r)
+        self.prefix_hits = Counter("lockgate:prefix_cache_hits", "Prompt tokens found in the prefix cache.", m, registry=r)
         self.preemptions = Counter("lockgate:num_preemptions", "Preemptions (recompute).", m, registry=r)
         self.success = Counter("lockgate:request_success", "Finished requests.", ["model", "finished_reason"],
                                registry=r)
@@ -79,7 +86,7 @@ class WorkerMetrics:
 
     def observe_finished(self, tier: int, reason: str, queue: float, ttft: float | None, tpot: float | None,
                          e2e: float) -> None:
-        t = str(tier)
+        t = tier_label(tier)
         self.success.labels(self.model, reason).inc()
         self.queue.labels(self.model, t).observe(queue)
         self.e2e.labels(self.model, t).observe(e2e)
@@ -97,22 +104,25 @@ class WorkerMetrics:
     def observe_error(self, code: str) -> None:
         self.errors.labels(self.model, code).inc()
 
-    def observe_snapshot(self, snap: EngineSnapshot, waiting: tuple[int, ...]) -> None:
-        """Gauges from the latest engine snapshot, counters by their deltas since the last call,
-        batch histograms once per step seen (steps between two calls are not sampled)."""
+    def observe_step(self, tokens: int, seqs: int) -> None:
+        """Batch size of one engine step; called on the engine thread (AsyncEngine.on_step)."""
+        self.iteration_tokens.labels(self.model).observe(tokens)
+        self.iteration_seqs.labels(self.model).observe(seqs)
+
+    def observe_snapshot(self, snap: EngineSnapshot, waiting: tuple[int, ...], running: tuple[int, ...]) -> None:
+        """Gauges from the latest engine snapshot and the worker's per-tier counts, counters by
+        their deltas since the last call."""
         last, self._last = self._last, snap
-        self.running.labels(self.model).set(snap.running)
+        for tier, n in enumerate(running):
+            self.running.labels(self.model, tier_label(tier)).set(n)
         self.kv_usage.labels(self.model).set(snap.kv_usage)
         for tier, n in enumerate(waiting):
-            self.waiting.labels(self.model, str(tier)).set(n)
+            self.waiting.labels(self.model, tier_label(tier)).set(n)
         for counter, now, before in ((self.prefix_queries, snap.prefix_queries, last.prefix_queries),
                                      (self.prefix_hits, snap.prefix_hits, last.prefix_hits),
                                      (self.preemptions, snap.preemptions, last.preemptions)):
             if now > before:
                 counter.labels(self.model).inc(now - before)
-        if snap.steps > last.steps and snap.last_batch_seqs:
-            self.iteration_tokens.labels(self.model).observe(snap.last_batch_tokens)
-            self.iteration_seqs.labels(self.model).observe(snap.last_batch_seqs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
