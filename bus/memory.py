@@ -354,8 +354,11 @@ class MemoryConsumer(Consumer):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return []
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the wait completes, and a consume loop would then never end.
             try:
-                await asyncio.wait_for(self._event.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._event.wait()
             except TimeoutError:
                 return []
 

@@ -38,6 +38,7 @@ from bus.messages import (
     encode,
 )
 from bus.topics import TopicLayout
+from edge.router import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,9 @@ class FakeWorker:
     async def _consume(self, consumer) -> None:  # noqa: ANN001
         try:
             while True:
-                for rec in await consumer.getmany(timeout_ms=200):
+                records = await consumer.getmany(timeout_ms=200)
+                checkpoint()
+                for rec in records:
                     try:
                         req = decode(rec.value)
                     except DecodeError:
@@ -160,7 +163,9 @@ class FakeWorker:
     async def _control(self, consumer) -> None:  # noqa: ANN001
         try:
             while True:
-                for rec in await consumer.getmany(timeout_ms=200):
+                records = await consumer.getmany(timeout_ms=200)
+                checkpoint()
+                for rec in records:
                     try:
                         msg = decode(rec.value)
                     except DecodeError:

@@ -19,6 +19,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class EdgeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[str, str], tuple] = {}
         ml = ["model", "tier"]
         self.ttft = Histogram("lockgate:time_to_first_token_seconds",
                               "Edge-observed time from admission to the first output token.", ml,
@@ -52,6 +53,15 @@ class EdgeMetrics:
         self.cancels = Counter("lockgate:edge_cancels", "Cancel messages published, by reason.", ["reason"],
                                registry=r)
         self.live_workers = Gauge("lockgate:edge_live_workers", "Workers with a fresh heartbeat.", registry=r)
+
+    def per_request(self, labels: tuple[str, str]) -> tuple:
+        """(ttft, e2e, tpot, generation_tokens) children for ``labels`` = (model, tier), cached:
+        ``labels()`` is too slow to call once per token."""
+        c = self._children.get(labels)
+        if c is None:
+            c = self._children[labels] = (self.ttft.labels(*labels), self.e2e.labels(*labels),
+                                          self.tpot.labels(*labels), self.generation_tokens.labels(*labels))
+        return c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

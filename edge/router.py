@@ -24,7 +24,9 @@ import time
 from typing import TYPE_CHECKING
 
 from bus.base import Bus, Record
-from bus.messages import DecodeError, Error, Finished, TokenChunk, decode
+import orjson
+
+from bus.messages import SCHEMA_VERSION, DecodeError, Error, Finished, TokenChunk, decode
 
 if TYPE_CHECKING:
     from edge.auth import Principal
@@ -32,6 +34,17 @@ if TYPE_CHECKING:
     from edge.session import Session
 
 log = logging.getLogger(__name__)
+
+
+def checkpoint() -> None:
+    """Raise ``CancelledError`` if this task was cancelled but the cancellation got swallowed.
+
+    Python 3.11's ``asyncio.wait_for`` (used inside some ``getmany`` implementations) returns the
+    inner result instead of raising when the cancel arrives just as the inner await completes, so a
+    ``while True: await consumer.getmany()`` loop would never end. Every consume loop calls this."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class Stream:
@@ -58,6 +71,28 @@ class Stream:
         self.deadline = deadline  # loop time
         self.token_ids = token_ids
         self.ended = False
+
+
+_CHUNK_KEYS = frozenset(("v", "type", "request_id", "attempt", "seq", "token_ids", "text", "text_offset", "logprobs",
+                         "worker_id"))
+
+
+def decode_reply(value: bytes):  # noqa: ANN201
+    """Decode a reply record: a fast, equally strict path for ``TokenChunk`` (the hot record: one
+    per token), :func:`bus.messages.decode` for everything else. Raises ``DecodeError``."""
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return decode(value)  # raises a DecodeError saying why
+    if type(obj) is dict and obj.get("type") == "chunk" and obj.get("v") == SCHEMA_VERSION \
+            and obj.keys() <= _CHUNK_KEYS and obj.get("logprobs") is None:
+        rid, attempt, seq = obj.get("request_id"), obj.get("attempt"), obj.get("seq")
+        ids, text, off = obj.get("token_ids"), obj.get("text"), obj.get("text_offset")
+        if type(rid) is str and type(attempt) is int and type(seq) is int and type(ids) is list \
+                and all(type(t) is int for t in ids) and type(text) is str and type(off) is int \
+                and type(obj.get("worker_id", "")) is str:
+            return TokenChunk(rid, attempt, seq, tuple(ids), text, off, None, obj.get("worker_id", ""))
+    return decode(value)
 
 
 def dedupe(stream: Stream, chunk: TokenChunk) -> tuple[int, str, tuple[int, ...], tuple | None] | None:
@@ -111,6 +146,7 @@ class ReplyRouter:
         try:
             while True:
                 records = await consumer.getmany(timeout_ms=200, max_records=4096)
+                checkpoint()
                 if records:
                     now = time.time()
                     for rec in records:
@@ -121,7 +157,7 @@ class ReplyRouter:
 
     def _route(self, rec: Record, now: float) -> None:
         try:
-            msg = decode(rec.value)
+            msg = decode_reply(rec.value)
         except DecodeError as exc:
             self.metrics.bad_records.inc()
             log.warning("undecodable record on %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)

@@ -38,7 +38,7 @@ from edge.config import EdgeConfig
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.protocol import PromptEncoder
 from edge.ratelimit import RateLimiter
-from edge.router import ReplyRouter
+from edge.router import ReplyRouter, checkpoint
 from edge.session import Session
 from edge.shedding import LoadShedder
 
@@ -179,7 +179,9 @@ class Edge:
         await consumer.start()
         try:
             while True:
-                for rec in await consumer.getmany(timeout_ms=500, max_records=1024):
+                records = await consumer.getmany(timeout_ms=500, max_records=1024)
+                checkpoint()
+                for rec in records:
                     try:
                         msg = decode(rec.value)
                     except DecodeError:

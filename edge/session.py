@@ -128,19 +128,21 @@ class Session:
     # --- router callbacks (sync, never block) -------------------------------------------------
     def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple, logprobs: tuple | None) -> None:
         now = asyncio.get_running_loop().time()
+        ttft, _, _, gen = self.edge.metrics.per_request(s.labels)
         if s.first_at is None:
             s.first_at = now
-            self.edge.metrics.ttft.labels(*s.labels).observe(now - s.admitted_at)
-        self.edge.metrics.generation_tokens.labels(*s.labels).inc(len(token_ids))
+            ttft.observe(now - s.admitted_at)
+        gen.inc(len(token_ids))
         lp = [[list(p) for p in pos] for pos in logprobs] if logprobs is not None else None
         self.push(_Delta(s.client_id, seq, text, list(token_ids) if s.token_ids else None, lp))
 
     def on_finished(self, s: Stream, msg: Finished) -> None:
         now = asyncio.get_running_loop().time()
         m = self.edge.metrics
-        m.e2e.labels(*s.labels).observe(now - s.admitted_at)
+        _, e2e, tpot, _ = m.per_request(s.labels)
+        e2e.observe(now - s.admitted_at)
         if s.first_at is not None and s.next_seq > 1:
-            m.tpot.labels(*s.labels).observe((now - s.first_at) / (s.next_seq - 1))
+            tpot.observe((now - s.first_at) / (s.next_seq - 1))
         m.success.labels(*s.labels, msg.finish_reason).inc()
         usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": max(msg.num_tokens, s.next_seq),
                  "cached_tokens": msg.usage.cached_tokens}

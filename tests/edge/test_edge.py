@@ -313,6 +313,7 @@ async def test_slow_client_is_disconnected(encoder):
 async def test_start_stop_idempotent_and_embeddable(encoder):
     from bus import MemoryBus
     from edge.config import EdgeConfig
+    from edge.fake_worker import FakeWorker
     from edge.server import Edge
 
     bus = MemoryBus()
@@ -320,6 +321,8 @@ async def test_start_stop_idempotent_and_embeddable(encoder):
     edge = Edge(EdgeConfig(model="tiny", port=0), bus, encoder)
     await edge.start()
     await edge.start()
+    await FakeWorker(bus, "tiny").send_status()  # one heartbeat: a live worker
+    await wait_for(lambda: edge.readiness()[0])
     ws = await connect(url(edge))
     await edge.stop()
     await edge.stop()

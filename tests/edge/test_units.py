@@ -237,3 +237,18 @@ def test_coalesce_merges_consecutive_deltas_of_one_request():
     assert out[0] == {"type": "delta", "id": "a", "seq": 0, "text": "xy", "token_ids": [1, 2]}
     assert out[1] == "F"
     assert [o["text"] for o in out[2:]] == ["z", "q"]
+
+
+def test_fast_chunk_decode_matches_bus_decode():
+    from bus.messages import DecodeError, Finished, Usage, decode, encode
+    from edge.router import decode_reply
+
+    for msg in (TokenChunk("r", 1, 3, (5, 6), "héllo 🙂", 7, None, "w1"),
+                TokenChunk("r", 0, 0, (1,), "x", 0, ((( 1, -0.5),),), "w"),
+                Finished("r", 0, "stop", 3, Usage(1, 3))):
+        assert decode_reply(encode(msg)) == decode(encode(msg)) == msg
+    for bad in (b'{"v":1,"type":"chunk","request_id":"r","attempt":0,"seq":"0","token_ids":[1],"text":"","text_offset":0}',
+                b'{"v":1,"type":"chunk","request_id":"r","attempt":0,"seq":0,"token_ids":[1],"text":"","text_offset":0,"x":1}',
+                b"nope"):
+        with pytest.raises(DecodeError):
+            decode_reply(bad)
