@@ -308,69 +308,110 @@ def decode_as(cls: type, data: bytes) -> Any:
 
 
 # --- generic, strict dict -> dataclass conversion -------------------------------------------------
+# Converters are compiled once per type (typing introspection is slow); a record then costs one
+# closure call per field. Paths for error messages are built only when something is wrong.
 
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    h = _HINTS.get(cls)
-    if h is None:
-        h = _HINTS[cls] = typing.get_type_hints(cls)
-    return h
+Converter = typing.Callable[[Any, str], Any]
+_CONVERTERS: dict[Any, Converter] = {}
 
 
 def _build(cls: type, obj: Any, path: str) -> Any:
-    if not isinstance(obj, dict):
-        raise DecodeError(f"{path}: expected an object, got {type(obj).__name__}")
-    hints = _hints(cls)
-    kwargs = {}
-    names = set()
-    for f in fields(cls):
-        names.add(f.name)
-        if f.name in obj:
-            kwargs[f.name] = _convert(hints[f.name], obj[f.name], f"{path}.{f.name}")
-    unknown = set(obj) - names
-    if unknown:
-        raise DecodeError(f"{path}: unknown field(s) {sorted(unknown)}")
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # missing required fields
-        raise DecodeError(f"{path}: {exc}") from None
+    return _converter(cls)(obj, path)
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _converter(tp: Any) -> Converter:
+    conv = _CONVERTERS.get(tp)
+    if conv is None:
+        conv = _CONVERTERS[tp] = _compile(tp)
+    return conv
+
+
+def _compile(tp: Any) -> Converter:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise DecodeError(f"{path}: must not be null")
-        inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value, path)
+        nullable = type(None) in args
+        inner = _converter(next(a for a in args if a is not type(None)))
+
+        def union(value: Any, path: str) -> Any:
+            if value is None:
+                if nullable:
+                    return None
+                raise DecodeError(f"{path}: must not be null")
+            return inner(value, path)
+
+        return union
     if origin is tuple:
-        if not isinstance(value, list):
-            raise DecodeError(f"{path}: expected a list, got {type(value).__name__}")
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise DecodeError(f"{path}: expected {len(args)} items, got {len(value)}")
-        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            item = _converter(args[0])
+            exact = args[0] if args[0] in (int, str) else None  # token ids, stop strings: check in bulk
+
+            def var_tuple(value: Any, path: str) -> Any:
+                if not isinstance(value, list):
+                    raise DecodeError(f"{path}: expected a list, got {type(value).__name__}")
+                if exact is not None and all(v.__class__ is exact for v in value):
+                    return tuple(value)
+                return tuple([item(v, f"{path}[{i}]") for i, v in enumerate(value)])
+
+            return var_tuple
+        items = [_converter(a) for a in args]
+
+        def fixed_tuple(value: Any, path: str) -> Any:
+            if not isinstance(value, list):
+                raise DecodeError(f"{path}: expected a list, got {type(value).__name__}")
+            if len(items) != len(value):
+                raise DecodeError(f"{path}: expected {len(items)} items, got {len(value)}")
+            return tuple([c(v, f"{path}[{i}]") for i, (c, v) in enumerate(zip(items, value))])
+
+        return fixed_tuple
     if tp is Any:
-        return value
+        return lambda value, path: value
     if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
-        return _build(tp, value, path)
+        return _compile_dataclass(tp)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise DecodeError(f"{path}: expected a number, got {type(value).__name__}")
-        return float(value)
+        def number(value: Any, path: str) -> float:
+            if value.__class__ is float:
+                return value
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise DecodeError(f"{path}: expected a number, got {type(value).__name__}")
+            return float(value)
+
+        return number
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise DecodeError(f"{path}: expected an integer, got {type(value).__name__}")
-        return value
+        def integer(value: Any, path: str) -> int:
+            if value.__class__ is not int:
+                raise DecodeError(f"{path}: expected an integer, got {type(value).__name__}")
+            return value
+
+        return integer
     if tp in (str, bool):
-        if not isinstance(value, tp):
-            raise DecodeError(f"{path}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
-    raise DecodeError(f"{path}: unsupported field type {tp!r}")
+        def exact(value: Any, path: str) -> Any:
+            if value.__class__ is not tp:
+                raise DecodeError(f"{path}: expected {tp.__name__}, got {type(value).__name__}")
+            return value
+
+        return exact
+    raise TypeError(f"unsupported field type {tp!r}")
+
+
+def _compile_dataclass(cls: type) -> Converter:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    known = frozenset(names)
+    plan: list[tuple[str, Converter]] = []
+    _CONVERTERS[cls] = lambda value, path: build(value, path)  # recursion guard for self-reference
+
+    def build(obj: Any, path: str) -> Any:
+        if obj.__class__ is not dict:
+            raise DecodeError(f"{path}: expected an object, got {type(obj).__name__}")
+        if not known.issuperset(obj):
+            raise DecodeError(f"{path}: unknown field(s) {sorted(set(obj) - known)}")
+        kwargs = {name: conv(obj[name], path + "." + name) for name, conv in plan if name in obj}
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # missing required fields
+            raise DecodeError(f"{path}: {exc}") from None
+
+    plan.extend((name, _converter(hints[name])) for name in names)
+    return build
