@@ -17,8 +17,9 @@ which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward
   order (:class:`ReplySender`: one task per request with something to send, never blocking the
   engine).
 * **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
-  commits its low watermark (:class:`OffsetTracker`). Revoked partitions: their requests are
-  aborted and forgotten (the new owner re-runs them from the committed offset).
+  commits its low watermark. Revoked partitions: their requests are aborted and forgotten (the new
+  owner re-runs them from the committed offset). Jobs, offsets, commits and rebalance are kept by
+  the :class:`RequestLedger` (``engine_workers.ledger``).
 * **control** — a group-less consumer of the control topic from ``latest``: ``Cancel`` aborts the
   request (intake or engine, freeing KV within one engine step).
 * **heartbeat** — ``WorkerStatus`` every ``heartbeat_s``; Prometheus metrics; optional
@@ -39,6 +40,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from bus.base import Bus, BusError, TopicPartition
@@ -49,8 +51,9 @@ from bus.topics import TopicLayout, safe_name
 from engine_workers.async_engine import AsyncEngine
 from engine_workers.engine import Engine, RequestOutput
 from engine_workers.health import HealthServer
-from engine_workers.intake import (DEFAULT_AGING_PERIOD_S, NUM_TIERS, IntakeMode, IntakePolicy, IntakeQueue, Pending,
-                                   RateMeter, estimate_wait)
+from engine_workers.intake import (DEFAULT_AGING_PERIOD_S, NUM_TIERS, IntakeMode, IntakePolicy, IntakeQueue, RateMeter,
+                                   estimate_wait)
+from engine_workers.ledger import Job, RequestLedger
 from engine_workers.offsets import OffsetTracker
 from engine_workers.reply_sender import ReplySender
 from engine_workers.worker_metrics import CONTENT_TYPE, WorkerMetrics
@@ -91,21 +94,6 @@ class WorkerConfig:
         return self.group_id or f"{self.layout.namespace}.workers.{safe_name(self.model)}"
 
 
-@dataclass(slots=True, eq=False)
-class _Job:
-    eid: str  # engine request id: unique per worker even when a request id comes back
-    req: InferenceRequest
-    tp: TopicPartition | None
-    offset: int
-    arrival: float  # wall clock: enqueued_at (fetch time when unset or in the future)
-    blocks: int  # KV blocks the prompt (+1 token) needs
-    pending: Pending | None = None  # while in the intake
-    admitted: bool = False  # handed to the engine, final output not seen yet
-    started: bool = False  # first output seen (its KV is in the engine's free-block count)
-    closing: bool = False  # final reply queued
-    lost: bool = False  # partition revoked: publish nothing more
-
-
 class Worker:
     """See the module docstring. ``engine``: an :class:`Engine` (the worker wraps and owns an
     :class:`AsyncEngine`) or an :class:`AsyncEngine` (started if needed, never stopped here)."""
@@ -122,19 +110,15 @@ class Worker:
         self.metrics = WorkerMetrics(config.model, config.worker_id)
         self.aengine.on_step = self.metrics.observe_step
         self.policy = IntakePolicy(config.intake_mode, config.aging_period_s, reference_time=time.time())
-        self.intake: IntakeQueue[_Job] = IntakeQueue(self.policy)
-        self.offsets: OffsetTracker[TopicPartition] = OffsetTracker()
+        self.intake: IntakeQueue[Job] = IntakeQueue(self.policy)
+        self.ledger = RequestLedger(config.worker_id, config.revoke_flush_s, on_lost=self._release)
+        self.offsets: OffsetTracker[TopicPartition] = self.ledger.offsets
         self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed)
         self._dlq = DeadLetterer(bus, config.layout)
         self._topics = config.layout.request_topics(config.model)
-        self._jobs: dict[str, _Job] = {}
-        self._by_rid: dict[str, set[str]] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._revoking: set[TopicPartition] = set()
         self._admissions = RateMeter()
         self._eids = itertools.count()
-        self._in_engine = 0
-        self._reserved_blocks = 0
         self._consumer = None
         self._control = None
         self._tasks: list[asyncio.Task] = []
@@ -154,7 +138,8 @@ class Worker:
             self._control = self.bus.consumer([self.config.layout.control_topic], start_from="latest")
             await self._control.start()
             self._consumer = self.bus.consumer(self._topics, group_id=self.config.group, start_from="earliest",
-                                               on_assigned=self._on_assigned, on_revoked=self._on_revoked)
+                                               on_assigned=self.ledger.on_assigned, on_revoked=self.ledger.on_revoked)
+            self.ledger.consumer = self._consumer
             await self._consumer.start()
             if self.config.metrics_port is not None:
                 self._health = HealthServer(self.config.metrics_host, self.config.metrics_port, live=self.live,
@@ -201,12 +186,12 @@ class Worker:
         self.state = "draining"
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         for p in self.intake.remove_if(lambda p: True):
-            self._forget(p.item)  # stays in flight in the offset tracker: never committed here
+            self.ledger.forget(p.item)  # stays in flight in the offset tracker: never committed here
         deadline = time.monotonic() + grace
-        while self._busy() and time.monotonic() < deadline:
+        while self.ledger.busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        done = not self._busy()
-        await self._commit()
+        done = not self.ledger.busy()
+        await self.ledger.commit()
         log.info("worker %s drained (%s)", self.config.worker_id, "complete" if done else f"grace {grace:g}s over")
         await self.stop()
         return done
@@ -246,9 +231,6 @@ class Worker:
         self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
         return self.metrics.render()
 
-    def _busy(self) -> bool:
-        return any(j.admitted or j.closing for j in self._jobs.values())
-
     # -- intake -----------------------------------------------------------------------------------
 
     async def _intake_loop(self) -> None:
@@ -264,14 +246,14 @@ class Worker:
             for rec in records:
                 await self._on_record(rec)
             self._admit()
-            await self._commit()
+            await self.ledger.commit()
 
     def _room(self) -> int:
         """Free engine sequence slots (0 when the KV blocks are all spoken for)."""
-        snap = self.aengine.snapshot
-        if self._in_engine and snap.kv_blocks_free - self._reserved_blocks <= 0:
+        snap, ledger = self.aengine.snapshot, self.ledger
+        if ledger.in_engine and snap.kv_blocks_free - ledger.reserved_blocks <= 0:
             return 0
-        return max(0, self.engine.config.max_num_seqs - self._in_engine)
+        return max(0, self.engine.config.max_num_seqs - ledger.in_engine)
 
     def _fetch_room(self) -> int:
         limit = self.config.prefetch_per_tier + self._room()
@@ -292,9 +274,8 @@ class Worker:
 
     async def _on_record(self, rec) -> None:
         tp = rec.tp
-        if self.offsets.seen(tp, rec.offset):
+        if not self.ledger.fetched(tp, rec.offset):
             return  # re-delivered after a rebalance that left us the partition: we have it
-        self.offsets.track(tp, rec.offset)
         if self.state != "started":
             return  # draining: stays uncommitted
         msg = await self._dlq.decode(rec)
@@ -308,10 +289,9 @@ class Worker:
         now = time.time()
         arrival = msg.enqueued_at if 0 < msg.enqueued_at <= now else now
         bs = self.engine.config.block_size
-        job = _Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
-                   -(-(len(msg.prompt_token_ids) + 1) // bs))
-        self._jobs[job.eid] = job
-        self._by_rid.setdefault(msg.request_id, set()).add(job.eid)
+        job = Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
+                  -(-(len(msg.prompt_token_ids) + 1) // bs))
+        self.ledger.add(job)
         if safe_name(msg.model) != safe_name(self.config.model):
             self._reply_error(job, ErrorCode.INVALID_REQUEST, f"model {msg.model!r} is not served here ({self.config.model!r})")
         elif msg.request_id in self._cancelled:
@@ -331,19 +311,18 @@ class Worker:
         for p in self.intake.expire(now):
             p.item.pending = None
             self._reply_error(p.item, ErrorCode.EXPIRED, f"deadline passed {now - p.deadline:.3f}s before admission")
+        ledger = self.ledger
         while (p := self.intake.peek()) is not None:
             job = p.item
-            if self._in_engine and (self._room() == 0 or
-                                    job.blocks + self._reserved_blocks > self.aengine.snapshot.kv_blocks_free):
+            if ledger.in_engine and (self._room() == 0 or
+                                     job.blocks + ledger.reserved_blocks > self.aengine.snapshot.kv_blocks_free):
                 break
             self.intake.pop()
             job.pending = None
             self._submit(job)
 
-    def _submit(self, job: _Job) -> None:
-        job.admitted = True
-        self._in_engine += 1
-        self._reserved_blocks += job.blocks
+    def _submit(self, job: Job) -> None:
+        self.ledger.admitted(job)
         self._admissions.record(time.time())
         r = job.req
         arrival_mono = job.arrival - (time.time() - time.monotonic())
@@ -357,18 +336,11 @@ class Worker:
 
         fut.add_done_callback(done)
 
-    def _on_rejected(self, job: _Job, exc: BaseException) -> None:
-        self._left_engine(job)
+    def _on_rejected(self, job: Job, exc: BaseException) -> None:
+        self.ledger.left_engine(job)
         code = ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
         self._reply_error(job, code, str(exc))
         self._admit()
-
-    def _left_engine(self, job: _Job) -> None:
-        if job.admitted:
-            job.admitted = False
-            self._in_engine -= 1
-            if not job.started:
-                self._reserved_blocks -= job.blocks
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -376,31 +348,30 @@ class Worker:
         """AsyncEngine callback, on the event loop: publish (non-blocking), then admit more."""
         prompt = generated = 0
         for out in outputs:
-            job = self._jobs.get(out.request_id)
+            job = self.ledger.get(out.request_id)
             if job is None:
                 continue
             if not job.started and job.admitted and out.token_ids:
-                job.started = True
-                self._reserved_blocks -= job.blocks
+                self.ledger.started(job)
                 prompt += out.num_prompt_tokens
             generated += len(out.token_ids)
             if job.lost:
                 if out.finished:
-                    self._left_engine(job)
-                    self._forget(job)
+                    self.ledger.left_engine(job)
+                    self.ledger.forget(job)
                 continue
             r = job.req
             if out.token_ids or out.text:
                 self.replies.chunk(job.eid, r.reply_to, r.request_id, r.attempt, out.seq, out.token_ids, out.text,
                                    out.text_offset, out.logprobs)
             if out.finished:
-                self._left_engine(job)
+                self.ledger.left_engine(job)
                 self._finish(job, out)
         self.metrics.observe_tokens(prompt, generated)
         self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
         self._admit()
 
-    def _finish(self, job: _Job, out: RequestOutput) -> None:
+    def _finish(self, job: Job, out: RequestOutput) -> None:
         t, n = out.times, out.num_output_tokens
         timings = Timings()
         ttft = tpot = None
@@ -416,45 +387,32 @@ class Worker:
         msg = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.config.worker_id)
         self._close(job, msg)
 
-    def _reply_error(self, job: _Job, code: str, message: str) -> None:
+    def _reply_error(self, job: Job, code: str, message: str) -> None:
         self.metrics.observe_error(code)
         r = job.req
         self._close(job, Error(r.request_id, code, message, r.attempt, worker_id=self.config.worker_id))
 
-    def _reply_unrun(self, job: _Job, reason: str) -> None:
+    def _reply_unrun(self, job: Job, reason: str) -> None:
         r = job.req
         self._close(job, Finished(r.request_id, r.attempt, reason, 0, Usage(len(r.prompt_token_ids), 0),
                                   worker_id=self.config.worker_id))
 
-    def _close(self, job: _Job, msg: Finished | Error) -> None:
+    def _close(self, job: Job, msg: Finished | Error) -> None:
         job.closing = True
-        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, encode(msg), lambda: self._done(job))
-
-    def _done(self, job: _Job) -> None:
-        """The final reply is acknowledged: the record's offset may be committed."""
-        self._forget(job)
-        if not job.lost and job.tp is not None:
-            self.offsets.finish(job.tp, job.offset)
-
-    def _forget(self, job: _Job) -> None:
-        self._jobs.pop(job.eid, None)
-        eids = self._by_rid.get(job.req.request_id)
-        if eids is not None:
-            eids.discard(job.eid)
-            if not eids:
-                del self._by_rid[job.req.request_id]
+        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, encode(msg),
+                           lambda: self.ledger.answered(job))
 
     def _on_send_failed(self, eid: str) -> None:
-        job = self._jobs.get(eid)
+        job = self.ledger.get(eid)
         if job is not None:  # left in flight: never committed here, re-run after a restart/rebalance
             log.error("worker %s: replies of %s could not be sent; leaving it uncommitted", self.config.worker_id, eid)
             job.lost = True
             if job.admitted:
                 self.aengine.abort(job.eid)
             else:
-                self._forget(job)
+                self.ledger.forget(job)
 
-    # -- cancel, rebalance, commit ----------------------------------------------------------------
+    # -- cancel, rebalance ------------------------------------------------------------------------
 
     def cancel(self, request_id: str) -> int:
         """Abort ``request_id`` wherever it is here; remember it for a while (it may arrive later)."""
@@ -462,14 +420,13 @@ class Worker:
         while len(self._cancelled) > RECENT_CANCELS:
             self._cancelled.popitem(last=False)
         n = 0
-        for eid in list(self._by_rid.get(request_id, ())):
-            job = self._jobs[eid]
+        for job in self.ledger.of_request(request_id):
             if job.pending is not None and self.intake.remove(job.pending):
                 job.pending = None
                 self._reply_unrun(job, FinishReason.ABORT)
                 n += 1
             elif job.admitted and not job.closing:
-                self.aengine.abort(eid)  # frees its KV before the next step; Finished(abort) follows
+                self.aengine.abort(job.eid)  # frees its KV before the next step; Finished(abort) follows
                 n += 1
         return n
 
@@ -491,72 +448,34 @@ class Worker:
                 if isinstance(msg, Cancel):
                     self.cancel(msg.request_id)
 
-    async def _on_revoked(self, tps: set[TopicPartition]) -> None:
-        """Eager rebalance, phase 1: commit what is done on these partitions (after a short wait
-        for final replies in flight); their requests keep running until :meth:`_on_assigned` says
-        which partitions moved away."""
-        self._revoking |= tps
-        deadline = time.monotonic() + self.config.revoke_flush_s
-        while time.monotonic() < deadline and any(j.closing and j.tp in tps for j in self._jobs.values()):
-            await asyncio.sleep(0.01)
-        await self._commit(tps)
-
-    async def _on_assigned(self, tps: set[TopicPartition]) -> None:
-        lost, self._revoking = self._revoking - tps, set()
-        if not lost:
-            return
+    def _release(self, lost: Set[TopicPartition]) -> None:
+        """The ledger's ``on_lost`` (rebalance moved ``lost`` away): drop their queued requests,
+        abort the admitted ones and publish nothing more for them; the new owner re-runs them."""
         for p in self.intake.remove_if(lambda p: p.item.tp in lost):
             p.item.pending = None
-            self._forget(p.item)
-        for job in list(self._jobs.values()):
-            if job.tp in lost and not job.lost:
+            self.ledger.forget(p.item)
+        for job in self.ledger.on_partitions(lost):
+            if not job.lost:
                 job.lost = True
                 self.replies.drop(job.eid)
                 if job.admitted:
                     self.aengine.abort(job.eid)  # its final output is swallowed
                 else:
-                    self._forget(job)
-        self.offsets.forget(lost)
-        log.info("worker %s lost %d partitions; their requests were aborted here", self.config.worker_id, len(lost))
-
-    async def _commit(self, only: set[TopicPartition] | None = None) -> None:
-        offsets = self.offsets.committable()
-        if only is not None:
-            offsets = {tp: o for tp, o in offsets.items() if tp in only}
-        if not offsets or self._consumer is None:
-            return
-        mine = self._consumer.assignment()
-        offsets = {tp: o for tp, o in offsets.items() if tp in mine}
-        if not offsets:
-            return
-        try:
-            await self._consumer.commit(offsets)
-        except BusError as exc:
-            log.warning("worker %s: commit failed (%s); will retry", self.config.worker_id, exc)
-        else:
-            self.offsets.committed(offsets)
+                    self.ledger.forget(job)
 
     # -- status -----------------------------------------------------------------------------------
 
     def queue_depth(self) -> tuple[int, ...]:
         """Waiting requests per tier: in the intake plus admitted but not yet running."""
-        depth = list(self.intake.depth())
-        for j in self._jobs.values():
-            if j.admitted and not j.started:
-                depth[j.req.tier] += 1
-        return tuple(depth)
+        return self.ledger.queue_depth(self.intake.depth())
 
     def running_by_tier(self) -> tuple[int, ...]:
         """Requests the engine has started (first output seen) and not finished, per tier."""
-        running = [0] * NUM_TIERS
-        for j in self._jobs.values():
-            if j.admitted and j.started:
-                running[j.req.tier] += 1
-        return tuple(running)
+        return self.ledger.running_by_tier()
 
     def status(self) -> WorkerStatus:
         snap, now = self.aengine.snapshot, time.time()
-        engine_waiting = sum(1 for j in self._jobs.values() if j.admitted and not j.started)
+        engine_waiting = self.ledger.engine_waiting()
         rate = self._admissions.rate(now)
         est = tuple(estimate_wait(self.intake.ahead_of(t, now) + engine_waiting if self._room() == 0 else 0, rate)
                     for t in range(NUM_TIERS))
