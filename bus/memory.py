@@ -354,13 +354,15 @@ class MemoryConsumer(Consumer):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return []
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-            # arrives as the wait completes, and a consume loop would then never end.
+            # Neither wait_for nor asyncio.timeout: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the wait completes, and asyncio.timeout can leave a stray cancellation
+            # pending when the wait completes as the timer fires. asyncio.wait never cancels or
+            # swallows anything: the caller's cancellation propagates as sent.
+            waiter = loop.create_task(self._event.wait())
             try:
-                async with asyncio.timeout(remaining):
-                    await self._event.wait()
-            except TimeoutError:
-                return []
+                await asyncio.wait((waiter,), timeout=remaining)
+            finally:
+                waiter.cancel()
 
     def _take(self, limit: int) -> list[Record]:
         """Read up to ``limit`` records, round-robin over partitions; advances positions (sync)."""

@@ -44,3 +44,17 @@ def default_model_dir() -> str:
     from engine_workers.model_store import ensure_default_model
 
     return str(ensure_default_model())
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """``gpu`` tests run where CUDA exists and are skipped (with the reason) elsewhere."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in gpu_items:
+        item.add_marker(skip)
