@@ -92,7 +92,6 @@ class Session:
         self.send_since: float | None = None  # loop time the current socket write started
         self.closing = False
         self._close_task: asyncio.Task | None = None
-        self._writer_task: asyncio.Task | None = None
 
     # --- outbound -----------------------------------------------------------------------------
     def push(self, item: bytes | _Delta) -> bool:
@@ -113,19 +112,7 @@ class Session:
         if code == CLOSE_SLOW:
             self.edge.metrics.slow_disconnects.inc()
             log.info("closing slow client %s (%s)", self.principal.tenant, reason)
-        self._close_task = asyncio.get_running_loop().create_task(self._close(code, reason))
-
-    async def _close(self, code: int, reason: str) -> None:
-        """Close handshake, bounded. A client that stopped reading leaves our writer blocked in
-        ``send`` (write buffer full) and the close frame queued behind it: stop the writer first,
-        and if the handshake still does not finish in time, abort the TCP connection."""
-        if self._writer_task is not None:
-            self._writer_task.cancel()
-        try:
-            async with asyncio.timeout(self.edge.config.close_timeout_s + 1.0):
-                await self.ws.close(code, reason)
-        except TimeoutError:
-            self.ws.transport.abort()
+        self._close_task = asyncio.get_running_loop().create_task(self.ws.close(code, reason))
 
     async def _writer(self) -> None:
         q, ws, loop = self.queue, self.ws, asyncio.get_running_loop()
@@ -186,7 +173,7 @@ class Session:
 
     # --- inbound ------------------------------------------------------------------------------
     async def run(self) -> None:
-        writer = self._writer_task = asyncio.get_running_loop().create_task(self._writer())
+        writer = asyncio.get_running_loop().create_task(self._writer())
         try:
             async for message in self.ws:
                 if self.closing:
