@@ -10,7 +10,6 @@ import json
 import websockets
 
 from bus.messages import SamplingParams
-from engine_workers.commands import add_engine_args
 from engine_workers.config import EngineConfig
 from engine_workers.engine import Engine
 from engine_workers.serve import register, run_embedded
@@ -40,7 +39,7 @@ async def test_embedded_platform_streams_engine_output(tiny_model_dir):
             elif msg["type"] in ("done", "error"):
                 break
     assert msg["type"] == "done", msg
-    assert seqs == list(range(len(seqs)))
+    assert seqs[0] == 0 and seqs == sorted(set(seqs))  # in order; the edge may merge deltas
     engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=8 << 20))
     (ref,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=24))
     assert "".join(text) == ref.text
