@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from engine_workers.prompts import PromptTokenizer
 
 MAX_ID_LEN = 128
 MAX_MESSAGES = 512
@@ -202,41 +203,20 @@ def error_frame(code: str, message: str, *, id: str | None = None, request_id: s
 
 # --- tokenization -------------------------------------------------------------------------------
 
-class PromptEncoder:
-    """Chat template + tokenizer of the served model, and its context length.
+class PromptEncoder(PromptTokenizer):
+    """The served model's :class:`~engine_workers.prompts.PromptTokenizer`, raising the edge's
+    :class:`ProtocolError`.
 
     ``encode`` is CPU-bound (a few ms for long prompts); callers run big prompts in a thread.
     HF fast tokenizers are thread-safe for encoding.
     """
-
-    def __init__(self, tokenizer: Any, context_len: int) -> None:
-        self.tokenizer = tokenizer
-        self.context_len = context_len
-
-    @classmethod
-    def from_path(cls, path: str) -> "PromptEncoder":
-        import json
-        from pathlib import Path
-
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(path)
-        cfg = json.loads((Path(path) / "config.json").read_text())
-        ctx = int(cfg.get("max_position_embeddings") or getattr(tok, "model_max_length", 2048))
-        return cls(tok, ctx)
 
     def encode(self, frame: Generate) -> list[int]:
         """Token ids of the prompt. Raises :class:`ProtocolError` (field ``messages``/``prompt``)
         when the template fails or the prompt does not fit the context."""
         field = "messages" if frame.messages is not None else "prompt"
         try:
-            if frame.messages is not None:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in frame.messages],
-                    tokenize=False, add_generation_prompt=True)
-            else:
-                text = frame.prompt
-            ids = list(self.tokenizer(text, add_special_tokens=frame.messages is None)["input_ids"])
+            ids = self.chat_ids(frame.messages) if frame.messages is not None else self.text_ids(frame.prompt)
         except Exception as exc:  # template/tokenizer errors are the input's fault
             raise ProtocolError(f"cannot tokenize {field}: {str(exc)[:200]}", field, frame.id) from None
         if not ids:

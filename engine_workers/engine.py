@@ -19,6 +19,7 @@ from bus.messages import FinishReason, SamplingParams
 from engine_workers.config import EngineConfig
 from engine_workers.detokenizer import IncrementalDetokenizer
 from engine_workers.loader import load_model
+from engine_workers.prompts import PromptTokenizer
 from engine_workers.runner import ModelRunner, kv_budget_blocks, resolve_dtype
 from engine_workers.sampler import Sampler, TokenLogprobs, make_generator
 from engine_workers.scheduler import Scheduler, SchedulerConfig
@@ -90,6 +91,7 @@ class Engine:
         loaded = load_model(config.model, self.dtype, self.device, config.max_model_len)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self.prompts = PromptTokenizer(loaded.tokenizer, loaded.spec.max_position_embeddings)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         num_blocks = kv_budget_blocks(loaded.spec, config.block_size, self.dtype, self.device,
                                       config.kv_cache_bytes, config.kv_cache_memory_fraction)
@@ -113,16 +115,17 @@ class Engine:
     # -- input ------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: Iterable | None = None) -> list[int]:
+        """Token ids for a request: chat messages through the template, text through the
+        tokenizer (both via :class:`PromptTokenizer`, exactly as the edge does), ids as given."""
         if messages is not None:
-            msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+            msgs = list(messages)
             if not msgs:
                 raise ValueError("messages must not be empty")
-            ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return self.prompts.chat_ids(msgs)
         if prompt is None:
             raise ValueError("prompt is required (text or token ids)")
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+            return self.prompts.text_ids(prompt)
         return list(prompt)
 
     def add_request(
