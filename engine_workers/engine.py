@@ -99,7 +99,7 @@ class Engine:
                                  loaded.spec.max_position_embeddings, num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs), self.max_model_len,
+            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs),
                             config.long_prefill_token_threshold),
             self.kv,
         )

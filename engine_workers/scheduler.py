@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_workers.sequence import Sequence, SeqStatus
@@ -30,16 +29,13 @@ from kv_store import KVCacheManager
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # cap one prompt's chunk per step (0 = no cap)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < self.max_num_seqs and self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,9 +177,7 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
         return out
 
-    def on_step_done(self, out: SchedulerOutput, on_computed: Callable[[Sequence], None] | None = None) -> None:
+    def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the runner executed ``out`` (before sampling is applied)."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            if on_computed is not None:
-                on_computed(item.seq)

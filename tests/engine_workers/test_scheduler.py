@@ -10,7 +10,7 @@ from kv_store import KVCacheManager
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=16):
     kv = KVCacheManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_seqs, budget, 4096), kv), kv
+    return Scheduler(SchedulerConfig(max_seqs, budget), kv), kv
 
 
 def seq(name, n_prompt, priority=0.0):
