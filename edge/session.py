@@ -9,7 +9,8 @@ Concurrency contract:
   appends to the bounded send queue (``send_queue_frames`` items).
 * Slow-client policy: the connection is closed with 1008 ("client too slow") when the send queue is
   full, or when one write to the socket has been blocked for more than ``slow_client_grace_s``
-  (checked by the edge's sweep, every 0.25 s). Its requests are cancelled. Nothing is buffered
+  (checked by the edge's sweep, every 0.25 s); a client that does not take the close frame within
+  ``close_timeout_s`` has its TCP connection aborted. Its requests are cancelled. Nothing is buffered
   beyond the queue and the socket's write buffer (websockets' ``write_limit``).
 * When :meth:`run` returns (client gone, closed, or the task cancelled), every request still in
   flight is ended and a :class:`~bus.messages.Cancel` is published for it (reason ``disconnect``).
@@ -112,7 +113,19 @@ class Session:
         if code == CLOSE_SLOW:
             self.edge.metrics.slow_disconnects.inc()
             log.info("closing slow client %s (%s)", self.principal.tenant, reason)
-        self._close_task = asyncio.get_running_loop().create_task(self.ws.close(code, reason))
+        self._close_task = asyncio.get_running_loop().create_task(self._close(code, reason))
+
+    async def _close(self, code: int, reason: str) -> None:
+        """The closing handshake, bounded by ``close_timeout_s``. websockets' ``close()`` first
+        drains the socket's write buffer, which never ends for a client that stopped reading (its
+        own ``close_timeout`` only starts after that drain), so past the bound the TCP connection is
+        aborted. Either way :meth:`run`'s read loop then ends and cancels the requests."""
+        close = asyncio.ensure_future(self.ws.close(code, reason))
+        # asyncio.wait, not wait_for: see edge.router.checkpoint for 3.11's wait_for race.
+        done, _ = await asyncio.wait({close}, timeout=self.edge.config.close_timeout_s)
+        if not done:
+            self.ws.transport.abort()
+        await asyncio.gather(close, return_exceptions=True)
 
     async def _writer(self) -> None:
         q, ws, loop = self.queue, self.ws, asyncio.get_running_loop()

@@ -290,24 +290,26 @@ async def test_oversize_frame_closes_1009(encoder):
 
 async def test_slow_client_is_disconnected(encoder):
     big = "x" * 4096 + " "
+    # step_s: every request streams for >= 5 s, so all 8 are still in flight when the edge gives up
+    # on the client (a worker that finished them first would leave nothing to cancel).
     async with running_edge(encoder, send_queue_frames=8, slow_client_grace_s=0.3, close_timeout_s=0.5,
-                            worker_kw={"token_text": lambda p, i: big}) as (edge, fw):
+                            worker_kw={"token_text": lambda p, i: big, "step_s": 0.005}) as (edge, fw):
         # max_queue=1: the client stops reading from the socket as soon as one frame is waiting.
-        ws = await client(edge, max_queue=1)
-        for i in range(8):
-            await send(ws, gen(f"s{i}", 1000))
-        await wait_for(lambda: 'lockgate:edge_slow_client_disconnects_total 1.0' in edge.metrics.render().decode(),
-                       timeout=20)
-        await wait_for(lambda: not edge.sessions and not edge.router.streams, timeout=10)
-        await wait_for(lambda: len({c.request_id for c in fw.cancels}) >= 1)
-        assert all(c.reason == "disconnect" for c in fw.cancels)
-        # the edge did not buffer without bound and is still serving others
-        async with client(edge) as ok:
-            await send(ok, gen("fine", 3))
-            await recv(ok)
-            _, _, done = await collect(ok, "fine")
-            assert done["type"] == "done"
-        await ws.close()
+        async with client(edge, max_queue=1) as ws:
+            for i in range(8):
+                await send(ws, gen(f"s{i}", 1000))
+            await wait_for(lambda: 'lockgate:edge_slow_client_disconnects_total 1.0' in edge.metrics.render().decode(),
+                           timeout=20)
+            await wait_for(lambda: not edge.sessions and not edge.router.streams, timeout=10)
+            await wait_for(lambda: len({c.request_id for c in fw.cancels}) == 8)
+            assert all(c.reason == "disconnect" for c in fw.cancels)
+            await wait_for(lambda: not fw.running)  # the worker stopped generating for the gone client
+            # the edge did not buffer without bound and is still serving others
+            async with client(edge) as ok:
+                await send(ok, gen("fine", 3))
+                await recv(ok)
+                _, _, done = await collect(ok, "fine")
+                assert done["type"] == "done"
 
 
 async def test_start_stop_idempotent_and_embeddable(encoder):

@@ -110,7 +110,9 @@ async def run_mode(bootstrap: str, tiny_dir: Path, mode: str, period: float, sat
     """One worker (in-process, real Kafka) saturated by closed-loop p0 traffic plus a burst of p2.
     Returns queue times (Finished.timings.queue) per tier and the instant the p0 load stopped."""
     layout = new_layout(partitions=2)
-    k_outstanding, n_p2 = 8, 16
+    # k_outstanding: enough p0 in flight that the intake never runs dry of p0 while the loop re-supplies
+    # through Kafka (a p0 finishes every few ms on the tiny model; a round trip takes tens of ms)
+    k_outstanding, n_p2 = 12, 16
     engine = make_engine(tiny_dir, max_num_seqs=2)
     cfg = WorkerConfig(MODEL, layout=layout, intake_mode=mode, aging_period_s=period, prefetch_per_tier=4)
     async with connect(kafka_url(bootstrap)) as bus:
@@ -124,31 +126,36 @@ async def run_mode(bootstrap: str, tiny_dir: Path, mode: str, period: float, sat
 
             async def p0() -> None:
                 nonlocal count
-                r = req(f"p0-{count}", layout, prompt=(5 + count % 50, 6, 7), max_tokens=24, tier=0)
+                r = req(f"p0-{count}", layout, prompt=(5 + count % 50, 6, 7), max_tokens=96, tier=0)
                 enq[r.request_id] = r.enqueued_at
                 await publish(bus, layout, r)
                 count += 1
 
             p2_ids = [f"p2-{i}" for i in range(n_p2)]
+            # The p2 burst goes out once the loop is in steady state (the first wave of p0 has
+            # finished: the consumer is assigned and the intake is full of p0); the saturation
+            # then lasts saturate_s from the burst.
             t0 = time.monotonic()
-            t_end, burst_sent = t0 + saturate_s, False
+            t_end, burst_sent = t0 + 30.0, False
             while time.monotonic() < t_end:  # closed loop: k_outstanding p0 requests at all times
                 finished_p0 = sum(1 for rid in replies.final if rid.startswith("p0-"))
                 for _ in range(k_outstanding - (count - finished_p0)):
                     await p0()
-                if not burst_sent and time.monotonic() > t0 + 0.3:
+                if not burst_sent and finished_p0 >= k_outstanding:
                     burst_wall = time.time()
                     for rid in p2_ids:
-                        await publish(bus, layout, req(rid, layout, prompt=(9, 8, 7), max_tokens=24, tier=2))
+                        await publish(bus, layout, req(rid, layout, prompt=(9, 8, 7), max_tokens=96, tier=2))
                     burst_sent = True
+                    t_end = time.monotonic() + saturate_s
                 await replies.poll(20)
+            assert burst_sent, "the p0 load never reached steady state"
             stop_wall = time.time()
             await replies.wait([f"p0-{i}" for i in range(count)] + p2_ids, 60)
             out: dict[str, list] = {"p0": [], "p2": [], "p0_after_burst": []}
             for rid, fin in replies.final.items():
                 assert isinstance(fin, Finished)
                 out[rid[:2]].append(fin.timings.queue)
-                if rid in enq and burst_wall <= enq[rid] <= burst_wall + 2 * period - 0.5:
+                if rid in enq and burst_wall <= enq[rid] <= burst_wall + period:
                     out["p0_after_burst"].append(fin.timings.queue)
             assert stop_wall > burst_wall
             return out
