@@ -123,6 +123,15 @@ def capacity(wl: Workload, num_blocks: int, block_size: int, max_model_len: int)
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine_workers import torch_thread
+
+    # Every engine (and the GEMM peak) on the process's one torch thread: the comparison is fair and
+    # no engine pays for a second OpenMP pool (engine_workers/torch_thread.py). transformers'
+    # continuous batching still runs its generation on a thread of its own, as it does for its users.
+    return torch_thread.call(_run, args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from engine_workers.commands import engine_config_from_args
     from engine_workers.engine import Engine
 

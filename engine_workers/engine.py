@@ -3,7 +3,9 @@
 One ``step()`` = the scheduler decides a batch, the runner executes it in one forward, the sampler
 draws one token for every sequence whose known tokens are all computed, and finished sequences
 release their blocks at once. The engine is synchronous and single-threaded; ``AsyncEngine`` runs it
-on a thread of its own for the actors.
+on a thread of its own for the actors. Loading and ``step()`` hop onto the process's torch thread
+(:mod:`engine_workers.torch_thread`), whichever thread calls them: torch's OpenMP pools slow every
+forward down once two threads have run torch work.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from engine_workers.runner import ModelRunner, kv_budget_blocks, resolve_dtype
 from engine_workers.sampler import Sampler, TokenLogprobs, make_generator
 from engine_workers.scheduler import Scheduler, SchedulerConfig
 from engine_workers.sequence import Sequence, SeqStatus, SeqTimes
+from engine_workers import torch_thread
 from kv_store import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,10 @@ class Engine:
     """Not thread-safe: one thread calls every method (``AsyncEngine`` ensures this)."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        torch_thread.call(self._init, config or EngineConfig())
+
+    def _init(self, config: EngineConfig) -> None:
+        self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device())
@@ -186,6 +192,10 @@ class Engine:
         return bool(self._reqs) or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
+        """One iteration (see the module doc); runs on the torch thread, the caller waits."""
+        return torch_thread.call(self._step)
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
