@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RECORDS_PER_PARTITION = 100_000
 GETMANY_BATCH_LIMIT = 1000  # records per getmany when the caller gives no max_records
+PARTITION_CACHE_SIZE = 65_536  # (key, partitions) -> partition memo entries per broker
 
 
 def _now_ms() -> int:
@@ -162,6 +163,7 @@ class MemoryBroker:
         self.topics: dict[str, _Topic] = {}
         self.groups: dict[str, _Group] = {}
         self.listeners: dict[str, set[MemoryConsumer]] = {}
+        self._partition_cache: dict[tuple[bytes, int], int] = {}
 
     def create(self, spec: TopicSpec) -> bool:
         validate_topic(spec.name)
@@ -184,7 +186,18 @@ class MemoryBroker:
     def append(self, topic: str, value: bytes, key: bytes | None, headers: tuple[tuple[str, bytes], ...]) -> Record:
         t = self.topic(topic)
         n = len(t.partitions)
-        p = partition_for_key(key, n) if key is not None else next(t.rr) % n
+        if n == 1:
+            p = 0
+        elif key is not None:
+            p = self._partition_cache.get((key, n))
+            if p is None:
+                # A key is usually sent many times (one request id: one record per token), and the
+                # pure-Python murmur2 costs ~4 us: memoise, bounded by clearing.
+                if len(self._partition_cache) >= PARTITION_CACHE_SIZE:
+                    self._partition_cache.clear()
+                p = self._partition_cache[(key, n)] = partition_for_key(key, n)
+        else:
+            p = next(t.rr) % n
         part = t.partitions[p]
         now = _now_ms()
         rec = Record(topic, p, part.end, key, value, now, headers)
@@ -467,7 +480,8 @@ class MemoryBus(Bus):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
         if key is not None and not isinstance(key, (bytes, bytearray)):
             raise TypeError(f"key must be bytes or None, got {type(key).__name__}")
-        validate_topic(topic)
+        if topic not in self.broker.topics:  # existing topics were validated when created
+            validate_topic(topic)
         rec = self.broker.append(topic, bytes(value), None if key is None else bytes(key), tuple(headers))
         return RecordMetadata(rec.topic, rec.partition, rec.offset, rec.timestamp_ms)
 

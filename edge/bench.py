@@ -8,18 +8,25 @@ open ``--connections`` WebSockets and hold them; then ``--streams`` of them each
 (the offered load is ``streams / step`` tokens/s). Each client parses the stamps out of the text it
 receives, so latency = client receive time - worker publish time (same machine, same clock). The
 fake worker shares the edge's process and core: its cost is included in the edge's figures.
+
+``--edge-procs N`` runs N such edges (this process and N-1 spawned ones), each with its own memory
+bus and fake worker, all listening on one port with SO_REUSEPORT (``lockgate edge --reuse-port``):
+the kernel spreads the connections, each edge streams the requests of its own connections. The
+CPU and GC figures are summed (maximum for the longest pause) over the edge processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
 import time
 
 from edge.commands import raise_nofile, run_loop
+from engine_workers.cli import freeze_heap
 
 MODEL = "bench"
 
@@ -76,12 +83,35 @@ async def _clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens:
             elif f["type"] in ("done", "error"):
                 return
 
+    cpu0 = time.process_time()
     await asyncio.gather(*(stream(i, conns[i]) for i in stream_idx if i < len(conns)))
+    cpu = time.process_time() - cpu0
     still_open = sum(1 for c in conns if c.state.name == "OPEN")
     pipe.send(("result", {"latencies": lat, "tokens": received, "first": first, "last": last,
-                          "still_open": still_open}))
+                          "still_open": still_open, "cpu_s": cpu}))
     await asyncio.to_thread(pipe.recv)  # "close"
     await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+
+
+class _GcPauses:
+    """Records (generation, seconds) of every garbage collection while the block runs."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def __enter__(self) -> "_GcPauses":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._cb)
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -91,46 +121,113 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
-async def _bench(args: argparse.Namespace) -> dict:
-    import bus as busmod
-    from edge.config import EdgeConfig
-    from edge.fake_worker import FakeWorker
-    from edge.protocol import PromptEncoder
-    from edge.server import Edge
-    from engine_workers.tiny_model import build_tokenizer
+class _Shard:
+    """One edge with its own memory bus and fake worker (``--edge-procs`` runs one per process,
+    all listening on one port with SO_REUSEPORT; the kernel spreads the connections)."""
 
+    def __init__(self, port: int, step_ms: float, reuse_port: bool) -> None:
+        self.port, self.step_ms, self.reuse_port = port, step_ms, reuse_port
+
+    async def start(self) -> int:
+        import bus as busmod
+        from edge.config import EdgeConfig
+        from edge.fake_worker import FakeWorker
+        from edge.protocol import PromptEncoder
+        from edge.server import Edge
+        from engine_workers.tiny_model import build_tokenizer
+
+        tok = await asyncio.to_thread(build_tokenizer)
+        self.bus = busmod.connect("memory://")
+        await self.bus.start()
+        cfg = EdgeConfig(model=MODEL, port=self.port, keys=None, slo_wait_s=(1e9, 1e9, 1e9), ping_interval_s=None,
+                         send_queue_frames=4096, max_streams_per_connection=4, max_connections=10**6,
+                         reuse_port=self.reuse_port)
+        self.fw = FakeWorker(self.bus, MODEL, step_s=self.step_ms / 1000, token_text=_stamp)
+        await self.fw.start()
+        self.edge = Edge(cfg, self.bus, PromptEncoder(tok, 1 << 20))
+        try:
+            await self.edge.start()
+        except BaseException:
+            await self.fw.stop()
+            await self.bus.stop()
+            raise
+        freeze_heap()  # as `lockgate edge` does once started
+        return self.edge.port
+
+    async def stop(self) -> None:
+        await self.edge.stop()
+        await self.fw.stop()
+        await self.bus.stop()
+
+
+def _edge_proc(pipe, port: int, step_ms: float) -> None:  # noqa: ANN001
+    """An extra edge shard: ("ready") -> "held?" -> ("held", n) -> "go" ... "stop" -> ("stats", ...)."""
+    raise_nofile()
+
+    async def main() -> None:
+        shard = _Shard(port, step_ms, reuse_port=True)
+        await shard.start()
+        try:
+            pipe.send(("ready",))
+            assert await asyncio.to_thread(pipe.recv) == "held?"
+            pipe.send(("held", len(shard.edge.sessions)))
+            assert await asyncio.to_thread(pipe.recv) == "go"
+            cpu0 = time.process_time()
+            with _GcPauses() as pauses:
+                assert await asyncio.to_thread(pipe.recv) == "stop"
+            pipe.send(("stats", len(shard.edge.sessions), time.process_time() - cpu0, pauses.pauses))
+        finally:
+            await shard.stop()
+
+    run_loop(main())
+
+
+async def _bench(args: argparse.Namespace) -> dict:
     nofile = raise_nofile()
-    tok = await asyncio.to_thread(build_tokenizer)
-    encoder = PromptEncoder(tok, 1 << 20)
-    b = busmod.connect("memory://")
-    await b.start()
-    cfg = EdgeConfig(model=MODEL, port=0, keys=None, slo_wait_s=(1e9, 1e9, 1e9), ping_interval_s=None,
-                     send_queue_frames=4096, max_streams_per_connection=4, max_connections=10**6)
-    fw = FakeWorker(b, MODEL, step_s=args.step_ms / 1000, token_text=_stamp)
-    await fw.start()
-    edge = Edge(cfg, b, encoder)
-    await edge.start()
+    if args.edge_procs < 1 or args.client_procs < 1:
+        raise ValueError("--edge-procs and --client-procs must be >= 1")
+    shard = _Shard(0, args.step_ms, reuse_port=args.edge_procs > 1)
+    port = await shard.start()
     ctx = mp.get_context("spawn")
-    procs, pipes = [], []
+    procs, pipes, edge_pipes = [], [], []
     per = args.connections // args.client_procs
     streams_per = args.streams // args.client_procs
     try:
+        for _ in range(args.edge_procs - 1):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_edge_proc, args=(child, port, args.step_ms), daemon=True)
+            p.start()
+            procs.append(p)
+            edge_pipes.append(parent)
+        for ep in edge_pipes:
+            await asyncio.to_thread(ep.recv)  # ("ready",): listening on the shared port
         for k in range(args.client_procs):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_client_proc, args=(child, edge.port, per, list(range(streams_per)), args.tokens),
+            p = ctx.Process(target=_client_proc, args=(child, port, per, list(range(streams_per)), args.tokens),
                             daemon=True)
             p.start()
             procs.append(p)
             pipes.append(parent)
         held = [await asyncio.to_thread(pp.recv) for pp in pipes]
         connect_s = max(h[3] for h in held)
-        server_held = len(edge.sessions)
-        for pp in pipes:
+        for ep in edge_pipes:
+            ep.send("held?")
+        per_edge_held = [len(shard.edge.sessions)] + [(await asyncio.to_thread(ep.recv))[1] for ep in edge_pipes]
+        for pp in edge_pipes + pipes:
             pp.send("go")
-        t0 = time.time()
-        results = [(await asyncio.to_thread(pp.recv))[1] for pp in pipes]
-        wall = time.time() - t0
-        held_after = len(edge.sessions)
+        t0, cpu0 = time.time(), time.process_time()
+        with _GcPauses() as gc_pauses:
+            results = [(await asyncio.to_thread(pp.recv))[1] for pp in pipes]
+        wall, edge_cpu = time.time() - t0, time.process_time() - cpu0
+        pauses = list(gc_pauses.pauses)
+        held_after = len(shard.edge.sessions)
+        for ep in edge_pipes:
+            ep.send("stop")
+        for ep in edge_pipes:
+            _, n, cpu, ps = await asyncio.to_thread(ep.recv)
+            held_after += n
+            edge_cpu += cpu
+            pauses += ps
         for pp in pipes:
             pp.send("close")
         for p in procs:
@@ -139,16 +236,15 @@ async def _bench(args: argparse.Namespace) -> dict:
         for p in procs:
             if p.is_alive():
                 p.kill()
-        await edge.stop()
-        await fw.stop()
-        await b.stop()
+        await shard.stop()
     lat = [x for r in results for x in r["latencies"]]
     tokens = sum(r["tokens"] for r in results)
     first = min(r["first"] for r in results if r["first"])
     last = max(r["last"] for r in results if r["last"])
     return {
         "connections_requested": args.connections,
-        "connections_held": server_held,
+        "connections_held": sum(per_edge_held),
+        "connections_per_edge": per_edge_held,
         "connections_held_after_streaming": held_after,
         "connect_failures": sum(h[2] for h in held),
         "connect_seconds": round(connect_s, 2),
@@ -163,6 +259,18 @@ async def _bench(args: argparse.Namespace) -> dict:
         "latency_ms_p90": round(_pct(lat, 90) * 1000, 2),
         "latency_ms_p99": round(_pct(lat, 99) * 1000, 2),
         "latency_ms_max": round(max(lat) * 1000, 2) if lat else None,
+        # CPU seconds used during the streaming phase: the edge processes (edge + bus + fake
+        # worker) and all client processes together; per token, the cost of one fanned-out token.
+        "edge_process_cpu_s": round(edge_cpu, 2),
+        "clients_cpu_s": round(sum(r["cpu_s"] for r in results), 2),
+        "edge_process_cpu_us_per_token": round(edge_cpu / max(1, tokens) * 1e6, 1),
+        # Garbage-collector pauses in the edge's process during the streaming phase (each one
+        # stops every connection; a full collection's cost grows with the objects alive).
+        "edge_gc_collections": len(pauses),
+        "edge_gc_pause_ms_max": round(max((p for _, p in pauses), default=0.0) * 1000, 1),
+        "edge_gc_pause_ms_total": round(sum(p for _, p in pauses) * 1000, 1),
+        "edge_gc_full_collections": sum(1 for g, _ in pauses if g == 2),
+        "edge_procs": args.edge_procs,
         "client_procs": args.client_procs,
         "cpus": os.cpu_count(),
         "nofile": nofile,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine_workers.cli import env_default
+from engine_workers.cli import env_default, freeze_heap
 
 DEV_BANNER = """
 **********************************************************************
@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     p.add_argument("--keys", default=env_default("keys", None),
                    help="API key file (JSON lines, hashed); without it the edge runs in DEV MODE (env LOCKGATE_KEYS)")
     p.add_argument("--edge-id", default=env_default("edge-id", None), help="reply-topic owner name (default random)")
+    p.add_argument("--reuse-port", action="store_true", default=env_default("reuse-port", False),
+                   help="listen with SO_REUSEPORT, so several edge processes share the port (one core each) "
+                        "(env LOCKGATE_REUSE_PORT)")
     p.add_argument("--slo-wait", default=env_default("slo-wait", "2,5,60"),
                    help="max estimated queue wait per tier p0,p1,p2 in seconds before shedding (env LOCKGATE_SLO_WAIT)")
     p.add_argument("--max-frame-bytes", type=int, default=env_default("max-frame-bytes", 1 << 20))
@@ -51,6 +54,8 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     b.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     b.add_argument("--step-ms", type=float, default=20.0, help="fake worker step: one token per stream per step")
     b.add_argument("--client-procs", type=int, default=2, help="client processes")
+    b.add_argument("--edge-procs", type=int, default=1,
+                   help="edge processes sharing the port (SO_REUSEPORT), each with its own memory bus and fake worker")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
     b.set_defaults(func=_bench)
 
@@ -68,7 +73,7 @@ def _edge(args: argparse.Namespace) -> int:
     kw = {"edge_id": args.edge_id} if args.edge_id else {}
     config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
                         keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
-                        request_timeout_s=args.request_timeout, **kw)
+                        request_timeout_s=args.request_timeout, reuse_port=args.reuse_port, **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
 
@@ -81,6 +86,7 @@ def _edge(args: argparse.Namespace) -> int:
         await b.start()
         try:
             async with Edge(config, b) as edge:
+                freeze_heap()
                 stop = asyncio.Event()
                 loop = asyncio.get_running_loop()
                 for sig in (signal.SIGINT, signal.SIGTERM):

@@ -154,6 +154,9 @@ class EdgeConfig:
     model_path: str | None = None  # local HF folder with the tokenizer; None = the caller passes one
     host: str = "127.0.0.1"
     port: int = 8765
+    # SO_REUSEPORT: several edge processes listen on one port and the kernel spreads new
+    # connections over them (one event loop is one core; this is how an edge uses more cores)
+    reuse_port: bool = False
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None

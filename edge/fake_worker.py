@@ -186,10 +186,15 @@ class FakeWorker:
         await self.bus.send(req.reply_to, encode(fin), key=req.request_id.encode())
 
     async def _generate(self) -> None:
+        # Fixed-rate steps (every step_s from the previous step's start, not step_s after its end),
+        # so the offered load is len(running) / step_s; a step that overruns starts the next at once.
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
         while True:
             if not self.running:
                 self._wake.clear()
                 await self._wake.wait()
+                next_at = loop.time()
             for rid, run in list(self.running.items()):
                 if rid not in self.running:
                     continue
@@ -206,4 +211,8 @@ class FakeWorker:
                 if run.pos >= req.sampling.max_tokens:
                     del self.running[rid]
                     await self._finish(run, FinishReason.LENGTH)
-            await asyncio.sleep(self.step_s)
+            next_at += self.step_s
+            delay = next_at - loop.time()
+            if delay < 0:
+                next_at, delay = loop.time(), 0.0
+            await asyncio.sleep(delay)

@@ -20,6 +20,7 @@ class EdgeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[str, str], tuple] = {}
+        self._generated: dict[tuple[str, str], int] = {}  # tokens not yet added to the counter
         ml = ["model", "tier"]
         self.ttft = Histogram("lockgate:time_to_first_token_seconds",
                               "Edge-observed time from admission to the first output token.", ml,
@@ -31,7 +32,7 @@ class EdgeMetrics:
                               "Mean time per output token after the first, per request.", ml,
                               buckets=_TPOT_BUCKETS, registry=r)
         self.route = Histogram("lockgate:edge_routing_latency_seconds",
-                               "Reply record timestamp to the frame being queued for its client.",
+                               "Age of the oldest reply record of each routed batch when the batch is routed to sessions.",
                                buckets=_ROUTE_BUCKETS, registry=r)
         self.success = Counter("lockgate:request_success", "Finished requests by finish reason.",
                                ["model", "tier", "finished_reason"], registry=r)
@@ -63,5 +64,18 @@ class EdgeMetrics:
                                           self.tpot.labels(*labels), self.generation_tokens.labels(*labels))
         return c
 
+    def add_generated(self, labels: tuple[str, str], n: int) -> None:
+        """Count ``n`` output tokens for ``labels``; they reach the counter at the next
+        :meth:`flush_generated` (the router calls it after each batch of records: one counter
+        update per batch and label pair instead of one per token)."""
+        self._generated[labels] = self._generated.get(labels, 0) + n
+
+    def flush_generated(self) -> None:
+        if self._generated:
+            pending, self._generated = self._generated, {}
+            for labels, n in pending.items():
+                self.per_request(labels)[3].inc(n)
+
     def render(self) -> bytes:
+        self.flush_generated()
         return generate_latest(self.registry)

@@ -89,7 +89,8 @@ def decode_reply(value: bytes):  # noqa: ANN201
         rid, attempt, seq = obj.get("request_id"), obj.get("attempt"), obj.get("seq")
         ids, text, off = obj.get("token_ids"), obj.get("text"), obj.get("text_offset")
         if type(rid) is str and type(attempt) is int and type(seq) is int and type(ids) is list \
-                and all(type(t) is int for t in ids) and type(text) is str and type(off) is int \
+                and (len(ids) == 1 and type(ids[0]) is int or all(type(t) is int for t in ids)) \
+                and type(text) is str and type(off) is int \
                 and type(obj.get("worker_id", "")) is str:
             return TokenChunk(rid, attempt, seq, tuple(ids), text, off, None, obj.get("worker_id", ""))
     return decode(value)
@@ -148,14 +149,17 @@ class ReplyRouter:
                 records = await consumer.getmany(timeout_ms=200, max_records=4096)
                 checkpoint()
                 if records:
-                    now = time.time()
                     for rec in records:
-                        self._route(rec, now)
+                        self._route(rec)
+                    # One observation per batch, of its oldest record (records arrive in order):
+                    # the routing lag, without a histogram update per token.
+                    self.metrics.route.observe(max(0.0, time.time() - records[0].timestamp_ms / 1000))
+                    self.metrics.flush_generated()
         finally:
             self.connected = False
             await consumer.stop()
 
-    def _route(self, rec: Record, now: float) -> None:
+    def _route(self, rec: Record) -> None:
         try:
             msg = decode_reply(rec.value)
         except DecodeError as exc:
@@ -171,7 +175,6 @@ class ReplyRouter:
             if new is None:
                 self.metrics.duplicates.inc()
                 return
-            self.metrics.route.observe(max(0.0, now - rec.timestamp_ms / 1000))
             stream.session.on_chunk(stream, *new)
         elif isinstance(msg, Finished):
             stream.session.on_finished(stream, msg)

@@ -101,7 +101,7 @@ class Edge:
                     select_subprotocol=lambda conn, offered: select_subprotocol(offered),
                     max_size=cfg.max_frame_bytes, max_queue=16, compression=None,
                     ping_interval=cfg.ping_interval_s, ping_timeout=cfg.ping_timeout_s,
-                    close_timeout=cfg.close_timeout_s, backlog=4096)
+                    close_timeout=cfg.close_timeout_s, backlog=4096, reuse_port=cfg.reuse_port or None)
             except BaseException:
                 await self._stop_tasks()
                 self._state = "stopped"
@@ -264,6 +264,11 @@ class Edge:
         if principal is None:  # cannot happen: process_request admitted it
             await ws.close(1011, "internal error: no principal")
             return
+        # The handshake's response (a header map, ~12 GC-tracked objects) is not used once the
+        # connection is open; at 10,000 connections every object a full collection must traverse
+        # is pause time (see engine_workers.cli.freeze_heap). ``ws.request`` must stay: websockets
+        # reads ``request is None`` as "handshake not done yet".
+        ws.response = None
         session = Session(self, ws, principal)
         self.sessions.add(session)
         self.metrics.connections.inc()

@@ -2,11 +2,17 @@
 
 Concurrency contract:
 
-* :meth:`Session.run` is the connection handler; it owns the writer task and reads frames in
+* :meth:`Session.run` is the connection handler; it owns the writer task (created on the first
+  frame that cannot take the fast path, so an idle or fast connection has none) and reads frames in
   order. A ``generate`` is admitted (validated, tokenized, charged, published) before the next frame
   is read, so frames of one connection are handled in order.
-* Everything the router calls (``on_chunk``/``on_finished``/``on_error``) is synchronous and only
-  appends to the bounded send queue (``send_queue_frames`` items).
+* Everything the router calls (``on_chunk``/``on_finished``/``on_error``) is synchronous and never
+  blocks. Outbound frames of one event-loop tick collect in a pending list; one ``call_soon`` flush
+  per session per tick then either writes them straight to the socket (fast path: nothing queued,
+  no write in progress, the transport's buffer empty — one ``transport.write`` for all of them) or
+  appends them to the bounded send queue (``send_queue_frames`` items) that the writer task drains
+  with flow control. Frames keep their order on both paths: the fast path is only taken while the
+  queue is empty and the writer idle.
 * Slow-client policy: the connection is closed with 1008 ("client too slow") when the send queue is
   full, or when one write to the socket has been blocked for more than ``slow_client_grace_s``
   (checked by the edge's sweep, every 0.25 s); a client that does not take the close frame within
@@ -24,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from bus.messages import ErrorCode, Finished, InferenceRequest
 from bus.messages import Error as BusErrorMsg
@@ -88,16 +95,64 @@ class Session:
         self.edge = edge
         self.ws = ws
         self.principal = principal
-        self.queue: asyncio.Queue = asyncio.Queue(edge.config.send_queue_frames)
+        self.queue: asyncio.Queue | None = None  # created with the writer, on first use
+        self._writer_task: asyncio.Task | None = None
+        self._ended = False  # run() has finished: nothing is written any more
         self.streams: dict[str, Stream] = {}  # client id -> stream
         self.send_since: float | None = None  # loop time the current socket write started
         self.closing = False
         self._close_task: asyncio.Task | None = None
+        self._pending: list | None = None  # frames of this tick, not yet flushed
+        self._loop = asyncio.get_running_loop()
 
     # --- outbound -----------------------------------------------------------------------------
     def push(self, item: bytes | _Delta) -> bool:
+        """Queue ``item`` for the client (flushed at the end of this tick). ``False`` once closing."""
         if self.closing:
             return False
+        if self._pending is None:
+            self._pending = [item]
+            self._loop.call_soon(self._flush)
+        else:
+            self._pending.append(item)
+        return True
+
+    def _flush(self) -> None:
+        items, self._pending = self._pending, None
+        if not items or self._ended:
+            return
+        ws = self.ws
+        transport = ws.transport
+        if (not self.closing and (self.queue is None or self.queue.empty()) and self.send_since is None and ws.protocol.state is State.OPEN
+                and not transport.is_closing() and transport.get_write_buffer_size() == 0):
+            # Fast path: the socket took everything so far, so this write cannot grow a buffer
+            # beyond one tick's frames; the next tick sees a non-empty buffer and queues instead.
+            try:
+                for frame in coalesce(items):
+                    ws.protocol.send_text(frame)
+                data = ws.protocol.data_to_send()
+                if all(data):
+                    transport.write(b"".join(data))
+                else:  # b"" is websockets' end-of-stream marker (not expected while OPEN)
+                    for d in data:
+                        if d:
+                            transport.write(d)
+                        elif transport.can_write_eof():
+                            transport.write_eof()
+                        else:
+                            transport.close()
+            except Exception as exc:  # the socket is failing; websockets' reader will see it too
+                log.info("write to client %s failed: %s", self.principal.tenant, exc)
+                self.kill(1011, "write failed")
+            return
+        for item in items:
+            if not self._enqueue(item):
+                return
+
+    def _enqueue(self, item: bytes | _Delta) -> bool:
+        if self.queue is None:
+            self.queue = asyncio.Queue(self.edge.config.send_queue_frames)
+            self._writer_task = self._loop.create_task(self._writer())
         try:
             self.queue.put_nowait(item)
             return True
@@ -141,11 +196,11 @@ class Session:
     # --- router callbacks (sync, never block) -------------------------------------------------
     def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple, logprobs: tuple | None) -> None:
         now = asyncio.get_running_loop().time()
-        ttft, _, _, gen = self.edge.metrics.per_request(s.labels)
+        m = self.edge.metrics
         if s.first_at is None:
             s.first_at = now
-            ttft.observe(now - s.admitted_at)
-        gen.inc(len(token_ids))
+            m.per_request(s.labels)[0].observe(now - s.admitted_at)
+        m.add_generated(s.labels, len(token_ids))
         lp = [[list(p) for p in pos] for pos in logprobs] if logprobs is not None else None
         self.push(_Delta(s.client_id, seq, text, list(token_ids) if s.token_ids else None, lp))
 
@@ -186,7 +241,6 @@ class Session:
 
     # --- inbound ------------------------------------------------------------------------------
     async def run(self) -> None:
-        writer = asyncio.get_running_loop().create_task(self._writer())
         try:
             async for message in self.ws:
                 if self.closing:
@@ -195,11 +249,14 @@ class Session:
         except ConnectionClosed:
             pass
         finally:
-            self.closing = True
-            writer.cancel()
+            self.closing = self._ended = True
+            writer = self._writer_task
+            if writer is not None:
+                writer.cancel()
             for s in list(self.streams.values()):
                 self.end(s, None, used=s.next_seq, cancel_reason="disconnect")
-            await asyncio.gather(writer, return_exceptions=True)
+            if writer is not None:
+                await asyncio.gather(writer, return_exceptions=True)
             if self._close_task is not None:
                 await asyncio.gather(self._close_task, return_exceptions=True)
 

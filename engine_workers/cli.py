@@ -22,6 +22,20 @@ COMMAND_MODULES = (
 )
 
 
+def freeze_heap() -> None:
+    """Move every object alive now into the garbage collector's permanent generation.
+
+    Called once a server has started (modules imported, tokenizer/model loaded) and before it
+    takes traffic. Those millions of long-lived objects are otherwise re-traversed by every full
+    (gen-2) collection, a stop-the-world pause of ~0.6 s measured in ``lockgate bench edge`` (its
+    p99 tail). Frozen objects are still freed by reference counting; only cycles among them are
+    never collected, which is fine for start-up state that lives as long as the process."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def env_default(name: str, default: object) -> object:
     """Default for flag ``--name``: env ``LOCKGATE_NAME`` if set, else ``default``."""
     key = "LOCKGATE_" + name.upper().replace("-", "_")

@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 
-from engine_workers.cli import env_default
+from engine_workers.cli import env_default, freeze_heap
 from engine_workers.commands import add_engine_args, engine_config_from_args
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ def register(sub) -> None:
     p.set_defaults(func=_serve)
 
 
-async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = None, stop: asyncio.Event | None = None) -> int:
+async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = None, stop: asyncio.Event | None = None,
+                       freeze: bool = True) -> int:
     """Run until ``stop`` is set (or a signal). ``ready`` receives the edge's bound port."""
     import bus as busmod
     from bus.topics import TopicLayout
@@ -67,6 +68,8 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     async with busmod.connect(args.bus) as bus:
         await bus.ensure_topics(layout.model_specs(name))
         async with Worker(worker_cfg, bus, engine) as worker, Edge(edge_cfg, bus) as edge:
+            if freeze:  # start-up state out of the GC's full collections (engine_workers.cli.freeze_heap)
+                freeze_heap()
             print(f"lockgate serving {name} at http://{args.host}:{edge.port}/  (WebSocket: ws://{args.host}:{edge.port}/ws)", flush=True)
             if ready is not None and not ready.done():
                 ready.set_result(edge.port)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 
-from engine_workers.cli import env_default
+from engine_workers.cli import env_default, freeze_heap
 from engine_workers.commands import add_engine_args, engine_config_from_args
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ async def _serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_drain)
         async with worker:
+            freeze_heap()  # the model and imports out of the GC's full collections
             print(f"worker {cfg.worker_id} ready: model {cfg.model}, group {cfg.group}", flush=True)
             return await worker.run()
 

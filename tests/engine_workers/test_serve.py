@@ -25,7 +25,7 @@ def serve_args(model: str) -> argparse.Namespace:
 async def test_embedded_platform_streams_engine_output(tiny_model_dir):
     args = serve_args(tiny_model_dir)
     ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
-    task = asyncio.create_task(run_embedded(args, ready, stop))
+    task = asyncio.create_task(run_embedded(args, ready, stop, freeze=False))
     port = await asyncio.wait_for(ready, 60)
     prompt = "Kafka topics are partitioned"
     async with websockets.connect(f"ws://127.0.0.1:{port}/ws") as ws:
