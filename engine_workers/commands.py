@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=env_default("max-model-len", None), help="context limit [LOCKGATE_MAX_MODEL_LEN]")
     g.add_argument("--no-prefix-caching", action="store_true", default=env_default("no-prefix-caching", False), help="disable automatic prefix caching [LOCKGATE_NO_PREFIX_CACHING]")
     g.add_argument("--threads", type=int, default=env_default("threads", None), help="torch CPU threads [LOCKGATE_THREADS]")
+    g.add_argument("--no-weight-prepack", action="store_true", default=env_default("no-weight-prepack", False),
+                   help="CPU float32: keep linears on F.linear instead of oneDNN with weights packed once [LOCKGATE_NO_WEIGHT_PREPACK]")
 
 
 def _bytes(text: str) -> int:
@@ -46,6 +48,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+        weight_prepack=not args.no_weight_prepack,
     )
 
 

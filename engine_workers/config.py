@@ -19,6 +19,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # max prompt tokens of one sequence per step (0 = budget)
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    weight_prepack: bool = True  # CPU fp32: linears on oneDNN with weights packed once (cpu_linear.py)
     seed: int = 0  # engine RNG for unseeded sampling
 
     def __post_init__(self) -> None:

@@ -94,7 +94,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device())
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len)
+        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptTokenizer(loaded.tokenizer, loaded.spec.max_position_embeddings)

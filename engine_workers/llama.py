@@ -161,6 +161,9 @@ class LlamaForPagedLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # With tied embeddings and packed CPU linears (engine_workers.cpu_linear), a packed copy of
+        # the embedding matrix for the LM head; the embedding lookup keeps the plain one.
+        self.tied_head: nn.Module | None = None
         # Plain attributes, not buffers: the module is built on the meta device and these are
         # created afterwards, on the target device, by ``set_rope``.
         self.cos_table = self.sin_table = None
@@ -182,5 +185,8 @@ class LlamaForPagedLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, meta)
         x = self.norm(x.index_select(0, logit_rows))
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        if self.tied_head is not None:
+            return self.tied_head(x).float()
+        return F.linear(x, self.embed_tokens.weight).float()

@@ -63,7 +63,10 @@ def _hub_snapshot(repo_id: str) -> Path:
         raise ModelError(f"model {repo_id!r} is neither a local folder nor downloadable: {exc}") from None
 
 
-def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device, max_len: int | None = None) -> LoadedModel:
+def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device, max_len: int | None = None,
+               weight_prepack: bool = True) -> LoadedModel:
+    """Load ``spec`` (a folder, ``default`` or a hub id). ``weight_prepack``: on CPU in float32,
+    run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.cpu_linear`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     resolved = resolve_model(spec)
@@ -95,9 +98,25 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     model = model.to(device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    if weight_prepack:
+        _prepack(model, device, dtype)
     length = max_len or mspec.max_position_embeddings
     model.set_rope(*rope_tables(hf_config, mspec, max(length, 1), dtype, device))
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
+
+
+def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype) -> None:
+    from engine_workers.cpu_linear import PackedLinear, packing_problem, prepack_linears
+
+    problem = packing_problem(device, dtype)
+    if problem is not None:
+        if device.type == "cpu" and dtype == torch.float32:  # expected elsewhere; worth a word here
+            log.warning("linear layers stay on F.linear: %s", problem)
+        return
+    n = prepack_linears(model)
+    if model.lm_head is None:
+        model.tied_head = PackedLinear.from_weight(model.embed_tokens.weight)
+    log.info("%d linear layers packed for oneDNN (CPU float32)", n + (model.tied_head is not None))
 
 
 def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:

@@ -86,7 +86,8 @@ class ModelRunner:
             meta_in.append((start, len(tokens), blocks))
             if samples:
                 logit_rows.append(len(ids) - 1)
-        meta, positions = build_metadata(meta_in, self.block_size, self.device)
+        meta, positions = build_metadata(meta_in, self.block_size, self.device,
+                                         self.spec.num_heads // self.spec.num_kv_heads, self.kv_caches[0][0].dtype)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta, rows)

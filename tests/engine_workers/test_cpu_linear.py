@@ -1,0 +1,71 @@
+"""oneDNN linears with weights packed once (engine_workers/cpu_linear.py): same results as
+``F.linear`` for any row count, used by the engine by default on CPU fp32, switchable off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine_workers.config import EngineConfig
+from engine_workers.cpu_linear import PackedLinear, packing_problem, prepack_linears
+from engine_workers.engine import Engine
+from tests.engine_workers.test_engine_hf_parity import run_together, workload
+
+needs_onednn = pytest.mark.skipif(packing_problem(torch.device("cpu"), torch.float32) is not None,
+                                  reason="this torch build has no usable oneDNN linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 16, 77, 512])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(96, 200, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 96, generator=gen))
+        if bias:
+            lin.bias.copy_(torch.randn(200, generator=gen))
+    x = torch.randn(rows, 96, generator=gen)
+    packed = PackedLinear.from_linear(lin)
+    got = packed(x)
+    assert got.shape == (rows, 200) and got.dtype == torch.float32
+    torch.testing.assert_close(got, lin(x).detach(), rtol=1e-5, atol=1e-4)
+    # the same packed weight serves every row count (decode batches vary step to step)
+    torch.testing.assert_close(packed(x[:1]), lin(x[:1]).detach(), rtol=1e-5, atol=1e-4)
+
+
+def test_packing_problem_names_why():
+    assert "float32 on CPU" in packing_problem(torch.device("cpu"), torch.bfloat16)
+    assert "float32 on CPU" in packing_problem(torch.device("cuda"), torch.float32)
+
+
+@needs_onednn
+def test_prepack_replaces_every_linear():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
+    x = torch.randn(5, 8)
+    want = model(x).detach()
+    assert prepack_linears(model) == 2
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_engine_packs_by_default_and_greedy_output_is_unchanged(tiny_model_dir):
+    packed = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
+    plain = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, weight_prepack=False))
+    layers = packed.runner.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, PackedLinear) and isinstance(layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(plain.runner.model.layers[0].self_attn.qkv_proj, nn.Linear)
+    reqs = workload(packed.loaded.spec.vocab_size, 8, seed=7, max_prompt=120, max_new=24)
+    assert run_together(packed, reqs) == run_together(plain, reqs)
+
+
+def test_flag_turns_packing_off():
+    from engine_workers.cli import build_parser
+    from engine_workers.commands import engine_config_from_args
+
+    args = build_parser().parse_args(["generate", "--no-weight-prepack", "hi"])
+    assert engine_config_from_args(args).weight_prepack is False
+    assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).weight_prepack is True
+
