@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine_workers.cli import env_default, freeze_heap
+from engine_workers.cli import env_default, freeze_heap, run_loop
 
 DEV_BANNER = """
 **********************************************************************
@@ -117,18 +117,6 @@ def _bench(args: argparse.Namespace) -> int:
     from edge.bench import run_bench
 
     return run_bench(args)
-
-
-def run_loop(coro) -> None:  # noqa: ANN001
-    """Run on uvloop when installed, else the default asyncio loop."""
-    import asyncio
-
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
 
 
 def raise_nofile(want: int = 1 << 20) -> int:

@@ -67,7 +67,7 @@ def run_inprocess(engine, work) -> dict:
     engine.add_request("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0), cache_salt=salt + "w")
     while engine.has_unfinished():
         engine.step()
-    t0 = time.monotonic()
+    t0, steps0 = time.monotonic(), engine.stats.steps
     for i, (prompt, params) in enumerate(work):
         engine.add_request(f"b{i}", prompt, params, cache_salt=salt, arrival_time=t0)
     tokens, ttft = 0, []
@@ -78,6 +78,7 @@ def run_inprocess(engine, work) -> dict:
                 ttft.append(out.times.first_token - t0)
     wall = time.monotonic() - t0
     return {"path": "in-process", "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": p50(ttft),
+            "engine_steps": engine.stats.steps - steps0,
             "lone_ttft_p50_s": p50(lone), "lone_overhead_p50_s": p50(overhead)}
 
 
@@ -129,11 +130,12 @@ async def run_bus(engine, work, url: str, model: str) -> dict:
                 overhead.append(lone[-1] - (tm.ttft - tm.queue))
             ids = {f"b{i}" for i in range(len(work))}
             first: dict[str, float] = {}
-            t0 = time.monotonic()
+            t0, cpu0, steps0 = time.monotonic(), time.thread_time(), engine.stats.steps
             await asyncio.gather(*(send(f"b{i}", p, sp) for i, (p, sp) in enumerate(work)))
             tokens = await collect(ids, first)
-            wall = time.monotonic() - t0
-    return {"path": url, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            wall, loop_cpu = time.monotonic() - t0, time.thread_time() - cpu0
+    return {"path": url, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "loop_cpu_s": loop_cpu,
+            "engine_steps": engine.stats.steps - steps0,
             "ttft_p50_s": p50([t - t0 for t in first.values()]), "lone_ttft_p50_s": p50(lone),
             "lone_overhead_p50_s": p50(overhead)}
 
@@ -145,7 +147,10 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(engine_config_from_args(args))
     work = workload(args.num_requests, args.seed, engine.loaded.spec.vocab_size)
     first = run_inprocess(engine, work)
-    buses = [asyncio.run(run_bus(engine, work, url, args.model)) for url in args.bus or DEFAULT_BUSES]
+    from engine_workers.cli import run_loop
+
+    # uvloop, as `lockgate worker` runs
+    buses = [run_loop(run_bus(engine, work, url, args.model)) for url in args.bus or DEFAULT_BUSES]
     # In-process again after the buses: the baseline is the faster of the two runs (and the lower
     # lone TTFT), so warm-up or a noisy neighbour during one run cannot flatter the bus paths.
     last = run_inprocess(engine, work)

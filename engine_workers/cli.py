@@ -22,6 +22,18 @@ COMMAND_MODULES = (
 )
 
 
+def run_loop(coro):  # noqa: ANN001, ANN201
+    """Run ``coro`` to completion on uvloop when installed, else the default asyncio loop; returns
+    its result. Every long-running command (edge, worker, serve) and the benchmarks use it."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def freeze_heap() -> None:
     """Move every object alive now into the garbage collector's permanent generation.
 

@@ -15,7 +15,7 @@ import logging
 import signal
 import sys
 
-from engine_workers.cli import env_default, freeze_heap
+from engine_workers.cli import env_default, freeze_heap, run_loop
 from engine_workers.commands import add_engine_args, engine_config_from_args
 
 log = logging.getLogger(__name__)
@@ -81,12 +81,4 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from edge.commands import run_loop
-
-    rc: list[int] = [0]
-
-    async def main() -> None:
-        rc[0] = await run_embedded(args)
-
-    run_loop(main())
-    return rc[0]
+    return run_loop(run_embedded(args))

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 
-from engine_workers.cli import env_default, freeze_heap
+from engine_workers.cli import env_default, freeze_heap, run_loop
 from engine_workers.commands import add_engine_args, engine_config_from_args
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve(args))
+    return run_loop(_serve(args))
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
