@@ -50,3 +50,20 @@ def test_bench_edge_two_edge_processes_share_the_port(tmp_path):
     assert len(r["connections_per_edge"]) == 2 and min(r["connections_per_edge"]) > 0
     assert r["tokens_received"] == r["tokens_expected"] == 40 * 20
     assert r["connections_held_after_streaming"] == 200
+
+
+def test_freeze_heap_moves_startup_objects_out_of_collections_and_slows_the_collector():
+    """Servers call freeze_heap once started: start-up objects leave the collector's generations
+    and young collections run every GC_GEN0_THRESHOLD allocations instead of 700."""
+    import gc
+
+    from engine_workers.cli import GC_GEN0_THRESHOLD, freeze_heap
+
+    before = gc.get_threshold()
+    try:
+        freeze_heap()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] == GC_GEN0_THRESHOLD > before[0]
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
