@@ -11,9 +11,11 @@ batched SDPA call for all its sequences:
 
 K/V are gathered from the cache a whole block at a time (one ``block_size * Hkv * D`` row per
 block table entry), so a prefix cached by another sequence is read exactly like the sequence's own
-tokens. Gathering per block instead of per token slot copies the same bytes in rows 16x longer;
-on CPU that made the gathers ~5x cheaper (docs/benchmarks.md). Table entries past a sequence's
-last block are padded with block 0 and masked out.
+tokens. Gathering per block instead of per token slot copies rows 16x longer and needs block
+tables instead of per-token slot lists, so building the metadata costs less Python (0.8 -> 0.3 ms
+per decode step at batch 16); the attention itself measured the same for decode and ~15 % faster
+for prefill, where queries are grouped per KV head instead of repeating K/V. Table entries past a
+sequence's last block are padded with block 0 and masked out.
 """
 
 from __future__ import annotations
