@@ -103,6 +103,8 @@ def register(sub, bench) -> None:
                    help="bus URL(s) to measure (repeatable); default: memory:// and kafka://127.0.0.1:9092")
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every path; each path keeps its fastest run (noisy machines)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=_bench_e2e)
 
