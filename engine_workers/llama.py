@@ -160,10 +160,10 @@ class LlamaForPagedLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # None = tied: the LM head reads the embedding matrix. With packed CPU linears
+        # (engine_workers.cpu_linear) the loader sets a packed copy of it here instead; the
+        # embedding lookup keeps the plain one.
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        # With tied embeddings and packed CPU linears (engine_workers.cpu_linear), a packed copy of
-        # the embedding matrix for the LM head; the embedding lookup keeps the plain one.
-        self.tied_head: nn.Module | None = None
         # Plain attributes, not buffers: the module is built on the meta device and these are
         # created afterwards, on the target device, by ``set_rope``.
         self.cos_table = self.sin_table = None
@@ -187,6 +187,4 @@ class LlamaForPagedLM(nn.Module):
         x = self.norm(x.index_select(0, logit_rows))
         if self.lm_head is not None:
             return self.lm_head(x).float()
-        if self.tied_head is not None:
-            return self.tied_head(x).float()
         return F.linear(x, self.embed_tokens.weight).float()

@@ -114,9 +114,10 @@ def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype) -
             log.warning("linear layers stay on F.linear: %s", problem)
         return
     n = prepack_linears(model)
-    if model.lm_head is None:
-        model.tied_head = PackedLinear.from_weight(model.embed_tokens.weight)
-    log.info("%d linear layers packed for oneDNN (CPU float32)", n + (model.tied_head is not None))
+    if model.lm_head is None:  # tied: a packed copy of the embedding matrix as the head
+        model.lm_head = PackedLinear.from_weight(model.embed_tokens.weight)
+        n += 1
+    log.info("%d linear layers packed for oneDNN (CPU float32)", n)
 
 
 def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:

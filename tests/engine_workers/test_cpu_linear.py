@@ -56,6 +56,7 @@ def test_engine_packs_by_default_and_greedy_output_is_unchanged(tiny_model_dir):
     plain = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, weight_prepack=False))
     layers = packed.runner.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, PackedLinear) and isinstance(layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(packed.runner.model.lm_head, PackedLinear)
     assert isinstance(plain.runner.model.layers[0].self_attn.qkv_proj, nn.Linear)
     reqs = workload(packed.loaded.spec.vocab_size, 8, seed=7, max_prompt=120, max_new=24)
     assert run_together(packed, reqs) == run_together(plain, reqs)
@@ -69,3 +70,16 @@ def test_flag_turns_packing_off():
     assert engine_config_from_args(args).weight_prepack is False
     assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).weight_prepack is True
 
+
+
+@needs_onednn
+def test_tied_embeddings_get_a_packed_head_and_the_same_output(tmp_path):
+    from engine_workers.tiny_model import build_tiny_model
+
+    path = str(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
+    packed = Engine(EngineConfig(model=path, kv_cache_bytes=16 << 20))
+    plain = Engine(EngineConfig(model=path, kv_cache_bytes=16 << 20, weight_prepack=False))
+    assert isinstance(packed.runner.model.lm_head, PackedLinear)
+    assert plain.runner.model.lm_head is None  # tied: the head reads the embedding matrix
+    reqs = workload(packed.loaded.spec.vocab_size, 6, seed=3, max_prompt=80, max_new=16)
+    assert run_together(packed, reqs) == run_together(plain, reqs)
