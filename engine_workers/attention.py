@@ -1,125 +1,172 @@
 """Paged attention over a flat, mixed prefill+decode batch.
 
 The batch is one flat run of T tokens from many sequences. Each layer writes its new K/V into the
-paged cache (``slot = block_id * block_size + offset``) and then attends in two groups, each one
-batched SDPA call for all its sequences:
+paged cache (``slot = block_id * block_size + offset``) and then attends:
 
-* decode rows (one query token each): queries are grouped per KV head, ``[B, Hkv, G, D]``, so GQA
-  needs no K/V repeat and the G query heads of a KV head share one gathered K/V;
-* prefill chunks (several query tokens): padded to the longest chunk, with a causal mask offset by
-  what the sequence had computed before this step.
+* decode rows (one query token each) in a few *groups* of sequences with similar context lengths,
+  one batched SDPA call per group. K/V are gathered from the cache a whole block at a time (one
+  ``block_size * Hkv * D`` row per block-table entry) and padded to the group's longest table, so
+  grouping by length bounds the padding a long sequence would force on short ones (the gather is
+  memory-bound: padded blocks cost as much as real ones). Queries are grouped per KV head,
+  ``[B, Hkv, G, D]``, so GQA needs no K/V repeat.
+* prefill chunks one SDPA call each, unpadded. A chunk that starts a sequence (nothing computed
+  before it) attends only to its own new K/V: no gather, no mask, ``is_causal``. A chunk that
+  continues one (chunked prefill, a prefix-cache hit, a resumed preemption) gathers its blocks and
+  uses a causal mask offset by what was computed before.
 
-K/V are gathered from the cache a whole block at a time (one ``block_size * Hkv * D`` row per
-block table entry), so a prefix cached by another sequence is read exactly like the sequence's own
-tokens. Gathering per block instead of per token slot copies rows 16x longer and needs block
-tables instead of per-token slot lists, so building the metadata costs less Python (0.8 -> 0.3 ms
-per decode step at batch 16); the attention itself measured the same for decode and ~15 % faster
-for prefill, where queries are grouped per KV head instead of repeating K/V. Table entries past a
-sequence's last block are padded with block 0 and masked out.
+Padding a whole mixed batch into one call instead wastes work in proportion to the spread of
+lengths: on the benchmark workload (prompts 8-256 tokens) per-chunk prefill calls and length
+groups measured faster than one padded call each (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+# Cost of one extra decode group, in gathered blocks: the calls a group adds (two gathers, one
+# SDPA, one scatter per layer) take about as long as gathering and attending over this many
+# padded blocks. Measured on CPU; the split is not sensitive to it within 2x.
+GROUP_COST_BLOCKS = 24
+MAX_DECODE_GROUPS = 4
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    rows: torch.Tensor  # [B] long: rows of the flat batch
+    blocks: torch.Tensor  # [B, N] long: block tables padded with block 0
+    mask: torch.Tensor | None  # [B, 1, 1, N * block_size] additive: 0 = attend, -inf = padding (SDPA)
+    ctx: torch.Tensor | None  # [B] long: context lengths (the decode kernel)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    first: int  # first row of the chunk in the flat batch
+    n: int  # its tokens
+    # Continuation chunks only (something computed before): the sequence's block table [N] and the
+    # additive causal mask [n, start + n]. Both None for a chunk that starts its sequence.
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
 class AttnMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot each new token's K/V goes to
     block_size: int
-    # decode group
-    dec_rows: torch.Tensor | None  # [Bd] rows of the flat batch
-    dec_blocks: torch.Tensor | None  # [Bd, Nd] block tables (padded with 0)
-    dec_mask: torch.Tensor | None  # [Bd, 1, 1, Nd * block_size] additive: 0 = attend, -inf = not
-    # prefill group
-    pf_rows: torch.Tensor | None  # [Bp, Lq] rows of the flat batch (padded with 0)
-    pf_valid: torch.Tensor | None  # [Bp, Lq] bool
-    pf_blocks: torch.Tensor | None  # [Bp, Np] block tables (padded with 0)
-    pf_mask: torch.Tensor | None  # [Bp, 1, G * Lq, Np * block_size] additive (query rows grouped per KV head)
+    decode: tuple[DecodeGroup, ...]
+    prefill: tuple[PrefillChunk, ...]
+    # (q, k_cache, v_cache, tables, ctx, block_size, scale) -> out: the CPU paged decode kernel
+    # (engine_workers.cpu_kernels); None = gather + SDPA
+    decode_kernel: Callable | None = None
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean attend-mask -> the additive form SDPA adds to its scores. Built once per step:
-    given a boolean mask, SDPA would convert it in every layer (~0.6 ms per prefill call on CPU)."""
+    given a boolean mask, SDPA would convert it in every layer."""
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
+def split_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS,
+                    max_groups: int = MAX_DECODE_GROUPS) -> list[list[int]]:
+    """Partition sequence indices into at most ``max_groups`` groups of similar block counts,
+    minimising gathered blocks (each group padded to its longest) + ``group_cost`` per group.
+
+    Exact dynamic programming over the indices sorted by length; cut points are restricted to a
+    grid of at most 32 positions so a step of hundreds of sequences stays cheap in Python."""
+    order = sorted(range(len(nblocks)), key=nblocks.__getitem__)
+    lens = [nblocks[i] for i in order]
+    n = len(lens)
+    step = max(1, -(-n // 32))
+    cuts = sorted(set(range(0, n, step)) | {n})
+    # best[g][c]: min cost covering lens[:cuts[c]] with g groups; back-pointers in prev
+    inf = float("inf")
+    best = [[inf] * len(cuts) for _ in range(max_groups + 1)]
+    prev = [[0] * len(cuts) for _ in range(max_groups + 1)]
+    best[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for c in range(1, len(cuts)):
+            hi = cuts[c]
+            for b in range(c):
+                if best[g - 1][b] == inf:
+                    continue
+                cost = best[g - 1][b] + (hi - cuts[b]) * lens[hi - 1] + group_cost
+                if cost < best[g][c]:
+                    best[g][c], prev[g][c] = cost, b
+    last = len(cuts) - 1
+    g = min(range(1, max_groups + 1), key=lambda k: best[k][last])
+    groups: list[list[int]] = []
+    c = last
+    while g > 0:
+        b = prev[g][c]
+        groups.append(order[cuts[b] : cuts[c]])
+        c, g = b, g - 1
+    return groups[::-1]
+
+
 def build_metadata(
-    chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device, group: int = 1,
-    dtype: torch.dtype = torch.float32,
+    chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
+    dtype: torch.dtype = torch.float32, decode_kernel: Callable | None = None,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """``chunks``: per sequence ``(num_computed_before, num_new, block_ids)`` in batch order;
-    ``group``: query heads per KV head; ``dtype``: the model's (for the masks).
+    ``dtype``: the model's (for the masks); ``decode_kernel``: attend decode rows with it (one
+    group, no mask: the kernel reads each sequence's own length) instead of gather + SDPA.
 
     Returns the metadata and the positions tensor ``[T]``.
     """
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
     positions: list[int] = []
     slots: list[int] = []
-    dec, pf = [], []
+    dec: list[tuple[int, int, list[int]]] = []  # (row, context length, blocks)
+    prefill: list[PrefillChunk] = []
     row = 0
     for start, n, blocks in chunks:
         pos = range(start, start + n)
         positions.extend(pos)
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
-        (dec if n == 1 else pf).append((row, start, n, blocks))
+        if n == 1:
+            dec.append((row, start + 1, blocks))
+        elif start == 0:
+            prefill.append(PrefillChunk(row, n, None, None))
+        else:
+            ctx = start + n
+            table = torch.tensor(blocks[: -(-ctx // block_size)], dtype=torch.long)
+            causal = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+            prefill.append(PrefillChunk(row, n, dev(table), dev(_additive(causal, dtype))))
         row += n
 
-    def tables(items: list) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Block tables padded to the longest, the context lengths, and that width in blocks."""
-        nblk = [-(-(start + n) // block_size) for _, start, n, _ in items]
-        width = max(nblk)
-        rows = [blocks[:k] + [0] * (width - k) for (_, _, _, blocks), k in zip(items, nblk)]
-        ctx = torch.tensor([start + n for _, start, n, _ in items])
-        return torch.tensor(rows, dtype=torch.long), ctx, width
-
-    dec_rows = dec_blocks = dec_mask = None
+    groups: list[DecodeGroup] = []
     if dec:
-        dec_rows = torch.tensor([r for r, _, _, _ in dec], dtype=torch.long)
-        dec_blocks, ctx, width = tables(dec)
-        dec_mask = _additive((torch.arange(width * block_size)[None, :] < ctx[:, None])[:, None, None, :], dtype)
-    pf_rows = pf_valid = pf_blocks = pf_mask = None
-    if pf:
-        lq = max(n for _, _, n, _ in pf)
-        rows = torch.zeros(len(pf), lq, dtype=torch.long)
-        valid = torch.zeros(len(pf), lq, dtype=torch.bool)
-        q_pos = torch.zeros(len(pf), lq, dtype=torch.long)
-        for i, (r, start, n, _) in enumerate(pf):
-            rows[i, :n] = torch.arange(r, r + n)
-            valid[i, :n] = True
-            q_pos[i, :n] = torch.arange(start, start + n)
-        pf_blocks, ctx, width = tables(pf)
-        k_pos = torch.arange(width * block_size)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < ctx[:, None, None])
-        mask[:, :, 0] |= ~valid  # padded query rows attend to one key: no NaN from an empty row
-        pf_rows, pf_valid = rows, valid
-        # The G query heads of one KV head attend as G * Lq rows against that head's K/V (no repeat).
-        pf_mask = _additive(mask.repeat(1, group, 1)[:, None], dtype)
-    meta = AttnMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=block_size,
-        dec_rows=dec_rows, dec_blocks=dec_blocks, dec_mask=dec_mask,
-        pf_rows=pf_rows, pf_valid=pf_valid, pf_blocks=pf_blocks, pf_mask=pf_mask,
-    )
-    if device.type != "cpu":
-        for name in AttnMetadata.__slots__:
-            t = getattr(meta, name)
-            if isinstance(t, torch.Tensor):
-                setattr(meta, name, t.to(device, non_blocking=True))
-    return meta, torch.tensor(positions, dtype=torch.long, device=device)
+        nblk = [-(-ctx // block_size) for _, ctx, _ in dec]
+        for members in [list(range(len(dec)))] if decode_kernel else split_by_length(nblk):
+            width = max(nblk[i] for i in members)
+            table = torch.tensor([dec[i][2][: nblk[i]] + [0] * (width - nblk[i]) for i in members], dtype=torch.long)
+            ctx = torch.tensor([dec[i][1] for i in members])
+            rows = torch.tensor([dec[i][0] for i in members], dtype=torch.long)
+            if decode_kernel:
+                groups.append(DecodeGroup(rows, table, None, ctx))
+            else:
+                mask = _additive((torch.arange(width * block_size)[None, :] < ctx[:, None])[:, None, None, :], dtype)
+                groups.append(DecodeGroup(dev(rows), dev(table), dev(mask), None))
+    meta = AttnMetadata(dev(torch.tensor(slots, dtype=torch.long)), block_size, tuple(groups), tuple(prefill),
+                        decode_kernel)
+    return meta, dev(torch.tensor(positions, dtype=torch.long))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[B, N]`` block tables -> ``[B, Hkv, N * block_size, D]`` (a copy, one row per block)."""
+    """Block tables ``[..., N]`` -> ``[..., N * block_size, Hkv, D]`` (a copy, one row per block)."""
     hkv, d = cache.shape[1], cache.shape[2]
-    b, n = blocks.shape
     by_block = cache.view(-1, block_size * hkv * d)
-    return by_block.index_select(0, blocks.view(-1)).view(b, n * block_size, hkv, d).transpose(1, 2)
+    return by_block.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, hkv, d)
 
 
 def paged_attention(
-    q: torch.Tensor,  # [T, Hq, D]
+    q: torch.Tensor,  # [T, Hq, D] (any row stride)
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]
@@ -134,21 +181,29 @@ def paged_attention(
     bs = meta.block_size
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
-    if meta.dec_rows is not None:
-        bd = meta.dec_blocks.shape[0]
-        qd = q.index_select(0, meta.dec_rows).view(bd, hkv, group, d)
-        kd = _gather(k_cache, meta.dec_blocks, bs)
-        vd = _gather(v_cache, meta.dec_blocks, bs)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.dec_mask, scale=scale)
-        out.index_copy_(0, meta.dec_rows, od.reshape(bd, hq, d))
-    if meta.pf_rows is not None:
-        bp, lq = meta.pf_rows.shape
-        # [Bp, Lq, Hkv, G, D] -> [Bp, Hkv, G * Lq, D]: query rows grouped per KV head
-        qp = q[meta.pf_rows].view(bp, lq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(bp, hkv, group * lq, d)
-        kp = _gather(k_cache, meta.pf_blocks, bs)
-        vp = _gather(v_cache, meta.pf_blocks, bs)
-        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.pf_mask, scale=scale)
-        op = op.view(bp, hkv, group, lq, d).permute(0, 3, 1, 2, 4).reshape(bp, lq, hq, d)
-        out[meta.pf_rows[meta.pf_valid]] = op[meta.pf_valid]
+    out = q.new_empty(t, hq, d)
+    for g in meta.decode:
+        b = g.rows.shape[0]
+        if meta.decode_kernel is not None:
+            od = meta.decode_kernel(q.index_select(0, g.rows), k_cache, v_cache, g.blocks, g.ctx, bs, scale)
+            out.index_copy_(0, g.rows, od)
+            continue
+        qd = q.index_select(0, g.rows).view(b, hkv, group, d)
+        kd = _gather(k_cache, g.blocks, bs).transpose(1, 2)
+        vd = _gather(v_cache, g.blocks, bs).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        out.index_copy_(0, g.rows, od.reshape(b, hq, d))
+    for c in meta.prefill:
+        rows = slice(c.first, c.first + c.n)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if c.blocks is None:  # starts its sequence: its own K/V are all there is
+            kp, vp = k[rows], v[rows]
+        else:
+            ctx = c.mask.shape[-1]
+            kp, vp = _gather(k_cache, c.blocks, bs)[:ctx], _gather(v_cache, c.blocks, bs)[:ctx]
+        op = F.scaled_dot_product_attention(
+            qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=group > 1,
+        )
+        out[rows] = op[0].transpose(0, 1)
     return out.view(t, hq * d)

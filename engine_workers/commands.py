@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=env_default("threads", None), help="torch CPU threads [LOCKGATE_THREADS]")
     g.add_argument("--no-weight-prepack", action="store_true", default=env_default("no-weight-prepack", False),
                    help="CPU float32: keep linears on F.linear instead of oneDNN with weights packed once [LOCKGATE_NO_WEIGHT_PREPACK]")
+    g.add_argument("--no-cpu-kernels", action="store_true", default=env_default("no-cpu-kernels", False),
+                   help="CPU float32: decode attention through gather + SDPA instead of the engine's own "
+                        "paged kernel [LOCKGATE_NO_CPU_KERNELS]")
 
 
 def _bytes(text: str) -> int:
@@ -48,7 +51,7 @@ def engine_config_from_args(args: argparse.Namespace):
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
-        weight_prepack=not args.no_weight_prepack,
+        weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,
     )
 
 
@@ -122,6 +125,8 @@ def register(sub, bench) -> None:
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--skip-hf", action="store_true", help="run lockgate only")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every engine and the GEMM peak; each keeps its best (default 1)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=_bench_engine)
 

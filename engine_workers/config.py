@@ -20,6 +20,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     weight_prepack: bool = True  # CPU fp32: linears on oneDNN with weights packed once (cpu_linear.py)
+    cpu_kernels: bool = True  # CPU fp32: decode attention on the engine's own kernel (cpu_kernels.py)
     seed: int = 0  # engine RNG for unseeded sampling
 
     def __post_init__(self) -> None:

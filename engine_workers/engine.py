@@ -26,7 +26,7 @@ from engine_workers.runner import ModelRunner, kv_budget_blocks, resolve_dtype
 from engine_workers.sampler import Sampler, TokenLogprobs, make_generator
 from engine_workers.scheduler import Scheduler, SchedulerConfig
 from engine_workers.sequence import Sequence, SeqStatus, SeqTimes
-from engine_workers import torch_thread
+from engine_workers import cpu_malloc, torch_thread
 from kv_store import KVCacheManager
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.resolved_device())
+        if self.device.type == "cpu":
+            cpu_malloc.tune()
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack)
         self.loaded = loaded
@@ -109,7 +111,7 @@ class Engine:
                             config.long_prefill_token_threshold),
             self.kv,
         )
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype, config.cpu_kernels)
         self.sampler = Sampler(self.device, config.seed)
         self._reqs: dict[str, _Req] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
@@ -280,12 +282,14 @@ class Engine:
 
     # -- conveniences -----------------------------------------------------------------------------
 
-    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None) -> list[CompletedRequest]:
-        """Run prompts to completion together (continuous batching) and return them in order."""
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[CompletedRequest]:
+        """Run prompts to completion together (continuous batching) and return them in order.
+        ``cache_salt``: prefix-cache namespace (as for ``add_request``)."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, cache_salt=cache_salt)
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         text: dict[str, list[str]] = {rid: [] for rid in ids}
         done: dict[str, RequestOutput] = {}

@@ -62,8 +62,10 @@ class ModelSpec:
         )
 
 
-def rope_tables(cfg, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[max_len, head_dim]`` from the config's RoPE parameters (scaling included)."""
+def rope_tables(cfg, spec: ModelSpec, max_len: int, device: torch.device) -> torch.Tensor:
+    """Rotations ``[max_len, head_dim // 2]`` complex64 from the config's RoPE parameters (scaling
+    included): entry ``[p, j]`` is ``scaling * exp(i * p * inv_freq[j])``. Kept in float32 whatever
+    the model dtype: complex bf16 does not exist, and rotating in fp32 loses nothing."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(cfg, "rope_parameters", None) or {}
@@ -79,15 +81,30 @@ def rope_tables(cfg, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: 
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
     if inv_freq.numel() * 2 != spec.head_dim:
         raise ValueError("partial rotary embeddings are not supported")
-    t = torch.arange(max_len, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq.float())
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype=dtype, device=device), (emb.sin() * scaling).to(dtype=dtype, device=device)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
+    return torch.polar(torch.full_like(angles, float(scaling)), angles).to(device)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def interleave_rope_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder a q or k projection's output rows (weight ``[heads * head_dim, ...]`` or bias) from
+    HF's half-split RoPE layout (dim ``j`` rotates with ``j + head_dim / 2``) to interleaved pairs
+    (``2j`` with ``2j + 1``), so a head is ``head_dim / 2`` complex numbers and RoPE is one complex
+    multiply (see :func:`apply_rope`). Attention only takes dot products of q with k, which a
+    permutation applied to both leaves unchanged; V and the output are not touched."""
+    half = head_dim // 2
+    rest = w.shape[1:]
+    return w.reshape(heads, 2, half, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
+
+
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, H, D]`` in the interleaved layout (any row stride), ``rot`` ``[T, 1, D/2]``
+    complex: one complex multiply instead of HF's four multiplies, a negation and a concatenation
+    over strided views (~12x less time for a 512-token prefill chunk on CPU)."""
+    t, h, d = x.shape
+    if x.dtype == torch.float32:
+        return torch.view_as_real(torch.view_as_complex(x.view(t, h, d // 2, 2)) * rot).view(t, h, d)
+    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
+    return torch.view_as_real(xc * rot).view(t, h, d).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -114,16 +131,17 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = self.d**-0.5
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+    def forward(self, x, rot, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.hq, self.d)
-        k = k.view(t, self.hkv, self.d)
-        v = v.view(t, self.hkv, self.d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
+        if self.q_norm is None:
+            # q and k rotate together: one op over [T, Hq + Hkv, D] (weights are interleaved at load)
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv, self.d), rot)
+            q, k = qk[:, : self.hq], qk[:, self.hq :]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, self.hq, self.d)), rot)
+            k = apply_rope(self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)), rot)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o)
 
@@ -148,8 +166,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+    def forward(self, x, rot, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rot, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -164,12 +182,12 @@ class LlamaForPagedLM(nn.Module):
         # (engine_workers.cpu_linear) the loader sets a packed copy of it here instead; the
         # embedding lookup keeps the plain one.
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        # Plain attributes, not buffers: the module is built on the meta device and these are
-        # created afterwards, on the target device, by ``set_rope``.
-        self.cos_table = self.sin_table = None
+        # Plain attribute, not a buffer: the module is built on the meta device and the table is
+        # created afterwards, on the target device, by ``set_rope`` (complex, see rope_tables).
+        self.rope_table = None
 
-    def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.cos_table, self.sin_table = cos, sin
+    def set_rope(self, table: torch.Tensor) -> None:
+        self.rope_table = table
 
     def forward(
         self,
@@ -180,10 +198,9 @@ class LlamaForPagedLM(nn.Module):
         logit_rows: torch.Tensor,  # [S] rows whose next-token logits are needed
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos = self.cos_table[positions].unsqueeze(1)
-        sin = self.sin_table[positions].unsqueeze(1)
+        rot = self.rope_table[positions].unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+            x = layer(x, rot, k_cache, v_cache, meta)
         x = self.norm(x.index_select(0, logit_rows))
         if self.lm_head is not None:
             return self.lm_head(x).float()

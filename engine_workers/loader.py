@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine_workers.llama import LlamaForPagedLM, ModelSpec, rope_tables
+from engine_workers.llama import LlamaForPagedLM, ModelSpec, interleave_rope_rows, rope_tables
 from engine_workers.model_store import ModelError, resolve_model
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     if weight_prepack:
         _prepack(model, device, dtype)
     length = max_len or mspec.max_position_embeddings
-    model.set_rope(*rope_tables(hf_config, mspec, max(length, 1), dtype, device))
+    model.set_rope(rope_tables(hf_config, mspec, max(length, 1), device))
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
 
 
@@ -121,7 +121,15 @@ def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype) -
 
 
 def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
-    """HF parameter names -> ours, fusing q/k/v and gate/up."""
+    """HF parameter names -> ours, fusing q/k/v and gate/up; q and k rows (and q/k norms) are
+    reordered to the interleaved RoPE layout (:func:`engine_workers.llama.interleave_rope_rows`)."""
+    d = spec.head_dim
+
+    def rope_rows(name: str, heads: int) -> torch.Tensor:
+        w = take(name)
+        if w.shape[0] != heads * d:  # reordering needs the configured shape; say so before it fails
+            raise ModelError(f"weights of {path}: {name} has shape {tuple(w.shape)}, expected {heads * d} rows")
+        return interleave_rope_rows(w, heads, d)
 
     def take(name: str) -> torch.Tensor:
         try:
@@ -135,13 +143,15 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        out[dst + "self_attn.qkv_proj.weight"] = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
-        if spec.attention_bias:
-            out[dst + "self_attn.qkv_proj.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
+            q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads)
+            k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
+            out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, take(attn + f"v_proj.{kind}")])
         out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
         if spec.qk_norm:
-            out[dst + "self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
-            out[dst + "self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
+            # [head_dim] per-dimension scales: the same reordering as the rows they scale
+            out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1)
+            out[dst + "self_attn.k_norm.weight"] = rope_rows(attn + "k_norm.weight", 1)
         mlp = src + "mlp."
         out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
         out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")

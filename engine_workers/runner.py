@@ -57,7 +57,8 @@ def kv_budget_blocks(
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 cpu_kernels: bool = True) -> None:
         self.model = loaded.model
         self.spec = loaded.spec
         self.device = device
@@ -69,6 +70,12 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(self.spec.num_layers)
         ]
+        # CPU float32: decode attention on the engine's own kernel where it builds (cpu_kernels.py)
+        self.decode_kernel = None
+        if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+            from engine_workers import cpu_kernels as kernels
+
+            self.decode_kernel = kernels.paged_decode()
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, block_size, slots,
                  kv_block_bytes(self.spec, block_size, dtype) * num_blocks / 2**20)
 
@@ -86,8 +93,8 @@ class ModelRunner:
             meta_in.append((start, len(tokens), blocks))
             if samples:
                 logit_rows.append(len(ids) - 1)
-        meta, positions = build_metadata(meta_in, self.block_size, self.device,
-                                         self.spec.num_heads // self.spec.num_kv_heads, self.kv_caches[0][0].dtype)
+        meta, positions = build_metadata(meta_in, self.block_size, self.device, self.kv_caches[0][0].dtype,
+                                         self.decode_kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta, rows)

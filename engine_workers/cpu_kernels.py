@@ -1,0 +1,126 @@
+"""The engine's own CPU kernel: paged decode attention (``csrc/paged_decode.cpp``), built on first use.
+
+Why: a decode step attends one query token per sequence over its whole context. Through SDPA that
+needs the context gathered out of the paged cache into a padded copy first, and SDPA's kernel is
+built for long query blocks: on the benchmark machine the gather and SDPA took ~10 ms of a ~38 ms
+decode step at batch 16, where reading the K/V once needs ~1 ms. The kernel reads K/V in place
+from the blocks, one task per (sequence, KV head) on torch's own thread pool (figures in
+docs/benchmarks.md). Prefill and CUDA keep SDPA.
+
+Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s once) into
+``~/.cache/lockgate/ext/<hash of source, flags, torch version and CPU>`` (``LOCKGATE_EXT_DIR``
+moves it), so later processes load it in well under a second. Like the packed linears it is checked
+against SDPA on random data before use; where it cannot be built or disagrees, the engine logs why
+and keeps the SDPA path. ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+# -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
+# -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
+# libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).
+# -ffast-math (finite math included) lets GCC vectorise the softmax's expf through glibc's vector
+# math library (libmvec); the kernel's scores are finite by construction.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp", "-lmvec"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "fn" (or None) and "problem" once resolved
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+        return model + flags
+    except OSError:
+        return platform.processor()
+
+
+def _build_dir() -> Path:
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, *LDFLAGS, torch.__version__, _cpu_id()]).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("LOCKGATE_EXT_DIR") or Path.home() / ".cache" / "lockgate" / "ext")
+    path = root / f"paged_decode-{key}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def reference_decode(q, k_cache, v_cache, tables, ctx, block_size: int, scale: float) -> torch.Tensor:
+    """The same attention through gather + SDPA (what the engine does without the kernel)."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    width = tables.shape[1] * block_size
+    k = k_cache.view(-1, block_size * hkv * d).index_select(0, tables.reshape(-1)).view(b, width, hkv, d)
+    v = v_cache.view(-1, block_size * hkv * d).index_select(0, tables.reshape(-1)).view(b, width, hkv, d)
+    mask = torch.zeros(b, width).masked_fill_(torch.arange(width)[None, :] >= ctx[:, None], float("-inf")).view(b, 1, 1, width)
+    o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)
+    return o.reshape(b, hq, d)
+
+
+def _check(fn: Callable) -> str | None:
+    """Compare with :func:`reference_decode` on random data; ``None`` when they agree."""
+    gen = torch.Generator().manual_seed(0)
+    bs, hkv, hq, d, blocks = 4, 2, 6, 16, 12
+    kc, vc = torch.randn(blocks * bs, hkv, d, generator=gen), torch.randn(blocks * bs, hkv, d, generator=gen)
+    q = torch.randn(3, hq, d, generator=gen)
+    tables = torch.tensor([[5, 2, 9], [0, 11, 3], [7, 0, 0]])
+    ctx = torch.tensor([10, 12, 1])
+    got = fn(q, kc, vc, tables, ctx, bs, d**-0.5)
+    want = reference_decode(q, kc, vc, tables, ctx, bs, d**-0.5)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        return "paged decode kernel disagrees with SDPA"
+    return None
+
+
+def paged_decode() -> Callable | None:
+    """The kernel ``(q, k_cache, v_cache, tables, ctx, block_size, scale) -> out``, or ``None``
+    where it is turned off or cannot be built (then :func:`problem` says why). Thread-safe; the
+    build happens once per process, later calls return at once."""
+    with _lock:
+        if "fn" not in _state:
+            _state["fn"], _state["problem"] = _resolve()
+            if _state["problem"]:
+                log.warning("CPU decode attention stays on SDPA: %s", _state["problem"])
+            else:
+                log.info("CPU paged decode attention kernel loaded")
+        return _state["fn"]  # type: ignore[return-value]
+
+
+def problem() -> str | None:
+    paged_decode()
+    return _state["problem"]  # type: ignore[return-value]
+
+
+def _resolve() -> tuple[Callable | None, str | None]:
+    if os.environ.get("LOCKGATE_NO_CPU_KERNELS", "") not in ("", "0"):
+        return None, "off (LOCKGATE_NO_CPU_KERNELS)"
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name="lockgate_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                      extra_ldflags=LDFLAGS, build_directory=str(_build_dir()), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: all mean "use SDPA"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return None, f"cannot build {SOURCE.name}: {type(exc).__name__}: {first}"
+    fn = module.paged_decode
+    try:
+        bad = _check(fn)
+    except RuntimeError as exc:
+        bad = f"paged decode kernel failed its check: {exc}"
+    return (None, bad) if bad else (fn, None)

@@ -1,0 +1,119 @@
+// Paged decode attention for CPU, float32: one query token per sequence, K/V read in place from the
+// block-paged cache (no gather copy, no padding to the longest sequence, no mask).
+//
+// q        [B, Hq, D]      contiguous
+// k_cache  [slots, Hkv, D] contiguous (slot = block * block_size + offset), v_cache likewise
+// tables   [B, N] int64    block table of each sequence (entries past its context are ignored)
+// ctx      [B] int64       context length of each sequence, >= 1 (its new token included)
+// returns  [B, Hq, D]
+//
+// One task per sequence; the G = Hq / Hkv query heads that share a KV head read each K/V row once.
+// Two passes over the context (scores + softmax, then the V sum) with the scores in
+// a per-task buffer; the tasks run on torch's own intra-op pool (at::parallel_for), so the kernel
+// adds no thread pool of its own. Compiled with -ffast-math so GCC vectorises the loops (expf
+// through glibc's vector math library, libmvec); that assumes finite values, which holds: scores
+// are computed only for real context positions (no -inf masking) and the max is subtracted.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <math.h>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// The next block of a sequence is anywhere in the cache: ask for it while this one is read.
+inline void prefetch_block(const float* base, int64_t block, int64_t floats) {
+  const char* p = reinterpret_cast<const char*>(base + block * floats);
+  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(p + off);
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+              v_cache.scalar_type() == torch::kFloat, "float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong, "int64 tables and ctx");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), N = tables.size(1), slots = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && Hq % Hkv == 0, "head shapes disagree");
+  TORCH_CHECK(tables.size(0) == B && ctx.size(0) == B, "one table and one length per sequence");
+  const int64_t G = Hq / Hkv;
+  auto tabc = tables.contiguous();
+  auto ctxc = ctx.contiguous();
+  const int64_t* tab = tabc.data_ptr<int64_t>();
+  const int64_t* lens = ctxc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= N * block_size, "context length outside the block table");
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tab[b * N + j] >= 0 && (tab[b * N + j] + 1) * block_size <= slots, "block id outside the cache");
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  // One task per sequence: its K/V rows are read whole (all KV heads, Hkv * D contiguous floats per
+  // token), so memory streams block by block; a task per (sequence, head) read a third of each row
+  // at a stride and measured 2.5x slower on cold caches.
+  const int64_t row = Hkv * D;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(Hq * D), inv(Hq);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = lens[b];
+      const float* qb = qp + b * Hq * D;
+      scores.resize(Hq * L);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = tab[b * N + t / block_size] * block_size + t % block_size;
+        if (t % block_size == 0 && t + block_size < L) prefetch_block(kp, tab[b * N + t / block_size + 1], block_size * row);
+        const float* kr = kp + slot * row;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * L + t] = dot(qb + (h * G + g) * D, kr + h * D, D) * sc;
+      }
+      for (int64_t j = 0; j < Hq; ++j) {
+        float* s = scores.data() + j * L;
+        float m = s[0];
+        for (int64_t t = 1; t < L; ++t) m = s[t] > m ? s[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          s[t] = expf(s[t] - m);
+          sum += s[t];
+        }
+        inv[j] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = tab[b * N + t / block_size] * block_size + t % block_size;
+        if (t % block_size == 0 && t + block_size < L) prefetch_block(vp, tab[b * N + t / block_size + 1], block_size * row);
+        const float* vr = vp + slot * row;
+        for (int64_t h = 0; h < Hkv; ++h)
+          for (int64_t g = 0; g < G; ++g) axpy(acc.data() + (h * G + g) * D, scores[(h * G + g) * L + t], vr + h * D, D);
+      }
+      float* o = op + b * Hq * D;
+      for (int64_t j = 0; j < Hq; ++j)
+        for (int64_t i = 0; i < D; ++i) o[j * D + i] = acc[j * D + i] * inv[j];
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The GIL is released while the kernel runs, as torch's own ops do: the worker's event loop thread
+  // keeps serving while the engine thread attends.
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+}

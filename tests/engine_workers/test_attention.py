@@ -1,0 +1,152 @@
+"""Paged attention (engine_workers/attention.py, cpu_kernels.py) and interleaved RoPE (llama.py):
+each path against a plain dense reference, so a layout or masking mistake cannot hide behind the
+end-to-end parity tests' tolerance for near-ties."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_workers import cpu_kernels
+from engine_workers.attention import build_metadata, paged_attention, split_by_length
+from engine_workers.llama import apply_rope, interleave_rope_rows
+
+BS, HQ, HKV, D = 4, 6, 2, 8
+
+
+def dense_reference(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], start: list[int]) -> list[torch.Tensor]:
+    """Per sequence: full q/k/v ``[L, H, D]``; returns the attention output of its last
+    ``L - start`` positions, causal, GQA by repeating K/V."""
+    outs = []
+    for (q, k, v), s in zip(seqs, start):
+        g = q.shape[1] // k.shape[1]
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(g, 0), v.transpose(0, 1).repeat_interleave(g, 0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=D**-0.5).transpose(0, 1)
+        outs.append(o[s:])
+    return outs
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_mixed_batch_matches_dense_attention(kernel):
+    """One step of decodes (short and long contexts), a chunk starting its sequence and a chunk
+    continuing one, blocks scattered in the cache: each row equals dense causal attention."""
+    fn = cpu_kernels.paged_decode() if kernel else None
+    if kernel and fn is None:
+        pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    num_blocks = 64
+    k_cache = torch.zeros(num_blocks * BS, HKV, D)
+    v_cache = torch.zeros(num_blocks * BS, HKV, D)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    # (total length after this step, tokens computed before it)
+    plan = [(1, 0), (9, 8), (30, 29), (3, 2), (11, 0), (14, 5)]
+    seqs, chunks, new_q, new_k, new_v = [], [], [], [], []
+    for total, before in plan:
+        q = torch.randn(total, HQ, D, generator=gen)
+        k = torch.randn(total, HKV, D, generator=gen)
+        v = torch.randn(total, HKV, D, generator=gen)
+        blocks = [free.pop() for _ in range(-(-total // BS))]
+        for p in range(before):  # what earlier steps wrote
+            slot = blocks[p // BS] * BS + p % BS
+            k_cache[slot], v_cache[slot] = k[p], v[p]
+        seqs.append((q, k, v))
+        chunks.append((before, total - before, blocks))
+        new_q.append(q[before:]); new_k.append(k[before:]); new_v.append(v[before:])
+    meta, positions = build_metadata(chunks, BS, torch.device("cpu"), decode_kernel=fn)
+    assert positions.tolist() == [p for total, before in plan for p in range(before, total)]
+    out = paged_attention(torch.cat(new_q), torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, meta, D**-0.5)
+    want = torch.cat(dense_reference(seqs, [before for _, before in plan])).reshape(-1, HQ * D)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+def test_split_by_length_groups_similar_lengths():
+    lens = [2] * 10 + [40] * 3
+    groups = split_by_length(lens, group_cost=5)
+    assert sorted(i for g in groups for i in g) == list(range(13))  # a partition
+    assert len(groups) == 2 and {frozenset(g) for g in groups} == {frozenset(range(10)), frozenset(range(10, 13))}
+    # equal lengths, or a group cost above any saving: one group
+    assert len(split_by_length([7] * 9)) == 1
+    assert len(split_by_length(lens, group_cost=10_000)) == 1
+    assert len(split_by_length(list(range(1, 300)), group_cost=1, max_groups=3)) == 3
+
+
+def test_split_by_length_many_sequences_is_a_partition():
+    lens = [random.Random(1).randint(1, 50) for _ in range(500)]
+    groups = split_by_length(lens)
+    assert sorted(i for g in groups for i in g) == list(range(500)) and len(groups) <= 4
+
+
+def test_decode_kernel_matches_sdpa_on_varied_shapes():
+    fn = cpu_kernels.paged_decode()
+    if fn is None:
+        pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
+    gen = torch.Generator().manual_seed(3)
+    for hq, hkv, d, bs in ((9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4)):
+        kc, vc = torch.randn(50 * bs, hkv, d, generator=gen), torch.randn(50 * bs, hkv, d, generator=gen)
+        ctx = torch.tensor([1, bs, bs + 1, 7 * bs - 3])
+        tables = torch.stack([torch.randperm(50, generator=gen)[:7] for _ in range(4)])
+        q = torch.randn(4, hq, d, generator=gen)
+        torch.testing.assert_close(fn(q, kc, vc, tables, ctx, bs, 0.3),
+                                   cpu_kernels.reference_decode(q, kc, vc, tables, ctx, bs, 0.3), rtol=1e-4, atol=1e-5)
+
+
+def test_decode_kernel_rejects_bad_tables():
+    fn = cpu_kernels.paged_decode()
+    if fn is None:
+        pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
+    kc = vc = torch.zeros(8 * 4, 1, 4)
+    q = torch.zeros(1, 1, 4)
+    with pytest.raises(RuntimeError, match="block id outside the cache"):
+        fn(q, kc, vc, torch.tensor([[9]]), torch.tensor([2]), 4, 1.0)
+    with pytest.raises(RuntimeError, match="context length"):
+        fn(q, kc, vc, torch.tensor([[0]]), torch.tensor([5]), 4, 1.0)
+
+
+def test_interleaved_rope_equals_hf_rotate_half():
+    """HF rotates dim j with j + D/2; after reordering the projection rows, one complex multiply
+    gives the same vector, reordered the same way (so q.k is unchanged)."""
+    gen = torch.Generator().manual_seed(5)
+    t, h, d = 5, 3, 8
+    x = torch.randn(t, h * d, generator=gen)
+    pos = torch.arange(t, dtype=torch.float32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(pos, inv_freq)
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    xh = x.view(t, h, d)
+    rot = torch.cat((-xh[..., d // 2 :], xh[..., : d // 2]), -1)
+    hf = xh * cos + rot * sin
+    ours = apply_rope(interleave_rope_rows(x.t(), h, d).t().contiguous().view(t, h, d), torch.polar(torch.ones_like(angles), angles)[:, None])
+    torch.testing.assert_close(ours, interleave_rope_rows(hf.reshape(t, h * d).t(), h, d).t().reshape(t, h, d), rtol=1e-5, atol=1e-6)
+    # and attention scores between two rotated vectors are the same in either layout
+    torch.testing.assert_close(ours @ ours.transpose(-1, -2), hf @ hf.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir):
+    from engine_workers.config import EngineConfig
+    from engine_workers.engine import Engine
+    from tests.engine_workers.test_engine_hf_parity import run_together, workload
+
+    if cpu_kernels.paged_decode() is None:
+        pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
+    on = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
+    off = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
+    assert on.runner.decode_kernel is not None and off.runner.decode_kernel is None
+    reqs = workload(on.loaded.spec.vocab_size, 10, seed=11, max_prompt=150, max_new=30)
+    assert run_together(on, reqs) == run_together(off, reqs)
+
+
+def test_flag_and_env_turn_the_kernel_off(monkeypatch):
+    from engine_workers.cli import build_parser
+    from engine_workers.commands import engine_config_from_args
+
+    assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).cpu_kernels is True
+    assert engine_config_from_args(build_parser().parse_args(["generate", "--no-cpu-kernels", "hi"])).cpu_kernels is False
+    monkeypatch.setenv("LOCKGATE_NO_CPU_KERNELS", "1")
+    assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).cpu_kernels is False
+    assert cpu_kernels._resolve() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
