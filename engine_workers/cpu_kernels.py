@@ -8,8 +8,8 @@ from the blocks, one task per (sequence, KV head) on torch's own thread pool (fi
 docs/benchmarks.md). Prefill and CUDA keep SDPA.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s once) into
-``~/.cache/lockgate/ext/<hash of source, flags, torch version and CPU>`` (``LOCKGATE_EXT_DIR``
-moves it), so later processes load it in well under a second. Like the packed linears it is checked
+``$LOCKGATE_CACHE/ext/<hash of source, flags, torch version and CPU>`` (default cache
+``~/.cache/lockgate``), so later processes load it in well under a second. Like the packed linears it is checked
 against SDPA on random data before use; where it cannot be built or disagrees, the engine logs why
 and keeps the SDPA path. ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns it off.
 """
@@ -54,7 +54,9 @@ def _cpu_id() -> str:
 
 def _build_dir() -> Path:
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, *LDFLAGS, torch.__version__, _cpu_id()]).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("LOCKGATE_EXT_DIR") or Path.home() / ".cache" / "lockgate" / "ext")
+    from engine_workers.model_store import cache_dir
+
+    root = cache_dir() / "ext"
     path = root / f"paged_decode-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
