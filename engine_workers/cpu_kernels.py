@@ -8,7 +8,7 @@ from the blocks, one task per (sequence, KV head) on torch's own thread pool (fi
 docs/benchmarks.md). Prefill and CUDA keep SDPA.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s once) into
-``$LOCKGATE_CACHE/ext/<hash of source, flags, torch version and CPU>`` (default cache
+``$LOCKGATE_CACHE/ext/<hash of source, checkout, venv, flags, torch version and CPU>`` (default cache
 ``~/.cache/lockgate``), so later processes load it in well under a second. Like the packed linears it is checked
 against SDPA on random data before use; where it cannot be built or disagrees, the engine logs why
 and keeps the SDPA path. ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns it off.
@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -53,7 +54,10 @@ def _cpu_id() -> str:
 
 
 def _build_dir() -> Path:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CFLAGS, *LDFLAGS, torch.__version__, _cpu_id()]).encode()).hexdigest()[:16]
+    # The source's path and the Python environment are in the key too: the build files name the
+    # source by path, so two checkouts (or venvs) sharing one directory would rebuild each other.
+    parts = [SOURCE.read_text(), str(SOURCE), sys.prefix, *CFLAGS, *LDFLAGS, torch.__version__, _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     from engine_workers.model_store import cache_dir
 
     root = cache_dir() / "ext"
