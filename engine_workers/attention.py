@@ -165,6 +165,19 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch
     return by_block.index_select(0, blocks.reshape(-1)).view(*blocks.shape[:-1], -1, hkv, d)
 
 
+def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                mask: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """Decode attention through gather + SDPA: ``q`` ``[B, Hq, D]``, block tables ``[B, N]``,
+    additive ``mask`` ``[B, 1, 1, N * block_size]``; returns ``[B, Hq, D]``. Queries are grouped per
+    KV head (``[B, Hkv, G, D]``), so GQA needs no K/V repeat."""
+    b, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    kd = _gather(k_cache, tables, block_size).transpose(1, 2)
+    vd = _gather(v_cache, tables, block_size).transpose(1, 2)
+    od = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), kd, vd, attn_mask=mask, scale=scale)
+    return od.reshape(b, hq, d)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D] (any row stride)
     k: torch.Tensor,  # [T, Hkv, D]
@@ -183,16 +196,12 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(t, hq, d)
     for g in meta.decode:
-        b = g.rows.shape[0]
+        qd = q.index_select(0, g.rows)
         if meta.decode_kernel is not None:
-            od = meta.decode_kernel(q.index_select(0, g.rows), k_cache, v_cache, g.blocks, g.ctx, bs, scale)
-            out.index_copy_(0, g.rows, od)
-            continue
-        qd = q.index_select(0, g.rows).view(b, hkv, group, d)
-        kd = _gather(k_cache, g.blocks, bs).transpose(1, 2)
-        vd = _gather(v_cache, g.blocks, bs).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
-        out.index_copy_(0, g.rows, od.reshape(b, hq, d))
+            od = meta.decode_kernel(qd, k_cache, v_cache, g.blocks, g.ctx, bs, scale)
+        else:
+            od = sdpa_decode(qd, k_cache, v_cache, g.blocks, g.mask, bs, scale)
+        out.index_copy_(0, g.rows, od)
     for c in meta.prefill:
         rows = slice(c.first, c.first + c.n)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]

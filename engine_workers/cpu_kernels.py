@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +66,12 @@ def _build_dir() -> Path:
 
 
 def reference_decode(q, k_cache, v_cache, tables, ctx, block_size: int, scale: float) -> torch.Tensor:
-    """The same attention through gather + SDPA (what the engine does without the kernel)."""
-    b, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    """The same attention through gather + SDPA (the engine's path without the kernel)."""
+    from engine_workers.attention import _additive, sdpa_decode
+
     width = tables.shape[1] * block_size
-    k = k_cache.view(-1, block_size * hkv * d).index_select(0, tables.reshape(-1)).view(b, width, hkv, d)
-    v = v_cache.view(-1, block_size * hkv * d).index_select(0, tables.reshape(-1)).view(b, width, hkv, d)
-    mask = torch.zeros(b, width).masked_fill_(torch.arange(width)[None, :] >= ctx[:, None], float("-inf")).view(b, 1, 1, width)
-    o = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale)
-    return o.reshape(b, hq, d)
+    mask = _additive((torch.arange(width)[None, :] < ctx[:, None])[:, None, None, :], q.dtype)
+    return sdpa_decode(q, k_cache, v_cache, tables, mask, block_size, scale)
 
 
 def _check(fn: Callable) -> str | None:
