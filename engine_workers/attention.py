@@ -69,6 +69,11 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
 
+def decode_mask(ctx: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Context lengths ``[B]`` -> the additive mask ``[B, 1, 1, width]`` of padded decode K/V."""
+    return _additive((torch.arange(width)[None, :] < ctx[:, None])[:, None, None, :], dtype)
+
+
 def split_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS,
                     max_groups: int = MAX_DECODE_GROUPS) -> list[list[int]]:
     """Partition sequence indices into at most ``max_groups`` groups of similar block counts,
@@ -151,8 +156,7 @@ def build_metadata(
             if decode_kernel:
                 groups.append(DecodeGroup(rows, table, None, ctx))
             else:
-                mask = _additive((torch.arange(width * block_size)[None, :] < ctx[:, None])[:, None, None, :], dtype)
-                groups.append(DecodeGroup(dev(rows), dev(table), dev(mask), None))
+                groups.append(DecodeGroup(dev(rows), dev(table), dev(decode_mask(ctx, width * block_size, dtype)), None))
     meta = AttnMetadata(dev(torch.tensor(slots, dtype=torch.long)), block_size, tuple(groups), tuple(prefill),
                         decode_kernel)
     return meta, dev(torch.tensor(positions, dtype=torch.long))

@@ -4,7 +4,7 @@ Why: a decode step attends one query token per sequence over its whole context. 
 needs the context gathered out of the paged cache into a padded copy first, and SDPA's kernel is
 built for long query blocks: on the benchmark machine the gather and SDPA took ~10 ms of a ~38 ms
 decode step at batch 16, where reading the K/V once needs ~1 ms. The kernel reads K/V in place
-from the blocks, one task per (sequence, KV head) on torch's own thread pool (figures in
+from the blocks, one task per sequence on torch's own thread pool (figures in
 docs/benchmarks.md). Prefill and CUDA keep SDPA.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s once) into
@@ -67,10 +67,9 @@ def _build_dir() -> Path:
 
 def reference_decode(q, k_cache, v_cache, tables, ctx, block_size: int, scale: float) -> torch.Tensor:
     """The same attention through gather + SDPA (the engine's path without the kernel)."""
-    from engine_workers.attention import _additive, sdpa_decode
+    from engine_workers.attention import decode_mask, sdpa_decode
 
-    width = tables.shape[1] * block_size
-    mask = _additive((torch.arange(width)[None, :] < ctx[:, None])[:, None, None, :], q.dtype)
+    mask = decode_mask(ctx, tables.shape[1] * block_size, q.dtype)
     return sdpa_decode(q, k_cache, v_cache, tables, mask, block_size, scale)
 
 
