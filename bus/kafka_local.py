@@ -35,11 +35,17 @@ REPO = Path(__file__).resolve().parent.parent
 POM = REPO / "scripts" / "kafka" / "pom.xml"
 DEFAULT_DIR = Path(os.environ.get("LOCKGATE_KAFKA_DIR", "~/.cache/lockgate/kafka")).expanduser()
 CONTROLLER_PORT_OFFSET = 100
+# The local broker shares a small machine with the engine it feeds, so its flags buy low CPU, not
+# peak throughput: C1-only JIT (C2 compiling Kafka's hot paths burned seconds of CPU during a
+# benchmark's first minute) and the serial collector (no concurrent GC threads; the heap is small
+# and pauses are a few ms). Measured over one `lockgate bench e2e --bus kafka://... --repeat 2`:
+# broker CPU 6.7 s with G1 + tiered C2, 3.5 s with these (docs/bus.md). LOCKGATE_KAFKA_JVM_FLAGS
+# replaces the whole list.
 JVM_FLAGS = [
     "-Xms256m", "-Xmx512m",
-    "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
+    "-XX:+UseSerialGC",
+    "-XX:TieredStopAtLevel=1", "-XX:CICompilerCount=1",
     "-XX:+ExitOnOutOfMemoryError",
-
     "-Xshare:auto",
     "-Djava.awt.headless=true",
 ]
@@ -165,7 +171,8 @@ def _java(libs: Path, node_dir: Path) -> list[str]:
     java = shutil.which("java")
     if java is None:
         raise KafkaLocalError("Java 17+ is needed to run the local Kafka broker: apt-get install -y openjdk-17-jre-headless")
-    return [java, *JVM_FLAGS, f"-Dlog4j2.configurationFile={node_dir / 'log4j2.properties'}",
+    extra = os.environ.get("LOCKGATE_KAFKA_JVM_FLAGS", "").split()
+    return [java, *(extra or JVM_FLAGS), f"-Dlog4j2.configurationFile={node_dir / 'log4j2.properties'}",
             f"-Dkafka.logs.dir={node_dir / 'logs'}", "-cp", f"{libs}/*"]
 
 

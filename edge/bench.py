@@ -35,9 +35,92 @@ def _stamp(prompt_ids: tuple[int, ...], i: int) -> str:
     return f"{time.time():.6f};"
 
 
-def _client_proc(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int) -> None:  # noqa: ANN001
+def _client_proc(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int, kind: str) -> None:  # noqa: ANN001
     raise_nofile()
-    run_loop(_clients(pipe, port, n_conns, stream_idx, tokens))
+    run_loop((_raw_clients if kind == "raw" else _clients)(pipe, port, n_conns, stream_idx, tokens))
+
+
+class _Tally:
+    """What one client process received: latencies (receive - publish stamp), tokens, span."""
+
+    def __init__(self) -> None:
+        self.lat: list[float] = []
+        self.received = 0
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def delta(self, text: str, now: float) -> None:
+        stamps = text.split(";")[:-1]
+        self.received += len(stamps)
+        self.lat.extend(now - float(s) for s in stamps)
+        if self.first is None:
+            self.first = now
+        self.last = now
+
+    def result(self, still_open: int, cpu: float) -> tuple:
+        return ("result", {"latencies": self.lat, "tokens": self.received, "first": self.first, "last": self.last,
+                           "still_open": still_open, "cpu_s": cpu})
+
+
+async def _raw_clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int) -> None:  # noqa: ANN001
+    """The lean client (edge/bench_client.py): frames are handled inside ``data_received``."""
+    import orjson
+
+    from edge.bench_client import connect_raw
+
+    sem = asyncio.Semaphore(200)
+    conns: dict = {}
+    failed = 0
+    tally = _Tally()
+    pending: set[int] = set()
+    all_done = asyncio.Event()
+
+    def finished(i: int) -> None:
+        pending.discard(i)
+        if not pending:
+            all_done.set()
+
+    def handler(i: int):  # noqa: ANN202
+        def on_text(payload: bytes) -> None:
+            now = time.time()
+            f = orjson.loads(payload)
+            kind = f["type"]
+            if kind == "delta":
+                tally.delta(f["text"], now)
+            elif kind in ("done", "error"):
+                finished(i)
+        return on_text
+
+    async def open_one(i: int) -> None:
+        nonlocal failed
+        async with sem:
+            try:
+                c = conns[i] = await connect_raw("127.0.0.1", port, "/ws", handler(i))
+                c.closed.add_done_callback(lambda _: finished(i))  # a dropped stream ends too
+            except Exception:
+                failed += 1
+
+    t0 = time.time()
+    await asyncio.gather(*(open_one(i) for i in range(n_conns)))
+    pipe.send(("held", len(conns), failed, time.time() - t0))
+    await asyncio.to_thread(pipe.recv)  # "go"
+    cpu0 = time.process_time()
+    pending.update(i for i in stream_idx if i in conns)
+    for i in sorted(pending):
+        conns[i].send_text(orjson.dumps({"type": "generate", "id": f"b{i}", "prompt": f"bench {i}",
+                                         "max_tokens": tokens}))
+    if pending:
+        # Bounded: a stream that never ends shows up as missing tokens, not as a hung benchmark.
+        waiter = asyncio.ensure_future(all_done.wait())
+        await asyncio.wait({waiter}, timeout=60 + tokens)
+        waiter.cancel()
+    cpu = time.process_time() - cpu0
+    pipe.send(tally.result(sum(1 for c in conns.values() if c.open), cpu))
+    await asyncio.to_thread(pipe.recv)  # "close"
+    for c in conns.values():
+        c.close()
+    if conns:
+        await asyncio.wait([c.closed for c in conns.values()], timeout=30)
 
 
 async def _clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int) -> None:  # noqa: ANN001
@@ -63,32 +146,22 @@ async def _clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens:
     pipe.send(("held", len(conns), failed, time.time() - t0))
     await asyncio.to_thread(pipe.recv)  # "go"
 
-    lat: list[float] = []
-    received = 0
-    first = last = None
+    tally = _Tally()
 
     async def stream(i: int, ws) -> None:  # noqa: ANN001
-        nonlocal received, first, last
         await ws.send(orjson.dumps({"type": "generate", "id": f"b{i}", "prompt": f"bench {i}",
                                     "max_tokens": tokens}).decode())
         while True:
             f = orjson.loads(await ws.recv())
-            now = time.time()
             if f["type"] == "delta":
-                stamps = f["text"].split(";")[:-1]
-                received += len(stamps)
-                lat.extend(now - float(s) for s in stamps)
-                first = now if first is None else min(first, now)
-                last = now if last is None else max(last, now)
+                tally.delta(f["text"], time.time())
             elif f["type"] in ("done", "error"):
                 return
 
     cpu0 = time.process_time()
     await asyncio.gather(*(stream(i, conns[i]) for i in stream_idx if i < len(conns)))
     cpu = time.process_time() - cpu0
-    still_open = sum(1 for c in conns if c.state.name == "OPEN")
-    pipe.send(("result", {"latencies": lat, "tokens": received, "first": first, "last": last,
-                          "still_open": still_open, "cpu_s": cpu}))
+    pipe.send(tally.result(sum(1 for c in conns if c.state.name == "OPEN"), cpu))
     await asyncio.to_thread(pipe.recv)  # "close"
     await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
 
@@ -203,8 +276,8 @@ async def _bench(args: argparse.Namespace) -> dict:
             await asyncio.to_thread(ep.recv)  # ("ready",): listening on the shared port
         for k in range(args.client_procs):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_client_proc, args=(child, port, per, list(range(streams_per)), args.tokens),
-                            daemon=True)
+            p = ctx.Process(target=_client_proc, daemon=True,
+                            args=(child, port, per, list(range(streams_per)), args.tokens, args.client))
             p.start()
             procs.append(p)
             pipes.append(parent)
@@ -272,6 +345,7 @@ async def _bench(args: argparse.Namespace) -> dict:
         "edge_gc_full_collections": sum(1 for g, _ in pauses if g == 2),
         "edge_procs": args.edge_procs,
         "client_procs": args.client_procs,
+        "client": args.client,
         "cpus": os.cpu_count(),
         "nofile": nofile,
     }

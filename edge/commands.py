@@ -54,6 +54,9 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     b.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     b.add_argument("--step-ms", type=float, default=20.0, help="fake worker step: one token per stream per step")
     b.add_argument("--client-procs", type=int, default=2, help="client processes")
+    b.add_argument("--client", choices=("raw", "websockets"), default="raw",
+                   help="load generator: a lean frame parser (edge/bench_client.py), or the websockets "
+                        "library's client (~15 us/frame more CPU, taken from the edge on a small machine)")
     b.add_argument("--edge-procs", type=int, default=1,
                    help="edge processes sharing the port (SO_REUSEPORT), each with its own memory bus and fake worker")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")

@@ -32,22 +32,25 @@ def test_help(argv, capsys):
     assert "--" in capsys.readouterr().out
 
 
-def test_bench_edge_two_edge_processes_share_the_port(tmp_path):
-    """`lockgate bench edge --edge-procs 2`: two edges on one port (SO_REUSEPORT), the kernel spreads
-    the connections over both, every token of every stream arrives once."""
+@pytest.mark.parametrize("edges, client", [(2, "raw"), (1, "websockets")])
+def test_bench_edge_every_token_arrives(tmp_path, edges, client):
+    """`lockgate bench edge`: every token of every stream arrives once, with either load generator;
+    with `--edge-procs 2` two edges share one port (SO_REUSEPORT) and the kernel spreads the
+    connections over both."""
     import subprocess
     import sys
 
     out = tmp_path / "edge.json"
     proc = subprocess.run(
         [sys.executable, "-m", "engine_workers.cli", "--log-level", "WARNING", "bench", "edge", "--connections", "200",
-         "--streams", "40", "--tokens", "20", "--step-ms", "5", "--client-procs", "1", "--edge-procs", "2",
-         "--json", str(out)],
+         "--streams", "40", "--tokens", "20", "--step-ms", "5", "--client-procs", "1", "--edge-procs", str(edges),
+         "--client", client, "--json", str(out)],
         capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["connections_held"] == 200 and r["connect_failures"] == 0
-    assert len(r["connections_per_edge"]) == 2 and min(r["connections_per_edge"]) > 0
+    assert len(r["connections_per_edge"]) == edges and min(r["connections_per_edge"]) > 0
+    assert r["client"] == client
     assert r["tokens_received"] == r["tokens_expected"] == 40 * 20
     assert r["connections_held_after_streaming"] == 200
 

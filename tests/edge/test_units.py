@@ -10,7 +10,7 @@ from edge.config import ConfigError, EdgeConfig, KeyEntry, add_key, hash_key, lo
 from edge.protocol import CancelFrame, Generate, ProtocolError, parse_client_frame
 from edge.ratelimit import KeyLimiter, TokenBucket
 from edge.router import Stream, dedupe
-from edge.session import _Delta, coalesce
+from edge.session import _Delta, coalesce, text_frames
 from edge.shedding import LoadShedder
 
 
@@ -237,6 +237,16 @@ def test_coalesce_merges_consecutive_deltas_of_one_request():
     assert out[0] == {"type": "delta", "id": "a", "seq": 0, "text": "xy", "token_ids": [1, 2]}
     assert out[1] == "F"
     assert [o["text"] for o in out[2:]] == ["z", "q"]
+
+
+def test_text_frames_match_websockets_framing_and_parse_back():
+    from websockets.frames import Frame, Opcode
+
+    # the three length encodings and their boundaries, and several frames in one write
+    payloads = [b"", b"x", bytes(125), bytes(126), "é🙂".encode() * 40, bytes(65535), bytes(65536)]
+    for p in payloads:
+        assert text_frames([p]) == Frame(Opcode.TEXT, p).serialize(mask=False, extensions=[])
+    assert text_frames(payloads) == b"".join(text_frames([p]) for p in payloads)
 
 
 def test_fast_chunk_decode_matches_bus_decode():
