@@ -1,4 +1,5 @@
-"""The engine's own CPU kernel: paged decode attention (``csrc/paged_decode.cpp``), built on first use.
+"""The engine's own CPU kernels, built on first use: paged decode attention (``csrc/paged_decode.cpp``)
+and small-batch linear layers (``csrc/small_m_linear.cpp``), one extension module (``csrc/module.cpp``).
 
 Why: a decode step attends one query token per sequence over its whole context. Through SDPA that
 needs the context gathered out of the paged cache into a padded copy first, and SDPA's kernel is
@@ -7,11 +8,14 @@ decode step at batch 16, where reading the K/V once needs ~1 ms. The kernel read
 from the blocks, one task per sequence on torch's own thread pool (figures in
 docs/benchmarks.md). Prefill and CUDA keep SDPA.
 
+The linear kernel serves decode-sized batches (at most ``SMALL_M_MAX`` rows), where oneDNN's packed
+GEMM does not overlap reading the weights with computing (:mod:`engine_workers.cpu_linear`).
+
 Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s once) into
 ``$LOCKGATE_CACHE/ext/<hash of source, checkout, venv, flags, torch version and CPU>`` (default cache
 ``~/.cache/lockgate``), so later processes load it in well under a second. Like the packed linears it is checked
-against SDPA on random data before use; where it cannot be built or disagrees, the engine logs why
-and keeps the SDPA path. ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns it off.
+against SDPA (the linear kernel against ``F.linear``) on random data before use; where one cannot be
+built or disagrees, the engine logs why and keeps SDPA / oneDNN for it. ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "small_m_linear.cpp"]
+SOURCE = SOURCES[1]  # the attention kernel (kept for callers that name it)
 # -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).
@@ -55,12 +61,13 @@ def _cpu_id() -> str:
 def _build_dir() -> Path:
     # The source's path and the Python environment are in the key too: the build files name the
     # source by path, so two checkouts (or venvs) sharing one directory would rebuild each other.
-    parts = [SOURCE.read_text(), str(SOURCE), sys.prefix, *CFLAGS, *LDFLAGS, torch.__version__, _cpu_id()]
+    parts = [*(f.read_text() for f in SOURCES), *map(str, SOURCES), sys.prefix, *CFLAGS, *LDFLAGS,
+             torch.__version__, _cpu_id()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     from engine_workers.model_store import cache_dir
 
     root = cache_dir() / "ext"
-    path = root / f"paged_decode-{key}"
+    path = root / f"cpu_kernels-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -107,20 +114,79 @@ def problem() -> str | None:
     return _state["problem"]  # type: ignore[return-value]
 
 
-def _resolve() -> tuple[Callable | None, str | None]:
-    if os.environ.get("LOCKGATE_NO_CPU_KERNELS", "") not in ("", "0"):
-        return None, "off (LOCKGATE_NO_CPU_KERNELS)"
-    try:
-        from torch.utils.cpp_extension import load
+def small_m() -> tuple[Callable, Callable] | None:
+    """``(pack, linear)`` of the small-batch linear kernel, or ``None`` (then
+    :func:`small_m_problem` says why): ``pack(weight [N, K]) -> panels`` once per layer,
+    ``linear(x [M, K] contiguous, panels, N, bias or None) -> [M, N]``. Thread-safe."""
+    with _lock:
+        if "small_m" not in _state:
+            _state["small_m"], _state["small_m_problem"] = _resolve_small_m()
+            if _state["small_m_problem"]:
+                log.warning("CPU small-batch linears stay on oneDNN: %s", _state["small_m_problem"])
+        return _state["small_m"]  # type: ignore[return-value]
 
-        module = load(name="lockgate_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                      extra_ldflags=LDFLAGS, build_directory=str(_build_dir()), verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a failed build: all mean "use SDPA"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return None, f"cannot build {SOURCE.name}: {type(exc).__name__}: {first}"
+
+def small_m_problem() -> str | None:
+    small_m()
+    return _state["small_m_problem"]  # type: ignore[return-value]
+
+
+def _module() -> tuple[object | None, str | None]:
+    """The built extension module, or ``(None, why not)``; built once per process (caller holds
+    ``_lock``)."""
+    if os.environ.get("LOCKGATE_NO_CPU_KERNELS", "") not in ("", "0"):  # read on every resolve
+        return None, "off (LOCKGATE_NO_CPU_KERNELS)"
+    if "module" not in _state:
+        try:
+            from torch.utils.cpp_extension import load
+
+            _state["module"] = load(name="lockgate_cpu_kernels", sources=[str(f) for f in SOURCES],
+                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(_build_dir()),
+                                    verbose=False)
+            _state["module_problem"] = None
+        except Exception as exc:  # no compiler, no ninja, a failed build: all mean "use torch's"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            _state["module"] = None
+            _state["module_problem"] = f"cannot build {CSRC.name}/: {type(exc).__name__}: {first}"
+    return _state["module"], _state["module_problem"]  # type: ignore[return-value]
+
+
+def _resolve() -> tuple[Callable | None, str | None]:
+    module, why = _module()
+    if module is None:
+        return None, why
     fn = module.paged_decode
     try:
         bad = _check(fn)
     except RuntimeError as exc:
         bad = f"paged decode kernel failed its check: {exc}"
     return (None, bad) if bad else (fn, None)
+
+
+def _check_small_m(pack: Callable, linear: Callable) -> str | None:
+    """Compare with ``F.linear`` over the tile and panel tails (M not a multiple of 4, N not of 96,
+    K not of the k block), with and without bias; ``None`` when they agree."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 96, 64), (7, 100, 70), (13, 200, 130)):
+        w, b, x = (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen),
+                   torch.randn(m, k, generator=gen))
+        panels = pack(w)
+        for bias in (None, b):
+            got, want = linear(x, panels, n, bias), F.linear(x, w, bias)
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                return f"small-batch linear kernel disagrees with F.linear at M={m} N={n} K={k}"
+    return None
+
+
+def _resolve_small_m() -> tuple[tuple[Callable, Callable] | None, str | None]:
+    module, why = _module()
+    if module is None:
+        return None, why
+    pack, linear = module.pack_small_m, module.small_m_linear
+    try:
+        bad = _check_small_m(pack, linear)
+    except RuntimeError as exc:
+        bad = f"small-batch linear kernel failed its check: {exc}"
+    return (None, bad) if bad else ((pack, linear), None)

@@ -13,6 +13,13 @@ small random layer, compares with ``F.linear`` and, if the ops are missing or di
 and leaves the model on ``F.linear``. Results differ from ``F.linear`` only by fp32 summation order
 (relative ~1e-6), the same kind of difference as any two GEMM libraries.
 
+Decode-sized inputs (at most ``SMALL_M_MAX`` rows) go to the engine's own kernel instead
+(``csrc/small_m_linear.cpp`` via :func:`engine_workers.cpu_kernels.small_m`), which keeps a second
+copy of each weight in its own panel layout: at M = 8..32 oneDNN's kernel does not overlap reading
+the weights with computing, and a decode step is mostly that (docs/benchmarks.md). The copy
+doubles the memory of the linear weights, so it is made only while it fits in a quarter of the
+memory available at load time; ``--no-cpu-kernels`` leaves everything on oneDNN.
+
 Only fp32 on CPU: CUDA has its own GEMMs, and on CPUs without AMX bf16 is slow either way.
 """
 
@@ -25,6 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# Rows up to which the small-batch kernel is used. Measured on the 2-core benchmark machine over
+# SmolLM2's layer shapes: 1.2-1.3x faster than oneDNN at M = 1..24, even at 32, slower above.
+SMALL_M_MAX = 32
 
 
 def _ops():
@@ -41,30 +52,60 @@ def _ops():
 class PackedLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` in oneDNN's blocked layout. Inference only; any number of
     leading rows. Built from an ``nn.Linear`` by :meth:`from_linear` (the plain weight is not
-    kept: the packed copy replaces it)."""
+    kept: the packed copy replaces it). With ``small_m`` (the kernel's ``(pack, linear)``) it also
+    keeps the weight in that kernel's panels and sends 2-D inputs of at most ``SMALL_M_MAX`` rows
+    there."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int) -> None:
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
+                 panels: torch.Tensor | None = None, small_linear=None) -> None:  # noqa: ANN001
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.packed = packed  # plain attribute: an opaque oneDNN tensor, not a parameter
         self.bias = bias
+        self.panels = panels  # small_m_linear's layout of the same weight, or None
+        self._small = small_linear
         self._linear = _ops()[1]
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "PackedLinear":
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, small_m=None) -> "PackedLinear":  # noqa: ANN001
         reorder, _ = _ops()
         out_f, in_f = weight.shape
-        return cls(reorder(weight.detach().contiguous(), None), None if bias is None else bias.detach(), in_f, out_f)
+        w = weight.detach().contiguous()
+        b = None if bias is None else bias.detach().contiguous()
+        if small_m is None:
+            return cls(reorder(w, None), b, in_f, out_f)
+        pack, linear = small_m
+        return cls(reorder(w, None), b, in_f, out_f, pack(w), linear)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> "PackedLinear":
-        return cls.from_weight(lin.weight, lin.bias)
+    def from_linear(cls, lin: nn.Linear, small_m=None) -> "PackedLinear":  # noqa: ANN001
+        return cls.from_weight(lin.weight, lin.bias, small_m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX:
+            return self._small(x.contiguous(), self.panels, self.out_features, self.bias)
         return self._linear(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn"
+        small = f", small-batch kernel up to {SMALL_M_MAX} rows" if self.panels is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn{small}"
+
+
+def panel_bytes(weights: list[torch.Tensor]) -> int:
+    """Memory the small-batch kernel's copies of ``weights`` take (rows padded to 96)."""
+    return sum(-(-w.shape[0] // 96) * 96 * w.shape[1] * 4 for w in weights)
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes, or ``None`` where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -86,13 +127,14 @@ def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, small_m=None) -> int:  # noqa: ANN001
     """Replace every ``nn.Linear`` inside ``model`` by a :class:`PackedLinear`, in place; returns
-    how many were replaced. The caller checks :func:`packing_problem` first."""
+    how many were replaced. The caller checks :func:`packing_problem` first. ``small_m``: the
+    small-batch kernel's ``(pack, linear)`` (:func:`engine_workers.cpu_kernels.small_m`), or None."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear.from_linear(child))
+                setattr(parent, name, PackedLinear.from_linear(child, small_m))
                 replaced += 1
     return replaced

@@ -96,7 +96,8 @@ class Engine:
         if self.device.type == "cpu":
             cpu_malloc.tune()
         self.dtype = resolve_dtype(config.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack)
+        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
+                            config.cpu_kernels)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptTokenizer(loaded.tokenizer, loaded.spec.max_position_embeddings)

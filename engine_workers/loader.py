@@ -64,9 +64,10 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device, max_len: int | None = None,
-               weight_prepack: bool = True) -> LoadedModel:
+               weight_prepack: bool = True, cpu_kernels: bool = True) -> LoadedModel:
     """Load ``spec`` (a folder, ``default`` or a hub id). ``weight_prepack``: on CPU in float32,
-    run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.cpu_linear`)."""
+    run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.cpu_linear`);
+    with ``cpu_kernels`` too, decode-sized batches on the engine's own kernel where it builds."""
     from transformers import AutoConfig, AutoTokenizer
 
     resolved = resolve_model(spec)
@@ -99,25 +100,50 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     for p in model.parameters():
         p.requires_grad_(False)
     if weight_prepack:
-        _prepack(model, device, dtype)
+        _prepack(model, device, dtype, cpu_kernels)
     length = max_len or mspec.max_position_embeddings
     model.set_rope(rope_tables(hf_config, mspec, max(length, 1), device))
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
 
 
-def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype) -> None:
-    from engine_workers.cpu_linear import PackedLinear, packing_problem, prepack_linears
+def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True) -> None:
+    from engine_workers.cpu_linear import (
+        SMALL_M_MAX,
+        PackedLinear,
+        available_memory,
+        packing_problem,
+        panel_bytes,
+        prepack_linears,
+    )
 
     problem = packing_problem(device, dtype)
     if problem is not None:
         if device.type == "cpu" and dtype == torch.float32:  # expected elsewhere; worth a word here
             log.warning("linear layers stay on F.linear: %s", problem)
         return
-    n = prepack_linears(model)
+    small_m = None
+    if cpu_kernels:
+        from engine_workers import cpu_kernels as kernels
+
+        small_m = kernels.small_m()
+        if small_m is not None:
+            weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+            if model.lm_head is None:
+                weights.append(model.embed_tokens.weight)
+            need, avail = panel_bytes(weights), available_memory()
+            if avail is not None and need > avail // 4:
+                log.warning("small-batch linear kernel off: its weight copies need %.1f GiB, more than a "
+                            "quarter of the %.1f GiB available", need / 2**30, avail / 2**30)
+                small_m = None
+    n = prepack_linears(model, small_m)
     if model.lm_head is None:  # tied: a packed copy of the embedding matrix as the head
-        model.lm_head = PackedLinear.from_weight(model.embed_tokens.weight)
+        model.lm_head = PackedLinear.from_weight(model.embed_tokens.weight, small_m=small_m)
         n += 1
-    log.info("%d linear layers packed for oneDNN (CPU float32)", n)
+    if small_m is not None:
+        log.info("%d linear layers packed for oneDNN (CPU float32); batches of <= %d rows on the small-batch "
+                 "kernel", n, SMALL_M_MAX)
+    else:
+        log.info("%d linear layers packed for oneDNN (CPU float32)", n)
 
 
 def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:

@@ -110,10 +110,3 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released while the kernel runs, as torch's own ops do: the worker's event loop thread
-  // keeps serving while the engine thread attends.
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)",
-        py::call_guard<py::gil_scoped_release>());
-}

@@ -83,3 +83,76 @@ def test_tied_embeddings_get_a_packed_head_and_the_same_output(tmp_path):
     assert plain.runner.model.lm_head is None  # tied: the head reads the embedding matrix
     reqs = workload(packed.loaded.spec.vocab_size, 6, seed=3, max_prompt=80, max_new=16)
     assert run_together(packed, reqs) == run_together(plain, reqs)
+
+
+# --- the small-batch kernel (csrc/small_m_linear.cpp) behind PackedLinear ---------------------------
+
+def _small_m():
+    from engine_workers import cpu_kernels
+
+    fns = cpu_kernels.small_m()
+    if fns is None:
+        pytest.skip(f"no small-batch linear kernel here: {cpu_kernels.small_m_problem()}")
+    return fns
+
+
+@needs_onednn
+@pytest.mark.parametrize("n, k", [(96, 64), (200, 70), (1000, 130)])  # panel tail, k-block tail
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batch_kernel_matches_f_linear_for_every_row_count(n, k, bias):
+    from engine_workers.cpu_linear import SMALL_M_MAX
+
+    small_m = _small_m()
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    lin = PackedLinear.from_weight(w, b, small_m=small_m)
+    assert lin.panels is not None and "small-batch kernel" in repr(lin)
+    for rows in [*range(1, 10), 16, 31, SMALL_M_MAX, SMALL_M_MAX + 1, 100]:  # both sides of the switch
+        x = torch.randn(rows, k, generator=gen)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    # a non-contiguous input is made contiguous, not misread
+    xt = torch.randn(k, 5, generator=gen).t()
+    torch.testing.assert_close(lin(xt), torch.nn.functional.linear(xt, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_small_batch_kernel_rejects_mismatched_inputs():
+    pack, linear = _small_m()
+    panels = pack(torch.randn(100, 64))
+    with pytest.raises(RuntimeError, match="features"):
+        linear(torch.randn(3, 65), panels, 100, None)
+    with pytest.raises(RuntimeError, match="panels"):
+        linear(torch.randn(3, 64), panels, 300, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        linear(torch.randn(3, 64), panels, 100, torch.randn(7))
+
+
+@needs_onednn
+def test_engine_uses_the_small_batch_kernel_only_with_cpu_kernels_on(tiny_model_dir):
+    _small_m()
+    on = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
+    off = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
+    packed_on = [m for m in on.runner.model.modules() if isinstance(m, PackedLinear)]
+    packed_off = [m for m in off.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert packed_on and all(m.panels is not None for m in packed_on)
+    assert packed_off and all(m.panels is None for m in packed_off)
+    reqs = workload(on.loaded.spec.vocab_size, 8, seed=11, max_prompt=100, max_new=20)
+    assert run_together(on, reqs) == run_together(off, reqs)
+
+
+@needs_onednn
+def test_small_batch_kernel_stays_off_when_its_copies_would_not_fit(tiny_model_dir, monkeypatch, caplog):
+    from engine_workers import cpu_linear
+
+    _small_m()
+    monkeypatch.setattr(cpu_linear, "available_memory", lambda: 1 << 20)  # 1 MiB "available"
+    eng = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
+    packed = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.panels is None for m in packed)
+    assert "small-batch linear kernel off" in caplog.text and "available" in caplog.text
+
+
+def test_panel_bytes_counts_padded_rows():
+    from engine_workers.cpu_linear import panel_bytes
+
+    assert panel_bytes([torch.empty(96, 10), torch.empty(97, 10)]) == (96 * 10 + 192 * 10) * 4
