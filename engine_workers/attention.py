@@ -47,9 +47,11 @@ class PrefillChunk:
     first: int  # first row of the chunk in the flat batch
     n: int  # its tokens
     # Continuation chunks only (something computed before): the sequence's block table [N] and the
-    # additive causal mask [n, start + n]. Both None for a chunk that starts its sequence.
+    # additive causal mask [n, start + n] (None with the prefill kernel, which needs none). Both
+    # None for a chunk that starts its sequence.
     blocks: torch.Tensor | None
     mask: torch.Tensor | None
+    start: int = 0  # tokens of the sequence computed before this chunk (its context is start + n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,9 @@ class AttnMetadata:
     # (q, k_cache, v_cache, tables, ctx, block_size, scale) -> out: the CPU paged decode kernel
     # (engine_workers.cpu_kernels); None = gather + SDPA
     decode_kernel: Callable | None = None
+    # (q [n, Hq, D], k [ctx, Hkv, D], v, scale) -> out [n, Hq, D]: the CPU causal prefill kernel;
+    # None = SDPA
+    prefill_kernel: Callable | None = None
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -114,10 +119,12 @@ def split_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS,
 def build_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
     dtype: torch.dtype = torch.float32, decode_kernel: Callable | None = None,
+    prefill_kernel: Callable | None = None,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """``chunks``: per sequence ``(num_computed_before, num_new, block_ids)`` in batch order;
     ``dtype``: the model's (for the masks); ``decode_kernel``: attend decode rows with it (one
-    group, no mask: the kernel reads each sequence's own length) instead of gather + SDPA.
+    group, no mask: the kernel reads each sequence's own length) instead of gather + SDPA;
+    ``prefill_kernel``: attend prefill chunks with it (no masks: it is causal by construction).
 
     Returns the metadata and the positions tensor ``[T]``.
     """
@@ -141,8 +148,11 @@ def build_metadata(
         else:
             ctx = start + n
             table = torch.tensor(blocks[: -(-ctx // block_size)], dtype=torch.long)
-            causal = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
-            prefill.append(PrefillChunk(row, n, dev(table), dev(_additive(causal, dtype))))
+            if prefill_kernel is not None:
+                prefill.append(PrefillChunk(row, n, dev(table), None, start))
+            else:
+                causal = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+                prefill.append(PrefillChunk(row, n, dev(table), dev(_additive(causal, dtype)), start))
         row += n
 
     groups: list[DecodeGroup] = []
@@ -158,7 +168,7 @@ def build_metadata(
             else:
                 groups.append(DecodeGroup(dev(rows), dev(table), dev(decode_mask(ctx, width * block_size, dtype)), None))
     meta = AttnMetadata(dev(torch.tensor(slots, dtype=torch.long)), block_size, tuple(groups), tuple(prefill),
-                        decode_kernel)
+                        decode_kernel, prefill_kernel)
     return meta, dev(torch.tensor(positions, dtype=torch.long))
 
 
@@ -208,12 +218,15 @@ def paged_attention(
         out.index_copy_(0, g.rows, od)
     for c in meta.prefill:
         rows = slice(c.first, c.first + c.n)
-        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if c.blocks is None:  # starts its sequence: its own K/V are all there is
             kp, vp = k[rows], v[rows]
         else:
-            ctx = c.mask.shape[-1]
+            ctx = c.start + c.n
             kp, vp = _gather(k_cache, c.blocks, bs)[:ctx], _gather(v_cache, c.blocks, bs)[:ctx]
+        if meta.prefill_kernel is not None:
+            out[rows] = meta.prefill_kernel(q[rows], kp, vp, scale)
+            continue
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         op = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=group > 1,

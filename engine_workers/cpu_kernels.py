@@ -34,7 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "small_m_linear.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp"]
 SOURCE = SOURCES[1]  # the attention kernel (kept for callers that name it)
 # -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
@@ -112,6 +112,61 @@ def paged_decode() -> Callable | None:
 def problem() -> str | None:
     paged_decode()
     return _state["problem"]  # type: ignore[return-value]
+
+
+def prefill_attention() -> Callable | None:
+    """The causal prefill kernel ``(q [n, Hq, D], k [ctx, Hkv, D], v, scale) -> [n, Hq, D]``
+    (query row i attends keys ``0 .. ctx - n + i``), or ``None`` (then
+    :func:`prefill_problem` says why). Thread-safe."""
+    with _lock:
+        if "prefill" not in _state:
+            _state["prefill"], _state["prefill_problem"] = _resolve_prefill()
+            if _state["prefill_problem"]:
+                log.warning("CPU prefill attention stays on SDPA: %s", _state["prefill_problem"])
+        return _state["prefill"]  # type: ignore[return-value]
+
+
+def prefill_problem() -> str | None:
+    prefill_attention()
+    return _state["prefill_problem"]  # type: ignore[return-value]
+
+
+def reference_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same attention through SDPA with an explicit offset-causal mask."""
+    import torch.nn.functional as F
+
+    n, ctx = q.shape[0], k.shape[0]
+    mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _check_prefill(fn: Callable) -> str | None:
+    """Compare with :func:`reference_prefill`: a fresh chunk and a continuation, GQA, a strided
+    query view (as the engine passes it); ``None`` when they agree."""
+    gen = torch.Generator().manual_seed(0)
+    for n, ctx, hq, hkv, d in ((37, 37, 6, 2, 16), (5, 70, 4, 4, 64), (40, 130, 9, 3, 64)):
+        fused = torch.randn(n, (hq + hkv) * d, generator=gen)
+        q = fused[:, : hq * d].view(n, hq, d)
+        k, v = torch.randn(ctx, hkv, d, generator=gen), torch.randn(ctx, hkv, d, generator=gen)
+        got, want = fn(q, k, v, d**-0.5), reference_prefill(q, k, v, d**-0.5)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return f"prefill attention kernel disagrees with SDPA at n={n} ctx={ctx}"
+    return None
+
+
+def _resolve_prefill() -> tuple[Callable | None, str | None]:
+    module, why = _module()
+    if module is None:
+        return None, why
+    fn = module.prefill_attention
+    try:
+        bad = _check_prefill(fn)
+    except RuntimeError as exc:
+        bad = f"prefill attention kernel failed its check: {exc}"
+    return (None, bad) if bad else (fn, None)
 
 
 def small_m() -> tuple[Callable, Callable] | None:

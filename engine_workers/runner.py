@@ -70,12 +70,13 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(self.spec.num_layers)
         ]
-        # CPU float32: decode attention on the engine's own kernel where it builds (cpu_kernels.py)
-        self.decode_kernel = None
+        # CPU float32: attention on the engine's own kernels where they build (cpu_kernels.py)
+        self.decode_kernel = self.prefill_kernel = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
             from engine_workers import cpu_kernels as kernels
 
             self.decode_kernel = kernels.paged_decode()
+            self.prefill_kernel = kernels.prefill_attention()
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, block_size, slots,
                  kv_block_bytes(self.spec, block_size, dtype) * num_blocks / 2**20)
 
@@ -94,7 +95,7 @@ class ModelRunner:
             if samples:
                 logit_rows.append(len(ids) - 1)
         meta, positions = build_metadata(meta_in, self.block_size, self.device, self.kv_caches[0][0].dtype,
-                                         self.decode_kernel)
+                                         self.decode_kernel, self.prefill_kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, self.kv_caches, meta, rows)

@@ -3,6 +3,7 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale);
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 torch::Tensor pack_small_m(torch::Tensor w);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias);
 
@@ -10,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do: the worker's event loop thread
   // keeps serving while the engine thread computes.
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention of one chunk (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("pack_small_m", &pack_small_m, "pack an nn.Linear weight [N, K] into small_m_linear's panels");
   m.def("small_m_linear", &small_m_linear, "x @ W^T (+ bias) for few rows (CPU, float32)",

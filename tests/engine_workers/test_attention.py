@@ -32,10 +32,12 @@ def dense_reference(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 @pytest.mark.parametrize("kernel", [False, True])
 def test_mixed_batch_matches_dense_attention(kernel):
     """One step of decodes (short and long contexts), a chunk starting its sequence and a chunk
-    continuing one, blocks scattered in the cache: each row equals dense causal attention."""
+    continuing one, blocks scattered in the cache: each row equals dense causal attention, through
+    SDPA and through the CPU kernels (decode and prefill)."""
     fn = cpu_kernels.paged_decode() if kernel else None
-    if kernel and fn is None:
-        pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
+    pf = cpu_kernels.prefill_attention() if kernel else None
+    if kernel and (fn is None or pf is None):
+        pytest.skip(f"no CPU kernels here: {cpu_kernels.problem() or cpu_kernels.prefill_problem()}")
     gen = torch.Generator().manual_seed(0)
     rng = random.Random(0)
     num_blocks = 64
@@ -57,11 +59,40 @@ def test_mixed_batch_matches_dense_attention(kernel):
         seqs.append((q, k, v))
         chunks.append((before, total - before, blocks))
         new_q.append(q[before:]); new_k.append(k[before:]); new_v.append(v[before:])
-    meta, positions = build_metadata(chunks, BS, torch.device("cpu"), decode_kernel=fn)
+    meta, positions = build_metadata(chunks, BS, torch.device("cpu"), decode_kernel=fn, prefill_kernel=pf)
+    assert all(c.mask is None for c in meta.prefill) == kernel  # the kernel needs no masks
     assert positions.tolist() == [p for total, before in plan for p in range(before, total)]
     out = paged_attention(torch.cat(new_q), torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, meta, D**-0.5)
     want = torch.cat(dense_reference(seqs, [before for _, before in plan])).reshape(-1, HQ * D)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, ctx, hq, hkv, d", [(1, 1, 9, 3, 64), (4, 4, 6, 2, 8), (33, 33, 9, 3, 64),
+                                                (200, 200, 9, 3, 64), (1, 97, 4, 4, 32), (96, 300, 6, 2, 64)])
+def test_prefill_kernel_matches_sdpa(n, ctx, hq, hkv, d):
+    """Tile tails (rows not a multiple of 4, keys not of 96, query blocks of 32), continuations
+    (ctx > n), GQA and plain multi-head, a strided query view like the engine's fused QKV."""
+    fn = cpu_kernels.prefill_attention()
+    if fn is None:
+        pytest.skip(f"no CPU prefill kernel here: {cpu_kernels.prefill_problem()}")
+    gen = torch.Generator().manual_seed(n * ctx)
+    fused = torch.randn(n, (hq + 2 * hkv) * d, generator=gen)
+    q = fused[:, : hq * d].view(n, hq, d)
+    k, v = torch.randn(ctx, hkv, d, generator=gen), torch.randn(ctx, hkv, d, generator=gen)
+    torch.testing.assert_close(fn(q, k, v, 0.3), cpu_kernels.reference_prefill(q, k, v, 0.3), rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_kernel_rejects_bad_shapes():
+    fn = cpu_kernels.prefill_attention()
+    if fn is None:
+        pytest.skip(f"no CPU prefill kernel here: {cpu_kernels.prefill_problem()}")
+    q, k = torch.randn(5, 6, 8), torch.randn(5, 2, 8)
+    with pytest.raises(RuntimeError, match="n <= ctx"):
+        fn(q, k[:3], k[:3], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        fn(torch.randn(5, 5, 8), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        fn(q.double(), k.double(), k.double(), 1.0)
 
 
 def test_split_by_length_groups_similar_lengths():
@@ -137,6 +168,7 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir):
     on = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
     off = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
     assert on.runner.decode_kernel is not None and off.runner.decode_kernel is None
+    assert on.runner.prefill_kernel is not None and off.runner.prefill_kernel is None
     reqs = workload(on.loaded.spec.vocab_size, 10, seed=11, max_prompt=150, max_new=30)
     assert run_together(on, reqs) == run_together(off, reqs)
 
@@ -150,3 +182,5 @@ def test_flag_and_env_turn_the_kernel_off(monkeypatch):
     monkeypatch.setenv("LOCKGATE_NO_CPU_KERNELS", "1")
     assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).cpu_kernels is False
     assert cpu_kernels._resolve() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
+    assert cpu_kernels._resolve_prefill() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
+    assert cpu_kernels._resolve_small_m() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
