@@ -24,9 +24,9 @@ install: $(STAMP)
 
 model: install
 	$(BIN)/lockgate model fetch >/dev/null
-	# The CPU decode-attention kernel builds on first use (~30 s, once per machine); build it now.
+	# The engine's CPU kernels build on first use (~100 s on 2 cores, once per machine); build them now.
 	# Without a compiler this prints why and the engine uses SDPA instead.
-	$(BIN)/python -c "from engine_workers import cpu_kernels; print(cpu_kernels.problem() or 'CPU paged decode kernel ready')"
+	$(BIN)/python -c "from engine_workers import cpu_kernels; print(cpu_kernels.problem() or cpu_kernels.prefill_problem() or cpu_kernels.small_m_problem() or cpu_kernels.fused_problem() or 'CPU kernels ready')"
 
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }

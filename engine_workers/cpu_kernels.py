@@ -27,6 +27,7 @@ import platform
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp"]
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
+           CSRC / "fused_elementwise.cpp"]
 SOURCE = SOURCES[1]  # the attention kernel (kept for callers that name it)
 # -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
@@ -167,6 +169,60 @@ def _resolve_prefill() -> tuple[Callable | None, str | None]:
     except RuntimeError as exc:
         bad = f"prefill attention kernel failed its check: {exc}"
     return (None, bad) if bad else (fn, None)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOps:
+    """The fused elementwise kernels (``csrc/fused_elementwise.cpp``)."""
+
+    add_rms_norm: Callable  # (residual [T, H], delta or None, weight [H], eps) -> out; residual += delta in place
+    silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up [T, I]
+
+
+def fused() -> FusedOps | None:
+    """The fused elementwise kernels, or ``None`` (then :func:`fused_problem` says why)."""
+    with _lock:
+        if "fused" not in _state:
+            _state["fused"], _state["fused_problem"] = _resolve_fused()
+            if _state["fused_problem"]:
+                log.warning("CPU norms and gating stay on torch ops: %s", _state["fused_problem"])
+        return _state["fused"]  # type: ignore[return-value]
+
+
+def fused_problem() -> str | None:
+    fused()
+    return _state["fused_problem"]  # type: ignore[return-value]
+
+
+def _check_fused(ops: FusedOps) -> str | None:
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    for t, h in ((1, 16), (9, 40), (33, 576)):
+        res, delta, w = (torch.randn(t, h, generator=gen) * 3, torch.randn(t, h, generator=gen),
+                         torch.randn(h, generator=gen))
+        want_res = res + delta
+        want = w * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-5))
+        got_res = res.clone()
+        got = ops.add_rms_norm(got_res, delta, w, 1e-5)
+        if not (torch.allclose(got_res, want_res) and torch.allclose(got, want, rtol=1e-4, atol=1e-5)):
+            return f"add_rms_norm disagrees with torch at T={t} H={h}"
+        gu = torch.randn(t, 2 * h, generator=gen) * 20  # large |x|: the exp clamp matters
+        if not torch.allclose(ops.silu_mul(gu), F.silu(gu[:, :h]) * gu[:, h:], rtol=1e-4, atol=1e-4):
+            return f"silu_mul disagrees with torch at T={t} I={h}"
+    return None
+
+
+def _resolve_fused() -> tuple[FusedOps | None, str | None]:
+    module, why = _module()
+    if module is None:
+        return None, why
+    ops = FusedOps(module.add_rms_norm, module.silu_mul)
+    try:
+        bad = _check_fused(ops)
+    except RuntimeError as exc:
+        bad = f"fused elementwise kernels failed their check: {exc}"
+    return (None, bad) if bad else (ops, None)
 
 
 def small_m() -> tuple[Callable, Callable] | None:

@@ -112,12 +112,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # (residual, delta, weight, eps) -> out: the fused CPU kernel (LlamaForPagedLM.use_fused)
+        self.fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """``residual += delta`` in place (the layer stack's residual stream), then the norm of it."""
+        if self.fused is not None:
+            return self.fused(residual, delta, self.weight, self.eps)
+        if delta is not None:
+            residual.add_(delta)
+        return self(residual)
 
 
 class Attention(nn.Module):
@@ -152,9 +162,13 @@ class MLP(nn.Module):
         self.inter = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
+        self.fused = None  # (gate_up [T, 2I]) -> silu(gate) * up: the fused CPU kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            return self.down_proj(self.fused(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -166,9 +180,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, rot, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rot, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual, delta, rot, k_cache, v_cache, meta):
+        """Adds ``delta`` (the previous layer's MLP output, None for the first layer) to the
+        residual stream in place and returns this layer's MLP output: the residual add is fused
+        into the norm that follows it (as vLLM does), which is one pass with the CPU kernel."""
+        h = self.input_layernorm.add_forward(residual, delta)
+        h = self.self_attn(h, rot, k_cache, v_cache, meta)
+        return self.mlp(self.post_attention_layernorm.add_forward(residual, h))
 
 
 class LlamaForPagedLM(nn.Module):
@@ -189,6 +207,14 @@ class LlamaForPagedLM(nn.Module):
     def set_rope(self, table: torch.Tensor) -> None:
         self.rope_table = table
 
+    def use_fused(self, ops) -> None:  # noqa: ANN001
+        """Run the layer norms (with their residual adds) and the SiLU gating on ``ops``
+        (:class:`engine_workers.cpu_kernels.FusedOps`), or back on torch ops with ``None``."""
+        for layer in self.layers:
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = ops and ops.add_rms_norm
+            layer.mlp.fused = ops and ops.silu_mul
+        self.norm.fused = ops and ops.add_rms_norm
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -197,11 +223,12 @@ class LlamaForPagedLM(nn.Module):
         meta: AttnMetadata,
         logit_rows: torch.Tensor,  # [S] rows whose next-token logits are needed
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
         rot = self.rope_table[positions].unsqueeze(1)
+        delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, rot, k_cache, v_cache, meta)
-        x = self.norm(x.index_select(0, logit_rows))
+            delta = layer(residual, delta, rot, k_cache, v_cache, meta)
+        x = self.norm.add_forward(residual.index_select(0, logit_rows), delta.index_select(0, logit_rows))
         if self.lm_head is not None:
             return self.lm_head(x).float()
         return F.linear(x, self.embed_tokens.weight).float()

@@ -77,6 +77,7 @@ class ModelRunner:
 
             self.decode_kernel = kernels.paged_decode()
             self.prefill_kernel = kernels.prefill_attention()
+            self.model.use_fused(kernels.fused())
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, block_size, slots,
                  kv_block_bytes(self.spec, block_size, dtype) * num_blocks / 2**20)
 

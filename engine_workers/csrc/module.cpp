@@ -5,6 +5,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 torch::Tensor pack_small_m(torch::Tensor w);
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -13,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention, "causal prefill attention of one chunk (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place); RMSNorm(residual) * weight (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("pack_small_m", &pack_small_m, "pack an nn.Linear weight [N, K] into small_m_linear's panels");
   m.def("small_m_linear", &small_m_linear, "x @ W^T (+ bias) for few rows (CPU, float32)",

@@ -169,6 +169,7 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir):
     off = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
     assert on.runner.decode_kernel is not None and off.runner.decode_kernel is None
     assert on.runner.prefill_kernel is not None and off.runner.prefill_kernel is None
+    assert on.runner.model.norm.fused is not None and off.runner.model.norm.fused is None
     reqs = workload(on.loaded.spec.vocab_size, 10, seed=11, max_prompt=150, max_new=30)
     assert run_together(on, reqs) == run_together(off, reqs)
 
@@ -184,3 +185,41 @@ def test_flag_and_env_turn_the_kernel_off(monkeypatch):
     assert cpu_kernels._resolve() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
     assert cpu_kernels._resolve_prefill() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
     assert cpu_kernels._resolve_small_m() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
+    assert cpu_kernels._resolve_fused() == (None, "off (LOCKGATE_NO_CPU_KERNELS)")
+
+
+# --- fused elementwise kernels (csrc/fused_elementwise.cpp) ------------------------------------------
+
+@pytest.mark.parametrize("t, h", [(1, 8), (7, 576), (300, 100)])
+def test_fused_add_rms_norm_and_silu_mul_match_torch(t, h):
+    from engine_workers.llama import RMSNorm
+
+    ops = cpu_kernels.fused()
+    if ops is None:
+        pytest.skip(f"no fused CPU kernels here: {cpu_kernels.fused_problem()}")
+    gen = torch.Generator().manual_seed(t + h)
+    norm = RMSNorm(h, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(h, generator=gen))
+    res, delta = torch.randn(t, h, generator=gen) * 4, torch.randn(t, h, generator=gen)
+    plain_res, fused_res = res.clone(), res.clone()
+    want = norm.add_forward(plain_res, delta)  # torch path: in-place add, then the norm
+    norm.fused = ops.add_rms_norm
+    got = norm.add_forward(fused_res, delta)
+    torch.testing.assert_close(fused_res, res + delta)  # the residual stream advanced in place
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norm.add_forward(fused_res.clone(), None), norm(fused_res), rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(t, 2 * h, generator=gen) * 30  # saturating values too
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :h]) * gate_up[:, h:], rtol=1e-5, atol=1e-4)
+
+
+def test_fused_kernels_reject_bad_inputs():
+    ops = cpu_kernels.fused()
+    if ops is None:
+        pytest.skip(f"no fused CPU kernels here: {cpu_kernels.fused_problem()}")
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.add_rms_norm(torch.randn(3, 8), None, torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="delta"):
+        ops.add_rms_norm(torch.randn(3, 8), torch.randn(2, 8), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="gate_up"):
+        ops.silu_mul(torch.randn(3, 7))
