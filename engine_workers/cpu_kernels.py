@@ -101,31 +101,45 @@ def paged_decode() -> Callable | None:
     """The kernel ``(q, k_cache, v_cache, tables, ctx, block_size, scale) -> out``, or ``None``
     where it is turned off or cannot be built (then :func:`problem` says why). Thread-safe; the
     build happens once per process, later calls return at once."""
-    with _lock:
-        if "fn" not in _state:
-            _state["fn"], _state["problem"] = _resolve()
-            if _state["problem"]:
-                log.warning("CPU decode attention stays on SDPA: %s", _state["problem"])
-            else:
-                log.info("CPU paged decode attention kernel loaded")
-        return _state["fn"]  # type: ignore[return-value]
+    return _resolved("decode", _resolve, "CPU decode attention stays on SDPA")
 
 
 def problem() -> str | None:
     paged_decode()
-    return _state["problem"]  # type: ignore[return-value]
+    return _state["decode_problem"]  # type: ignore[return-value]
+
+
+def _resolved(key: str, resolve: Callable[[], tuple[object, str | None]], fallback: str):  # noqa: ANN202
+    """``resolve()`` once per process under the lock; its problem, if any, logged once."""
+    with _lock:
+        if key not in _state:
+            _state[key], _state[key + "_problem"] = resolve()
+            if _state[key + "_problem"]:
+                log.warning("%s: %s", fallback, _state[key + "_problem"])
+            else:
+                log.info("CPU kernel loaded: %s", key)
+        return _state[key]
+
+
+def _checked(get: Callable[[object], object], check: Callable[[object], str | None], what: str
+             ) -> tuple[object, str | None]:
+    """``get(module)`` if the module builds and ``check`` finds nothing, else ``(None, why)``."""
+    module, why = _module()
+    if module is None:
+        return None, why
+    obj = get(module)
+    try:
+        bad = check(obj)
+    except RuntimeError as exc:
+        bad = f"{what} failed its check: {exc}"
+    return (None, bad) if bad else (obj, None)
 
 
 def prefill_attention() -> Callable | None:
     """The causal prefill kernel ``(q [n, Hq, D], k [ctx, Hkv, D], v, scale) -> [n, Hq, D]``
     (query row i attends keys ``0 .. ctx - n + i``), or ``None`` (then
     :func:`prefill_problem` says why). Thread-safe."""
-    with _lock:
-        if "prefill" not in _state:
-            _state["prefill"], _state["prefill_problem"] = _resolve_prefill()
-            if _state["prefill_problem"]:
-                log.warning("CPU prefill attention stays on SDPA: %s", _state["prefill_problem"])
-        return _state["prefill"]  # type: ignore[return-value]
+    return _resolved("prefill", _resolve_prefill, "CPU prefill attention stays on SDPA")
 
 
 def prefill_problem() -> str | None:
@@ -160,15 +174,7 @@ def _check_prefill(fn: Callable) -> str | None:
 
 
 def _resolve_prefill() -> tuple[Callable | None, str | None]:
-    module, why = _module()
-    if module is None:
-        return None, why
-    fn = module.prefill_attention
-    try:
-        bad = _check_prefill(fn)
-    except RuntimeError as exc:
-        bad = f"prefill attention kernel failed its check: {exc}"
-    return (None, bad) if bad else (fn, None)
+    return _checked(lambda m: m.prefill_attention, _check_prefill, "prefill attention kernel")  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +187,7 @@ class FusedOps:
 
 def fused() -> FusedOps | None:
     """The fused elementwise kernels, or ``None`` (then :func:`fused_problem` says why)."""
-    with _lock:
-        if "fused" not in _state:
-            _state["fused"], _state["fused_problem"] = _resolve_fused()
-            if _state["fused_problem"]:
-                log.warning("CPU norms and gating stay on torch ops: %s", _state["fused_problem"])
-        return _state["fused"]  # type: ignore[return-value]
+    return _resolved("fused", _resolve_fused, "CPU norms and gating stay on torch ops")
 
 
 def fused_problem() -> str | None:
@@ -214,27 +215,14 @@ def _check_fused(ops: FusedOps) -> str | None:
 
 
 def _resolve_fused() -> tuple[FusedOps | None, str | None]:
-    module, why = _module()
-    if module is None:
-        return None, why
-    ops = FusedOps(module.add_rms_norm, module.silu_mul)
-    try:
-        bad = _check_fused(ops)
-    except RuntimeError as exc:
-        bad = f"fused elementwise kernels failed their check: {exc}"
-    return (None, bad) if bad else (ops, None)
+    return _checked(lambda m: FusedOps(m.add_rms_norm, m.silu_mul), _check_fused, "fused elementwise kernels")  # type: ignore[return-value]
 
 
 def small_m() -> tuple[Callable, Callable] | None:
     """``(pack, linear)`` of the small-batch linear kernel, or ``None`` (then
     :func:`small_m_problem` says why): ``pack(weight [N, K]) -> panels`` once per layer,
     ``linear(x [M, K] contiguous, panels, N, bias or None) -> [M, N]``. Thread-safe."""
-    with _lock:
-        if "small_m" not in _state:
-            _state["small_m"], _state["small_m_problem"] = _resolve_small_m()
-            if _state["small_m_problem"]:
-                log.warning("CPU small-batch linears stay on oneDNN: %s", _state["small_m_problem"])
-        return _state["small_m"]  # type: ignore[return-value]
+    return _resolved("small_m", _resolve_small_m, "CPU small-batch linears stay on oneDNN")
 
 
 def small_m_problem() -> str | None:
@@ -263,15 +251,7 @@ def _module() -> tuple[object | None, str | None]:
 
 
 def _resolve() -> tuple[Callable | None, str | None]:
-    module, why = _module()
-    if module is None:
-        return None, why
-    fn = module.paged_decode
-    try:
-        bad = _check(fn)
-    except RuntimeError as exc:
-        bad = f"paged decode kernel failed its check: {exc}"
-    return (None, bad) if bad else (fn, None)
+    return _checked(lambda m: m.paged_decode, _check, "paged decode kernel")  # type: ignore[return-value]
 
 
 def _check_small_m(pack: Callable, linear: Callable) -> str | None:
@@ -292,12 +272,5 @@ def _check_small_m(pack: Callable, linear: Callable) -> str | None:
 
 
 def _resolve_small_m() -> tuple[tuple[Callable, Callable] | None, str | None]:
-    module, why = _module()
-    if module is None:
-        return None, why
-    pack, linear = module.pack_small_m, module.small_m_linear
-    try:
-        bad = _check_small_m(pack, linear)
-    except RuntimeError as exc:
-        bad = f"small-batch linear kernel failed its check: {exc}"
-    return (None, bad) if bad else ((pack, linear), None)
+    return _checked(lambda m: (m.pack_small_m, m.small_m_linear), lambda f: _check_small_m(*f),
+                    "small-batch linear kernel")  # type: ignore[return-value]

@@ -145,12 +145,17 @@ async def test_async_engine_streams_and_cancel_aborts(engine):
 
         long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
 
+        streaming = asyncio.Event()
+
         async def consume():
             async for _ in aeng.generate("a2", [7, 8, 9], long):
-                pass
+                streaming.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
+        # Cancel once tokens flow, not after a fixed sleep: with the CPU kernels the tiny model
+        # finished all 500 tokens within 0.2 s and the task ended before it was cancelled.
+        await asyncio.wait_for(streaming.wait(), 30)
+        assert "a2" in engine.kv.tables
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
