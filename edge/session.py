@@ -157,6 +157,10 @@ class Session:
                     for d in ws.protocol.data_to_send():
                         if d:
                             transport.write(d)
+                        elif transport.can_write_eof():  # b"": websockets' end-of-stream marker
+                            transport.write_eof()
+                        else:
+                            transport.close()
                 else:
                     transport.write(text_frames(coalesce(items)))
             except Exception as exc:  # the socket is failing; websockets' reader will see it too

@@ -186,6 +186,16 @@ async def test_starvation_fifo_strict_aging(kafka_bootstrap: str, tiny_dir: Path
 async def test_cancel_expired_invalid_on_kafka(kafka_bootstrap: str, tiny_dir: Path) -> None:
     layout = new_layout(partitions=1)
     engine = make_engine(tiny_dir, max_num_seqs=1)
+    # At least 5 ms a step: with the CPU kernels the tiny model can generate the whole 315-token
+    # budget of "long" before the Cancel's round trip through a busy broker lands, and the test
+    # would then measure the machine's speed instead of the cancel path.
+    step = engine.step
+
+    def slow_step():  # noqa: ANN202
+        time.sleep(0.005)
+        return step()
+
+    engine.step = slow_step
     total = engine.kv.num_blocks
     async with connect(kafka_url(kafka_bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
