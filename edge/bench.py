@@ -40,6 +40,13 @@ def _client_proc(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: i
     run_loop((_raw_clients if kind == "raw" else _clients)(pipe, port, n_conns, stream_idx, tokens))
 
 
+def _generate_frame(i: int, tokens: int) -> bytes:
+    """Stream ``i``'s request: both load generators send exactly this."""
+    import orjson
+
+    return orjson.dumps({"type": "generate", "id": f"b{i}", "prompt": f"bench {i}", "max_tokens": tokens})
+
+
 class _Tally:
     """What one client process received: latencies (receive - publish stamp), tokens, span."""
 
@@ -107,8 +114,7 @@ async def _raw_clients(pipe, port: int, n_conns: int, stream_idx: list[int], tok
     cpu0 = time.process_time()
     pending.update(i for i in stream_idx if i in conns)
     for i in sorted(pending):
-        conns[i].send_text(orjson.dumps({"type": "generate", "id": f"b{i}", "prompt": f"bench {i}",
-                                         "max_tokens": tokens}))
+        conns[i].send_text(_generate_frame(i, tokens))
     if pending:
         # Bounded: a stream that never ends shows up as missing tokens, not as a hung benchmark.
         waiter = asyncio.ensure_future(all_done.wait())
@@ -149,8 +155,7 @@ async def _clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens:
     tally = _Tally()
 
     async def stream(i: int, ws) -> None:  # noqa: ANN001
-        await ws.send(orjson.dumps({"type": "generate", "id": f"b{i}", "prompt": f"bench {i}",
-                                    "max_tokens": tokens}).decode())
+        await ws.send(_generate_frame(i, tokens).decode())
         while True:
             f = orjson.loads(await ws.recv())
             if f["type"] == "delta":

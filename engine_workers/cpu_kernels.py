@@ -1,21 +1,25 @@
-"""The engine's own CPU kernels, built on first use: paged decode attention (``csrc/paged_decode.cpp``)
-and small-batch linear layers (``csrc/small_m_linear.cpp``), one extension module (``csrc/module.cpp``).
+"""The engine's own CPU kernels (float32), one extension module (``csrc/module.cpp``) built on first use:
 
-Why: a decode step attends one query token per sequence over its whole context. Through SDPA that
-needs the context gathered out of the paged cache into a padded copy first, and SDPA's kernel is
-built for long query blocks: on the benchmark machine the gather and SDPA took ~10 ms of a ~38 ms
-decode step at batch 16, where reading the K/V once needs ~1 ms. The kernel reads K/V in place
-from the blocks, one task per sequence on torch's own thread pool (figures in
-docs/benchmarks.md). Prefill and CUDA keep SDPA.
+* paged decode attention (``csrc/paged_decode.cpp``): reads K/V in place from the blocks, one task
+  per sequence. Through SDPA a decode step first gathered every context into a padded copy, and
+  SDPA's kernel is built for long query blocks: ~10 ms of a ~38 ms decode step at batch 16 on the
+  benchmark machine, where reading the K/V once needs ~1 ms;
+* causal prefill attention (``csrc/prefill_attention.cpp``), for the short, few-headed chunks
+  where SDPA's CPU kernel ran at ~45 GFLOP/s;
+* small-batch linear layers (``csrc/small_m_linear.cpp``) for decode-sized inputs (at most
+  ``SMALL_M_MAX`` rows), where oneDNN's packed GEMM does not overlap reading the weights with
+  computing (:mod:`engine_workers.cpu_linear`);
+* fused residual add + RMSNorm and SiLU gating (``csrc/fused_elementwise.cpp``).
 
-The linear kernel serves decode-sized batches (at most ``SMALL_M_MAX`` rows), where oneDNN's packed
-GEMM does not overlap reading the weights with computing (:mod:`engine_workers.cpu_linear`).
+All run on torch's own thread pool and release the GIL; figures in docs/benchmarks.md, design in
+docs/design.md. CUDA and other dtypes keep torch's ops.
 
-Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~30 s once) into
-``$LOCKGATE_CACHE/ext/<hash of source, checkout, venv, flags, torch version and CPU>`` (default cache
-``~/.cache/lockgate``), so later processes load it in well under a second. Like the packed linears it is checked
-against SDPA (the linear kernel against ``F.linear``) on random data before use; where one cannot be
-built or disagrees, the engine logs why and keeps SDPA / oneDNN for it. ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns it off.
+Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~100 s on 2 cores, once) into
+``$LOCKGATE_CACHE/ext/<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
+cache ``~/.cache/lockgate``), so later processes load it in well under a second. Each kernel is
+checked against its torch equivalent on random data before use; where the module cannot be built
+or a kernel disagrees, the engine logs why and keeps the torch path for that one.
+``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns them all off.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
            CSRC / "fused_elementwise.cpp"]
-SOURCE = SOURCES[1]  # the attention kernel (kept for callers that name it)
+HEADERS = [CSRC / "tile.h"]  # included by the sources: part of the build key, not compiled alone
 # -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).
@@ -47,7 +51,9 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "fn" (or None) and "problem" once resolved
+# "module" and, per kernel key ("decode", "prefill", "small_m", "fused"), the kernel (or None)
+# and "<key>_problem" once resolved
+_state: dict[str, object] = {}
 
 
 def _cpu_id() -> str:
@@ -63,7 +69,7 @@ def _cpu_id() -> str:
 def _build_dir() -> Path:
     # The source's path and the Python environment are in the key too: the build files name the
     # source by path, so two checkouts (or venvs) sharing one directory would rebuild each other.
-    parts = [*(f.read_text() for f in SOURCES), *map(str, SOURCES), sys.prefix, *CFLAGS, *LDFLAGS,
+    parts = [*(f.read_text() for f in SOURCES + HEADERS), *map(str, SOURCES), sys.prefix, *CFLAGS, *LDFLAGS,
              torch.__version__, _cpu_id()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     from engine_workers.model_store import cache_dir

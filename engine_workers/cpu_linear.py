@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # Rows up to which the small-batch kernel is used. Measured on the 2-core benchmark machine over
 # SmolLM2's layer shapes: 1.2-1.3x faster than oneDNN at M = 1..24, even at 32, slower above.
 SMALL_M_MAX = 32
+PANEL_COLS = 96  # output columns per panel of the kernel's weight layout (NR in small_m_linear.cpp)
 
 
 def _ops():
@@ -92,8 +93,8 @@ class PackedLinear(nn.Module):
 
 
 def panel_bytes(weights: list[torch.Tensor]) -> int:
-    """Memory the small-batch kernel's copies of ``weights`` take (rows padded to 96)."""
-    return sum(-(-w.shape[0] // 96) * 96 * w.shape[1] * 4 for w in weights)
+    """Memory the small-batch kernel's copies of ``weights`` take (rows padded to whole panels)."""
+    return sum(-(-w.shape[0] // PANEL_COLS) * PANEL_COLS * w.shape[1] * 4 for w in weights)  # panels are float32
 
 
 def available_memory() -> int | None:

@@ -13,8 +13,8 @@
 // Per task = (KV head, block of BQ query rows): the task's keys are transposed once into
 // Kt[D][keys] (a thread-local buffer), then for each of the G query heads sharing the KV head and
 // each tile of 4 query rows:
-//   1. S = q . Kt over 96-key column blocks, outer-product form (broadcast 4 q values per d, 6
-//      vector loads, 24 FMAs into 24 registers; no horizontal sums),
+//   1. S = q . Kt over 96-key column blocks, outer-product form (tile.h: broadcast 4 q values
+//      per d, 6 vector loads, 24 FMAs into 24 registers; no horizontal sums),
 //   2. softmax over each row's own keys only (no masking, so no -inf: the build uses -ffast-math),
 //   3. O = P . V, again outer-product (broadcast 4 probabilities per key, 4 vector loads of V).
 // Tasks run on torch's intra-op pool (at::parallel_for). Without AVX-512F a plain loop nest does
@@ -25,9 +25,7 @@
 #include <math.h>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "tile.h"
 
 namespace {
 
@@ -45,18 +43,7 @@ inline void scores(const float* const* qrows, const float* __restrict kt, int64_
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 6; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
-      const float* kr = kt + d * ldk + j0;
-      __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32);
-      __m512 k3 = _mm512_loadu_ps(kr + 48), k4 = _mm512_loadu_ps(kr + 64), k5 = _mm512_loadu_ps(kr + 80);
-      for (int r = 0; r < R; ++r) {
-        __m512 qv = _mm512_set1_ps(qrows[r][d]);
-        acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
-        acc[r][2] = _mm512_fmadd_ps(qv, k2, acc[r][2]);
-        acc[r][3] = _mm512_fmadd_ps(qv, k3, acc[r][3]);
-        acc[r][4] = _mm512_fmadd_ps(qv, k4, acc[r][4]);
-        acc[r][5] = _mm512_fmadd_ps(qv, k5, acc[r][5]);
-      }
+      tile_step<R>(acc, kt + d * ldk + j0, [&](int r) { return qrows[r][d]; });
     }
     const __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < R; ++r)

@@ -20,9 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "tile.h"
 
 namespace {
 
@@ -51,17 +49,7 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
       const int64_t upto = (k + 1) * pf_lines / K;
       for (; line < upto; ++line) _mm_prefetch(pf + 64 * line, _MM_HINT_T0);
     }
-    __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
-    __m512 w3 = _mm512_loadu_ps(w + 48), w4 = _mm512_loadu_ps(w + 64), w5 = _mm512_loadu_ps(w + 80);
-    for (int r = 0; r < R; ++r) {
-      __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
-      acc[r][4] = _mm512_fmadd_ps(xv, w4, acc[r][4]);
-      acc[r][5] = _mm512_fmadd_ps(xv, w5, acc[r][5]);
-    }
+    tile_step<R>(acc, w, [&](int r) { return x[r * ldx + k]; });
   }
   for (int v = 0; v < 6; ++v) {
     if (!mask[v]) break;
