@@ -135,6 +135,13 @@ class Bus(abc.ABC):
         """Create the topics that do not exist; return the names created. Idempotent."""
 
     @abc.abstractmethod
+    async def delete_topics(self, names: Iterable[str]) -> list[str]:
+        """Delete these topics with their records; return the names that existed. Names that do
+        not exist are skipped, so it is idempotent. Meant for throwaway namespaces (benchmarks,
+        tests): a consumer still subscribed to a deleted topic reads nothing more from it, and a
+        later send or subscribe creates it again, empty (auto-create)."""
+
+    @abc.abstractmethod
     async def partitions_for(self, topic: str) -> list[int]: ...
 
     @abc.abstractmethod

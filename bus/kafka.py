@@ -34,7 +34,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener
 from aiokafka import TopicPartition as KTP
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPartitionError, for_code
+from aiokafka.protocol.metadata import MetadataRequest
 
 from bus.base import (
     Bus,
@@ -415,21 +416,31 @@ class KafkaBus(Bus):
             await self._describe(name, wait=True)
         return created
 
+    async def _topic_metadata(self, topic: str) -> dict[str, Any]:
+        """Metadata of ``topic`` alone, never auto-creating it. aiokafka's ``list_topics`` asks for
+        every topic of the cluster (a broker that had served thousands of benchmark and test topics
+        answered with ~1 MB that took ~1 s of pure-Python decoding per call), and its
+        ``describe_topics`` sends ``allow_auto_topic_creation=True``, which would create the topic on
+        a broker with ``auto.create.topics.enable``. So one MetadataRequest names the topic and says
+        no; it goes through the admin client's request path (``_send_request``, a private method of
+        aiokafka's admin client: there is no public call that takes the flag)."""
+        assert self._admin is not None
+        resp = await self._admin._send_request(MetadataRequest([topic], allow_auto_topic_creation=False))
+        (meta,) = [t for t in resp.to_object()["topics"] if t["topic"] == topic]
+        return meta
+
     async def _describe(self, topic: str, wait: bool = False) -> list[int] | None:
         """Partitions of ``topic`` with a leader, or ``None`` when it does not exist. Never creates."""
         assert self._admin is not None
         deadline = time.monotonic() + self.request_timeout_ms / 1000
         while True:
             try:
-                if topic not in await self._admin.list_topics():
-                    found = None
-                else:
-                    (meta,) = await self._admin.describe_topics([topic])
-                    parts = meta["partitions"]
-                    ready = meta["error_code"] == 0 and parts and all(p["leader"] >= 0 for p in parts)
-                    found = sorted(p["partition"] for p in parts) if ready else None
+                meta = await self._topic_metadata(topic)
             except KafkaError as exc:
                 raise BusError(f"metadata for {topic} on {self.bootstrap} failed: {exc!r}") from exc
+            parts = meta["partitions"]
+            ready = meta["error_code"] == 0 and parts and all(p["leader"] >= 0 for p in parts)
+            found = sorted(p["partition"] for p in parts) if ready else None
             if found is not None or not wait or time.monotonic() > deadline:
                 return found
             await asyncio.sleep(0.05)
@@ -442,6 +453,28 @@ class KafkaBus(Bus):
         if parts is None:
             raise BusError(f"topic {topic} on {self.bootstrap} did not become available")
         return parts
+
+    async def delete_topics(self, names: Iterable[str]) -> list[str]:
+        self._check_started()
+        assert self._admin is not None
+        names = list(dict.fromkeys(names))
+        for n in names:
+            validate_topic(n)
+        if not names:
+            return []
+        try:
+            resp = await self._admin.delete_topics(names)
+        except KafkaError as exc:
+            raise BusError(f"delete topics on {self.bootstrap} failed: {exc!r}") from exc
+        deleted, failed = [], []
+        for topic, code in resp.topic_error_codes:
+            if code == 0:
+                deleted.append(topic)
+            elif for_code(code) is not UnknownTopicOrPartitionError:
+                failed.append(f"{topic}: {for_code(code).__name__}")
+        if failed:
+            raise BusError(f"delete topics on {self.bootstrap} failed: {'; '.join(failed)}")
+        return [n for n in names if n in deleted]
 
     async def partitions_for(self, topic: str) -> list[int]:
         self._check_started()

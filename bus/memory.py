@@ -37,13 +37,10 @@ Cancelling ``getmany`` loses nothing: positions advance only in the synchronous 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import inspect
-import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from bus.base import (
     Bus,
@@ -56,6 +53,7 @@ from bus.base import (
     TopicPartition,
     TopicSpec,
 )
+from bus.memory_log import PartitionLog, TopicLog
 from bus.partitioner import murmur2, partition_for_key  # noqa: F401 - re-exported
 from bus.topics import validate_topic
 
@@ -68,82 +66,6 @@ PARTITION_CACHE_SIZE = 65_536  # (key, partitions) -> partition memo entries per
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-class _Partition:
-    """An append-only log, stored by column: ``keys``, ``values``, ``stamps`` (ms) and
-    ``headers`` lists, live from index ``head``; ``start`` is the offset of index ``head``.
-
-    Why columns and not a list of :class:`Record`: a retained ``Record`` is a GC-tracked object,
-    and a partition holds up to 100,000 of them. Each one counted toward the young generation's
-    threshold and was traversed and promoted by the collector, a 20-25 ms pause in the edge
-    benchmark's streaming phase at 15-50k records/s (`lockgate bench edge`, edge_gc_pause_ms_max).
-    bytes, ints and the shared empty-headers tuple are not tracked, so a retained record costs
-    the collector nothing; readers get fresh ``Record`` objects, which die young.
-
-    Reading at an offset is a slice, O(records read). Dropping from the head only moves ``head``;
-    the dead prefix is deleted once it is at least half the lists (and >= 1,024), so memory stays
-    within 2x the retained records and each record is moved O(1) times amortised.
-    """
-
-    __slots__ = ("topic", "index", "keys", "values", "stamps", "headers", "head", "start")
-
-    def __init__(self, topic: str, index: int) -> None:
-        self.topic, self.index = topic, index
-        self.keys: list[bytes | None] = []
-        self.values: list[bytes] = []
-        self.stamps: list[int] = []
-        self.headers: list[tuple[tuple[str, bytes], ...]] = []
-        self.head = 0
-        self.start = 0
-
-    def __len__(self) -> int:
-        return len(self.values) - self.head
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.values) - self.head
-
-    def append(self, key: bytes | None, value: bytes, stamp_ms: int, headers: tuple) -> int:
-        """Append one record; returns its offset."""
-        offset = self.end
-        self.keys.append(key)
-        self.values.append(value)
-        self.stamps.append(stamp_ms)
-        self.headers.append(headers or ())
-        return offset
-
-    def first_stamp(self) -> int | None:
-        return self.stamps[self.head] if self.head < len(self.stamps) else None
-
-    def drop_first(self, n: int = 1) -> None:
-        """Drop the ``n`` oldest live records (retention)."""
-        n = min(n, len(self))
-        self.head += n
-        self.start += n
-        if self.head >= 1024 and 2 * self.head >= len(self.values):
-            for col in (self.keys, self.values, self.stamps, self.headers):
-                del col[: self.head]
-            self.head = 0
-
-    def read(self, offset: int, limit: int) -> list[Record]:
-        i = self.head + max(offset, self.start) - self.start
-        j = min(i + limit, len(self.values))
-        t, p, base = self.topic, self.index, self.start - self.head
-        keys, values, stamps, headers = self.keys, self.values, self.stamps, self.headers
-        return [Record(t, p, base + k, keys[k], values[k], stamps[k], headers[k]) for k in range(i, j)]
-
-    def offset_for_time(self, ts_ms: int) -> int:
-        """First offset whose timestamp is >= ``ts_ms`` (timestamps are non-decreasing), else end."""
-        return self.start + bisect.bisect_left(self.stamps, ts_ms, lo=self.head) - self.head
-
-
-@dataclass
-class _Topic:
-    name: str
-    partitions: list[_Partition]
-    retention_ms: int | None
-    rr: itertools.count = field(default_factory=itertools.count)
 
 
 class _Group:
@@ -204,7 +126,7 @@ class MemoryBroker:
         self.default_partitions = default_partitions
         self.max_records_per_partition = max_records_per_partition
         self.retention_ms = retention_ms
-        self.topics: dict[str, _Topic] = {}
+        self.topics: dict[str, TopicLog] = {}
         self.groups: dict[str, _Group] = {}
         self.listeners: dict[str, set[MemoryConsumer]] = {}
         self._partition_cache: dict[tuple[bytes, int], int] = {}
@@ -216,11 +138,22 @@ class MemoryBroker:
         if spec.name in self.topics:
             return False
         retention = spec.retention_ms if spec.retention_ms is not None else self.retention_ms
-        self.topics[spec.name] = _Topic(spec.name, [_Partition(spec.name, i) for i in range(spec.partitions)],
+        self.topics[spec.name] = TopicLog(spec.name, [PartitionLog(spec.name, i) for i in range(spec.partitions)],
                                         retention)
         return True
 
-    def topic(self, name: str) -> _Topic:
+    def delete(self, name: str) -> bool:
+        """Drop topic ``name`` and its records; ``False`` when there was none. Consumers keep their
+        positions on it and read nothing (:meth:`MemoryConsumer._take` skips missing topics);
+        committed offsets are dropped with it, as Kafka drops a deleted topic's offsets."""
+        if self.topics.pop(name, None) is None:
+            return False
+        for g in self.groups.values():
+            for tp in [tp for tp in g.committed if tp.topic == name]:
+                del g.committed[tp]
+        return True
+
+    def topic(self, name: str) -> TopicLog:
         """The topic, created with the default partition count when missing (auto-create)."""
         t = self.topics.get(name)
         if t is None:
@@ -429,7 +362,10 @@ class MemoryConsumer(Consumer):
         for tp in tps[self._rr :] + tps[: self._rr]:
             if len(out) >= limit:
                 break
-            part = self._broker.topics[tp.topic].partitions[tp.partition]
+            topic = self._broker.topics.get(tp.topic)
+            if topic is None:  # deleted under us (delete_topics): nothing more to read there
+                continue
+            part = topic.partitions[tp.partition]
             pos = max(self._positions[tp], part.start)
             recs = part.read(pos, limit - len(out))
             if recs:
@@ -446,7 +382,10 @@ class MemoryConsumer(Consumer):
         for tp, offset in offsets.items():
             if tp not in mine:
                 raise BusError(f"commit failed: {tp.topic}[{tp.partition}] is not assigned to this member (rebalanced)")
-            end = self._broker.topics[tp.topic].partitions[tp.partition].end
+            topic = self._broker.topics.get(tp.topic)
+            if topic is None:
+                raise BusError(f"commit failed: topic {tp.topic} was deleted")
+            end = topic.partitions[tp.partition].end
             if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= end:
                 raise ValueError(f"commit offset for {tp.topic}[{tp.partition}] must be in [0, {end}], got {offset!r}")
         for tp, offset in offsets.items():
@@ -529,6 +468,11 @@ class MemoryBus(Bus):
     async def ensure_topics(self, specs: Iterable[TopicSpec]) -> list[str]:
         self._check_started()
         return [s.name for s in specs if self.broker.create(s)]
+
+    async def delete_topics(self, names: Iterable[str]) -> list[str]:
+        self._check_started()
+        names = [validate_topic(n) for n in dict.fromkeys(names)]
+        return [n for n in names if self.broker.delete(n)]
 
     async def partitions_for(self, topic: str) -> list[int]:
         self._check_started()

@@ -10,7 +10,8 @@ of 8-256 random token ids, 8-96 output tokens, greedy, ``ignore_eos``; all submi
   chunk received by the client - t0; the run ends when the client has every ``Finished``.
 
 In-process runs first and last (and once per ``--repeat`` round); each path keeps its fastest of its
-runs (and lowest lone TTFT), the in-process baseline included.
+runs (and lowest lone TTFT), the in-process baseline included. Each bus path also gets its paired
+ratios (every run against the in-process run that opened its round) and their median.
 Prints throughput (generated tokens/s), the ratio to in-process (target >= 0.9), TTFT p50 under the
 load, and the TTFT p50 of lone requests on an idle engine (sequential, 16-token prompts, 2 tokens)
 with the part the bus path adds (target < 10 ms): under load, TTFT is mostly prefill queueing. Each run uses its own ``cache_salt`` so no run
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 import uuid
 
@@ -85,56 +87,67 @@ def run_inprocess(engine, work) -> dict:
 
 async def run_bus(engine, work, url: str, model: str) -> dict:
     from bus import TopicLayout, connect
-    from engine_workers.worker import Worker, WorkerConfig
 
     layout = TopicLayout(namespace=f"bench{uuid.uuid4().hex[:8]}", partitions=6)
     salt = uuid.uuid4().hex
     async with connect(url) as bus:
         reply = layout.reply_topic("bench")
-        await bus.ensure_topics(layout.model_specs(model) + [layout.reply_spec("bench", 1)])
-        async with Worker(WorkerConfig(model, layout=layout, heartbeat_s=0.5), bus, engine):
-            replies = bus.consumer([reply], start_from="latest")
-            await replies.start()
+        specs = layout.model_specs(model) + [layout.reply_spec("bench", 1)]
+        await bus.ensure_topics(specs)
+        try:
+            return await _measure_bus(bus, engine, work, url, model, layout, reply, salt)
+        finally:
+            # The namespace is this run's alone: a long-lived broker would otherwise keep ~10
+            # topics per run for a week (repeated runs had left ~2,000 on the dev broker).
+            await bus.delete_topics([s.name for s in specs])
 
-            async def send(rid: str, prompt, params, cache_salt: str = salt) -> None:
-                r = InferenceRequest(rid, model, prompt, params, reply, tier=1, enqueued_at=time.time(),
-                                     cache_salt=cache_salt)
-                await bus.send(layout.request_topic(model, 1), encode(r), key=rid.encode())
 
-            async def collect(ids: set[str], first: dict[str, float], timeout: float = 600,
-                              finals: dict[str, Finished] | None = None) -> int:
-                tokens, done = 0, set()
-                deadline = time.monotonic() + timeout
-                while done != ids and time.monotonic() < deadline:
-                    for rec in await replies.getmany(timeout_ms=50):
-                        msg = decode(rec.value)
-                        if isinstance(msg, TokenChunk) and msg.request_id in ids:
-                            tokens += len(msg.token_ids)
-                            first.setdefault(msg.request_id, time.monotonic())
-                        elif isinstance(msg, Finished) and msg.request_id in ids:
-                            done.add(msg.request_id)
-                            if finals is not None:
-                                finals[msg.request_id] = msg
-                if done != ids:
-                    raise RuntimeError(f"{url}: {len(ids - done)} requests unfinished after {timeout}s")
-                return tokens
+async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: str, salt: str) -> dict:  # noqa: ANN001
+    from engine_workers.worker import Worker, WorkerConfig
 
-            await send("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0))
-            await collect({"warm"}, {})
-            lone, overhead = [], []
-            for i, prompt in enumerate(lone_prompts(work)):
-                t, got, fin = time.monotonic(), {}, {}
-                await send(f"l{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), f"{salt}l{i}")
-                await collect({f"l{i}"}, got, finals=fin)
-                lone.append(got[f"l{i}"] - t)
-                tm = fin[f"l{i}"].timings  # the worker's clock: arrival -> scheduled -> first token
-                overhead.append(lone[-1] - (tm.ttft - tm.queue))
-            ids = {f"b{i}" for i in range(len(work))}
-            first: dict[str, float] = {}
-            t0, cpu0, steps0 = time.monotonic(), time.thread_time(), engine.stats.steps
-            await asyncio.gather(*(send(f"b{i}", p, sp) for i, (p, sp) in enumerate(work)))
-            tokens = await collect(ids, first)
-            wall, loop_cpu = time.monotonic() - t0, time.thread_time() - cpu0
+    async with Worker(WorkerConfig(model, layout=layout, heartbeat_s=0.5), bus, engine):
+        replies = bus.consumer([reply], start_from="latest")
+        await replies.start()
+
+        async def send(rid: str, prompt, params, cache_salt: str = salt) -> None:
+            r = InferenceRequest(rid, model, prompt, params, reply, tier=1, enqueued_at=time.time(),
+                                 cache_salt=cache_salt)
+            await bus.send(layout.request_topic(model, 1), encode(r), key=rid.encode())
+
+        async def collect(ids: set[str], first: dict[str, float], timeout: float = 600,
+                          finals: dict[str, Finished] | None = None) -> int:
+            tokens, done = 0, set()
+            deadline = time.monotonic() + timeout
+            while done != ids and time.monotonic() < deadline:
+                for rec in await replies.getmany(timeout_ms=50):
+                    msg = decode(rec.value)
+                    if isinstance(msg, TokenChunk) and msg.request_id in ids:
+                        tokens += len(msg.token_ids)
+                        first.setdefault(msg.request_id, time.monotonic())
+                    elif isinstance(msg, Finished) and msg.request_id in ids:
+                        done.add(msg.request_id)
+                        if finals is not None:
+                            finals[msg.request_id] = msg
+            if done != ids:
+                raise RuntimeError(f"{url}: {len(ids - done)} requests unfinished after {timeout}s")
+            return tokens
+
+        await send("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0))
+        await collect({"warm"}, {})
+        lone, overhead = [], []
+        for i, prompt in enumerate(lone_prompts(work)):
+            t, got, fin = time.monotonic(), {}, {}
+            await send(f"l{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), f"{salt}l{i}")
+            await collect({f"l{i}"}, got, finals=fin)
+            lone.append(got[f"l{i}"] - t)
+            tm = fin[f"l{i}"].timings  # the worker's clock: arrival -> scheduled -> first token
+            overhead.append(lone[-1] - (tm.ttft - tm.queue))
+        ids = {f"b{i}" for i in range(len(work))}
+        first: dict[str, float] = {}
+        t0, cpu0, steps0 = time.monotonic(), time.thread_time(), engine.stats.steps
+        await asyncio.gather(*(send(f"b{i}", p, sp) for i, (p, sp) in enumerate(work)))
+        tokens = await collect(ids, first)
+        wall, loop_cpu = time.monotonic() - t0, time.thread_time() - cpu0
     return {"path": url, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "loop_cpu_s": loop_cpu,
             "engine_steps": engine.stats.steps - steps0,
             "ttft_p50_s": p50([t - t0 for t in first.values()]), "lone_ttft_p50_s": p50(lone),
@@ -172,7 +185,13 @@ def run(args: argparse.Namespace) -> int:
 
     base = best(inproc, f"in-process (best of {len(inproc)})")
     buses = [best(runs[url], url if args.repeat == 1 else f"{url} (best of {args.repeat})") for url in urls]
+    for url, r in zip(urls, buses):
+        # Each bus run against the in-process run that opened its round, minutes apart at most: a
+        # ratio of neighbours, which a slow drift in the machine's load moves less than best-of.
+        r["paired_ratios"] = [b["tok_s"] / a["tok_s"] for a, b in zip(inproc, runs[url])]
+        r["paired_ratio_median"] = statistics.median(r["paired_ratios"])
     results = [base] + buses
+    base["paired_ratios"], base["paired_ratio_median"] = [1.0] * args.repeat, 1.0
     for r in results:
         r["throughput_ratio"] = r["tok_s"] / base["tok_s"]
         r["added_ttft_p50_ms"] = (r["ttft_p50_s"] - base["ttft_p50_s"]) * 1000
@@ -193,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
               f"{r['added_lone_ttft_p50_ms']:7.1f} {r['lone_overhead_p50_s'] * 1000:8.2f} {r['added_overhead_p50_ms']:7.2f}")
     for r in results:
         print(f"runs of {r['path']}: " + ", ".join(f"{w:.2f} s" for w in r["runs_wall_s"]))
+    for r in buses:
+        print(f"paired ratios of {r['path']} (each run / the in-process run of its round): "
+              + ", ".join(f"{x:.3f}" for x in r["paired_ratios"]) + f"; median {r['paired_ratio_median']:.3f}")
     print(f"TTFT = under the full load (all requests at t0); lone TTFT = p50 of {LONE_RUNS} sequential single "
           "requests on an idle engine; path ms = lone TTFT minus that request's own scheduled->first-token time "
           "(p50): what the bus path adds, free of step-time noise")

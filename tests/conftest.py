@@ -3,18 +3,59 @@
 ``kafka_bootstrap`` (session): the address of a real Apache Kafka broker for tests marked
 ``@pytest.mark.kafka``. It uses ``LOCKGATE_TEST_KAFKA`` (``host:port``, exported by ``make test``)
 when set, else starts the local broker itself (``lockgate kafka start``, jars cached under
-``~/.cache/lockgate/kafka``). When no broker can be had the test fails, never skips.
+``~/.cache/lockgate/kafka``). When no broker can be had the test fails, never skips. At the end of
+the session it deletes the topics the session created (tests use unique namespaces), so a
+long-lived local broker does not collect thousands of test topics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 
 import pytest
 
 
+def _topics(addr: str) -> set[str]:
+    async def go() -> set[str]:
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=addr, client_id="lockgate-tests")
+        await admin.start()
+        try:
+            return set(await admin.list_topics())
+        finally:
+            await admin.close()
+
+    return asyncio.run(go())
+
+
+def _delete_topics(addr: str, names: list[str]) -> None:
+    async def go() -> None:
+        from bus import connect
+
+        async with connect(f"kafka://{addr}?client_id=lockgate-tests") as bus:
+            for i in range(0, len(names), 100):
+                await bus.delete_topics(names[i:i + 100])
+
+    asyncio.run(go())
+
+
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> str:
+def kafka_bootstrap():
+    addr = _broker_address()
+    before = _topics(addr)
+    yield addr
+    try:  # best effort: a broker that went away must not turn passed tests into errors
+        created = sorted(t for t in _topics(addr) - before if not t.startswith("__"))
+        if created:
+            _delete_topics(addr, created)
+    except Exception as exc:  # noqa: BLE001
+        print(f"\nkafka_bootstrap: could not delete this session's topics: {exc!r}", file=sys.stderr)
+
+
+def _broker_address() -> str:
     addr = os.environ.get("LOCKGATE_TEST_KAFKA", "").strip()
     if addr:
         return addr

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from bus import Bus, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, decode, decode_or_deadletter, encode
+from bus import Bus, BusError, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, decode, decode_or_deadletter, encode
 from bus.deadletter import parse_dead_letter
 from bus.partitioner import partition_for_key
 from bus.messages import (
@@ -229,6 +229,27 @@ async def test_ensure_topics_is_idempotent(bus: Bus, name: str) -> None:
     assert await bus.ensure_topics(specs + [TopicSpec(name + ".c", 2)]) == [name + ".c"]
     assert await bus.partitions_for(name + ".a") == [0, 1, 2]
     assert await bus.partitions_for(name + ".c") == [0, 1]
+
+
+async def test_delete_topics(bus: Bus, name: str) -> None:
+    a, b = name + ".a", name + ".b"
+    await bus.ensure_topics([TopicSpec(a, 2), TopicSpec(b, 1)])
+    await bus.send(a, b"x", key=b"k")
+    assert await bus.delete_topics([a, a, name + ".never"]) == [a]
+    deadline = time.monotonic() + WAIT_S  # Kafka's metadata catches up after the controller: bounded wait
+    while True:
+        try:
+            await bus.partitions_for(a)
+        except BusError:
+            break
+        assert time.monotonic() < deadline, f"{a} still has partitions after delete_topics"
+        await asyncio.sleep(0.1)
+    assert await bus.partitions_for(b) == [0], "only the named topics are deleted"
+    assert await bus.delete_topics([a]) == [], "deleting again finds nothing: idempotent"
+    assert await bus.delete_topics([]) == []
+    with pytest.raises(ValueError, match="invalid topic name"):
+        await bus.delete_topics(["no spaces allowed"])
+    assert await bus.delete_topics([b]) == [b]
 
 
 async def test_malformed_records_go_to_dead_letter_topic(bus: Bus, name: str) -> None:

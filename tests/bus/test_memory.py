@@ -151,6 +151,22 @@ async def test_commit_in_on_revoked_counts_and_stale_commit_fails() -> None:
         await a.stop()
 
 
+async def test_consumers_of_a_deleted_topic_read_nothing_and_commits_fail() -> None:
+    async with connect("memory://") as bus:
+        await bus.ensure_topics([TopicSpec("gone", 2), TopicSpec("kept", 1)])
+        await bus.send("gone", b"old", key=b"k")
+        async with bus.consumer(["gone", "kept"], group_id="g", start_from="earliest") as c:
+            assert [r.value for r in await c.getmany(timeout_ms=100)] == [b"old"]
+            await c.commit({TopicPartition("gone", partition_for_key(b"k", 2)): 1})
+            assert await bus.delete_topics(["gone"]) == ["gone"]
+            await bus.send("kept", b"still here")
+            assert [r.value for r in await c.getmany(timeout_ms=100)] == [b"still here"]
+            with pytest.raises(BusError, match="gone was deleted"):
+                await c.commit({TopicPartition("gone", 0): 0})
+        assert not any(tp.topic == "gone" for tp in bus.broker.groups["g"].committed), \
+            "the deleted topic's committed offsets go with it"
+
+
 async def test_bad_consumer_arguments() -> None:
     async with connect("memory://") as bus:
         with pytest.raises(ValueError, match="non-empty list"):

@@ -22,6 +22,23 @@ def test_bench_e2e_repeat_keeps_each_paths_fastest_run(tiny_model_dir, capsys):
     assert mem["tokens"] == base["tokens"] > 0  # the bus path delivered every token
     assert mem["engine_steps"] > 0 and mem["loop_cpu_s"] >= 0
     assert base["throughput_ratio"] == 1.0
+    # same tokens on both paths, so each paired ratio is the round's in-process wall over the bus wall
+    assert mem["paired_ratios"] == pytest.approx([a / b for a, b in zip(base["runs_wall_s"], mem["runs_wall_s"])])
+    assert mem["paired_ratio_median"] == pytest.approx(sum(mem["paired_ratios"]) / 2)
+
+
+def test_bench_e2e_deletes_its_topics(tiny_model_dir, capsys):
+    from bus.memory import forget_named, named_broker
+
+    name = "bench-e2e-cleanup"
+    try:
+        args = build_parser().parse_args(["bench", "e2e", "--model", tiny_model_dir, "--kv-cache-bytes", "16M",
+                                          "--bus", f"memory://{name}", "--num-requests", "2", "--json"])
+        assert args.func(args) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"][1]["tokens"] > 0
+        assert named_broker(name).topics == {}, "each run's namespace is deleted when the run ends"
+    finally:
+        forget_named(name)
 
 
 def test_bench_e2e_rejects_repeat_below_one(tiny_model_dir):
