@@ -24,7 +24,7 @@ install: $(STAMP)
 
 model: install
 	$(BIN)/lockgate model fetch >/dev/null
-	# The engine's CPU kernels build on first use (~100 s on 2 cores, once per machine); build them now.
+	# The engine's CPU kernels build on first use (~40 s on 2 cores, once per machine); build them now.
 	# Without a compiler this prints why and the engine uses SDPA instead.
 	$(BIN)/python -c "from engine_workers import cpu_kernels; print(cpu_kernels.problem() or cpu_kernels.prefill_problem() or cpu_kernels.small_m_problem() or cpu_kernels.fused_problem() or 'CPU kernels ready')"
 

@@ -102,6 +102,7 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
                 consumer_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await consumer_task
+        await bus.delete_topics([topic])  # this run's own topic: leave nothing behind on the broker
     latencies.sort()
     span = (recv_times[-1] - recv_times[0]) / 1e9 if len(recv_times) > 1 else float("nan")
     return BusBenchResult(

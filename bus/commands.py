@@ -1,4 +1,4 @@
-"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure``, ``lockgate bench bus``.
+"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure|delete``, ``lockgate bench bus``.
 
 Imports nothing heavy at module level (aiokafka loads inside the commands). Every flag has its
 ``LOCKGATE_<FLAG>`` environment twin through :func:`engine_workers.cli.env_default`.
@@ -46,6 +46,19 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     ensure.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
                         help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
     ensure.set_defaults(func=_topics_ensure)
+    delete = tsub.add_parser("delete", help="delete topics with their records (skips missing ones)")
+    delete.add_argument("names", nargs="*", metavar="TOPIC", help="topic names")
+    delete.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"), help="bus URL (env LOCKGATE_BUS)")
+    delete.add_argument("--model", action="append", default=[],
+                        help="also every topic `topics ensure --model` makes for it (priority topics, control, "
+                             "status, dead letters); repeatable")
+    delete.add_argument("--namespace", default=env_default("namespace", "lockgate"),
+                        help="topic name prefix for --model/--reply (env LOCKGATE_NAMESPACE)")
+    delete.add_argument("--reply", action="append", default=[], metavar="OWNER",
+                        help="also the reply topic of OWNER; repeatable")
+    delete.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
+                        help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
+    delete.set_defaults(func=_topics_delete)
 
     b = bench.add_parser("bus", help="produce->consume latency p50/p99 and records/s: memory bus vs --bus")
     b.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),
@@ -104,6 +117,35 @@ def _topics_ensure(args: argparse.Namespace) -> int:
         return 1
     for name in sorted(specs):
         print(f"{'created' if name in created else 'exists '} {name}")
+    return 0
+
+
+def _topics_delete(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from bus import BusError, TopicLayout, connect
+    from bus.topics import validate_topic
+
+    layout = TopicLayout(namespace=args.namespace)
+    names = list(dict.fromkeys([*args.names, *(s.name for m in args.model for s in layout.model_specs(m)),
+                                *(layout.reply_topic(o) for o in args.reply)]))
+    if not names:
+        raise ValueError("name the topics to delete: TOPIC arguments, --model or --reply")
+    for n in names:
+        validate_topic(n)
+    kwargs = {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}
+
+    async def run() -> list[str]:
+        async with connect(args.bus, **kwargs) as bus:
+            return await bus.delete_topics(names)
+
+    try:
+        deleted = set(asyncio.run(run()))
+    except BusError as exc:
+        print(f"lockgate topics delete: {exc}", file=sys.stderr)
+        return 1
+    for name in names:
+        print(f"{'deleted' if name in deleted else 'missing'} {name}")
     return 0
 
 

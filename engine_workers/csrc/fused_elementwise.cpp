@@ -11,27 +11,31 @@
 //   out = weight * (residual * rsqrt(mean(residual^2) + eps)), HF's LlamaRMSNorm in float32.
 // silu_mul(gate_up [T, 2I]) -> [T, I]: silu(gate_up[:, :I]) * gate_up[:, I:].
 // Rows are split over torch's intra-op pool; the loops are vectorised by GCC (-O3 -ffast-math).
-#include <torch/extension.h>
+// ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
+// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <math.h>
 
-torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight,
                            double eps) {
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == torch::kFloat,
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "residual must be contiguous [T, H] float32");
   const int64_t T = residual.size(0), H = residual.size(1);
-  TORCH_CHECK(weight.numel() == H && weight.is_contiguous() && weight.scalar_type() == torch::kFloat,
+  TORCH_CHECK(weight.numel() == H && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
               "weight must be float32 [H]");
   const float* d = nullptr;
-  torch::Tensor delta_c;
+  at::Tensor delta_c;
   if (delta.has_value() && delta->defined()) {
     delta_c = delta->contiguous();
-    TORCH_CHECK(delta_c.sizes() == residual.sizes() && delta_c.scalar_type() == torch::kFloat,
+    TORCH_CHECK(delta_c.sizes() == residual.sizes() && delta_c.scalar_type() == at::kFloat,
                 "delta must match the residual");
     d = delta_c.data_ptr<float>();
   }
-  auto out = torch::empty_like(residual);
+  auto out = at::empty_like(residual);
   float* x = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -53,11 +57,11 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
   return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == torch::kFloat &&
+at::Tensor silu_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == at::kFloat &&
               gate_up.size(1) % 2 == 0, "gate_up must be contiguous [T, 2I] float32");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({T, I}, gate_up.options());
+  auto out = at::empty({T, I}, gate_up.options());
   const float* g = gate_up.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {

@@ -13,7 +13,10 @@
 // adds no thread pool of its own. Compiled with -ffast-math so GCC vectorises the loops (expf
 // through glibc's vector math library, libmvec); that assumes finite values, which holds: scores
 // are computed only for real context positions (no -inf masking) and the max is subtracted.
-#include <torch/extension.h>
+// ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
+// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
 #include <math.h>
@@ -39,13 +42,13 @@ inline void prefetch_block(const float* base, int64_t block, int64_t floats) {
 
 }  // namespace
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor tables, at::Tensor ctx, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-              v_cache.scalar_type() == torch::kFloat, "float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && ctx.scalar_type() == torch::kLong, "int64 tables and ctx");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong, "int64 tables and ctx");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), N = tables.size(1), slots = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && Hq % Hkv == 0, "head shapes disagree");
@@ -60,7 +63,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
       TORCH_CHECK(tab[b * N + j] >= 0 && (tab[b * N + j] + 1) * block_size <= slots, "block id outside the cache");
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();

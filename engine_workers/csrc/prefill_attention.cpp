@@ -19,7 +19,10 @@
 //   3. O = P . V, again outer-product (broadcast 4 probabilities per key, 4 vector loads of V).
 // Tasks run on torch's intra-op pool (at::parallel_for). Without AVX-512F a plain loop nest does
 // the same work; GCC vectorises it for whatever the CPU has.
-#include <torch/extension.h>
+// ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
+// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <math.h>
@@ -130,9 +133,9 @@ void tile(const float* const* qrows, float* const* orows, const int64_t* len, co
 
 }  // namespace
 
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "float32 only");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "unit stride in the head dimension");
   TORCH_CHECK(q.stride(1) == q.size(2) && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
@@ -142,7 +145,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(n >= 1 && ctx >= n, "need 1 <= n <= ctx, got n=", n, " ctx=", ctx);
   const int64_t G = Hq / Hkv, off = ctx - n, blocks = (n + BQ - 1) / BQ;
-  auto out = torch::empty({n, Hq, D}, q.options());
+  auto out = at::empty({n, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();

@@ -17,7 +17,11 @@
 // Without AVX-512F (built with -march=native, i.e. for the build machine's CPU) a plain loop nest
 // computes the same; GCC vectorises it for whatever the CPU has. Results differ from oneDNN's
 // only in fp32 summation order.
-#include <torch/extension.h>
+// ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
+// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include "tile.h"
@@ -80,29 +84,29 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
 }  // namespace
 
 // W [N, K] (nn.Linear layout) -> panels [P, K, 96], zero-padded past N.
-torch::Tensor pack_small_m(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat, "weight must be a 2-D float32 tensor");
+at::Tensor pack_small_m(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight must be a 2-D float32 tensor");
   const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
-  auto padded = torch::zeros({P * NR, K}, w.options());
+  auto padded = at::zeros({P * NR, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({P, NR, K}).transpose(1, 2).contiguous();  // [P, K, NR]
 }
 
 // x [M, K] contiguous, panels from pack_small_m, n = the weight's real N; bias [N] or None.
-torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
+at::Tensor small_m_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.is_contiguous(), "panels must come from pack_small_m");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);
   TORCH_CHECK(panels.size(1) == K, "x has ", K, " features, the weight ", panels.size(1));
   TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "n=", n, " does not match ", P, " panels");
   const float* b = nullptr;
-  torch::Tensor bias_c;
+  at::Tensor bias_c;
   if (bias.has_value() && bias->defined()) {
     bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.scalar_type() == torch::kFloat && bias_c.numel() == n, "bias must be float32 [N]");
+    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == n, "bias must be float32 [N]");
     b = bias_c.data_ptr<float>();
   }
-  auto y = torch::empty({M, n}, x.options());
+  auto y = at::empty({M, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();

@@ -57,3 +57,29 @@ def test_local_broker_config_and_argument_checks(tmp_path) -> None:
     info = kafka_local.status(nodes=3, port=19092, base=tmp_path)
     assert not info.running and info.bootstrap == "127.0.0.1:19092,127.0.0.1:19093,127.0.0.1:19094"
     assert kafka_local.stop(nodes=3, port=19092, base=tmp_path) == []  # nothing of ours: nothing killed
+
+
+@pytest.mark.kafka
+def test_topics_ensure_then_delete_cli(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import uuid
+
+    from engine_workers.cli import build_parser
+
+    ns = f"t-cli-{uuid.uuid4().hex[:8]}"
+    common = ["--bus", f"kafka://{kafka_bootstrap}", "--namespace", ns, "--model", "m", "--reply", "edge-1"]
+    args = build_parser().parse_args(["topics", "ensure", *common, "--partitions", "2"])
+    assert args.func(args) == 0
+    made = sorted(line.split()[1] for line in capsys.readouterr().out.splitlines())
+    assert len(made) == 7 and all(t.startswith(ns + ".") for t in made)  # 3 tiers, control, status, dlq, reply
+
+    args = build_parser().parse_args(["topics", "delete", *common, f"{ns}.never-made"])
+    assert args.func(args) == 0
+    out = dict(reversed(line.split()) for line in capsys.readouterr().out.splitlines())
+    assert out == {**{t: "deleted" for t in made}, f"{ns}.never-made": "missing"}
+
+    args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}"])
+    with pytest.raises(ValueError, match="name the topics to delete"):
+        args.func(args)
+    args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}", "bad name"])
+    with pytest.raises(ValueError, match="invalid topic name"):
+        args.func(args)
