@@ -416,7 +416,7 @@ class KafkaBus(Bus):
             await self._describe(name, wait=True)
         return created
 
-    async def _topic_metadata(self, topic: str) -> dict[str, Any]:
+    async def _topic_metadata(self, topic: str) -> dict[str, Any] | None:
         """Metadata of ``topic`` alone, never auto-creating it. aiokafka's ``list_topics`` asks for
         every topic of the cluster (a broker that had served thousands of benchmark and test topics
         answered with ~1 MB that took ~1 s of pure-Python decoding per call), and its
@@ -426,8 +426,8 @@ class KafkaBus(Bus):
         aiokafka's admin client: there is no public call that takes the flag)."""
         assert self._admin is not None
         resp = await self._admin._send_request(MetadataRequest([topic], allow_auto_topic_creation=False))
-        (meta,) = [t for t in resp.to_object()["topics"] if t["topic"] == topic]
-        return meta
+        found = [t for t in resp.to_object()["topics"] if t["topic"] == topic]
+        return found[0] if found else None
 
     async def _describe(self, topic: str, wait: bool = False) -> list[int] | None:
         """Partitions of ``topic`` with a leader, or ``None`` when it does not exist. Never creates."""
@@ -438,8 +438,8 @@ class KafkaBus(Bus):
                 meta = await self._topic_metadata(topic)
             except KafkaError as exc:
                 raise BusError(f"metadata for {topic} on {self.bootstrap} failed: {exc!r}") from exc
-            parts = meta["partitions"]
-            ready = meta["error_code"] == 0 and parts and all(p["leader"] >= 0 for p in parts)
+            parts = meta["partitions"] if meta is not None else []
+            ready = meta is not None and meta["error_code"] == 0 and parts and all(p["leader"] >= 0 for p in parts)
             found = sorted(p["partition"] for p in parts) if ready else None
             if found is not None or not wait or time.monotonic() > deadline:
                 return found
