@@ -386,12 +386,12 @@ def _compile(tp: Any) -> Converter:
 
         return integer
     if tp in (str, bool):
-        def exact(value: Any, path: str) -> Any:
+        def exact_type(value: Any, path: str) -> Any:
             if value.__class__ is not tp:
                 raise DecodeError(f"{path}: expected {tp.__name__}, got {type(value).__name__}")
             return value
 
-        return exact
+        return exact_type
     raise TypeError(f"unsupported field type {tp!r}")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
-import orjson
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus

@@ -4,7 +4,6 @@ and error replies. Every loop is bounded in count and time."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import subprocess

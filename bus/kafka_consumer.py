@@ -1,0 +1,223 @@
+"""The Kafka consumer of :class:`~bus.kafka.KafkaBus`: one ``AIOKafkaConsumer`` behind the
+:class:`~bus.base.Consumer` interface.
+
+With a ``group_id`` it subscribes (classic group protocol, aiokafka's round-robin assignor, eager
+rebalances; the rebalance callbacks are awaited from aiokafka's coordinator task) and ``start``
+returns once the first assignment is known; partitions without a committed offset start from
+``start_from``. Without one it assigns every partition and seeks to the beginning, the end or
+``offsets_for_times``. Offsets are committed only by :meth:`KafkaConsumer.commit`
+(``enable_auto_commit=False``). Every aiokafka error that reaches a caller is a
+:class:`~bus.base.BusError`; a cancelled ``getmany`` loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
+from aiokafka import TopicPartition as KTP
+from aiokafka.errors import KafkaError
+
+from bus.base import BusError, Consumer, RebalanceCallback, Record, StartFrom, TopicPartition
+from bus.topics import validate_topic
+
+if TYPE_CHECKING:
+    from bus.kafka import KafkaBus
+
+log = logging.getLogger(__name__)
+
+
+def _ktp(tp: TopicPartition) -> KTP:
+    return KTP(tp.topic, tp.partition)
+
+
+def _tp(ktp: KTP) -> TopicPartition:
+    return TopicPartition(ktp.topic, ktp.partition)
+
+
+
+class _Listener(ConsumerRebalanceListener):
+    def __init__(self, owner: KafkaConsumer) -> None:
+        self.owner = owner
+
+    async def on_partitions_revoked(self, revoked: Iterable[KTP]) -> None:
+        await _call(self.owner._on_revoked, {_tp(k) for k in revoked}, "on_revoked")
+
+    async def on_partitions_assigned(self, assigned: Iterable[KTP]) -> None:
+        tps = {_tp(k) for k in assigned}
+        await self.owner._seek_uncommitted_to_time(tps)
+        await _call(self.owner._on_assigned, tps, "on_assigned")
+
+
+async def _call(cb: RebalanceCallback | None, tps: set[TopicPartition], what: str) -> None:
+    if cb is None:
+        return
+    try:
+        result = cb(tps)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        log.exception("%s callback failed", what)
+
+
+class KafkaConsumer(Consumer):
+    """One aiokafka consumer; see the module docstring. Owned by one task (one ``getmany`` caller)."""
+
+    def __init__(
+        self,
+        bus: KafkaBus,
+        topics: Sequence[str],
+        group_id: str | None,
+        start_from: StartFrom,
+        on_assigned: RebalanceCallback | None,
+        on_revoked: RebalanceCallback | None,
+    ) -> None:
+        if isinstance(topics, str) or not topics:
+            raise ValueError("topics must be a non-empty list of topic names")
+        if not (start_from in ("earliest", "latest") or (isinstance(start_from, int) and not isinstance(start_from, bool))):
+            raise ValueError(f"start_from must be 'earliest', 'latest' or a timestamp in ms, got {start_from!r}")
+        self._bus = bus
+        self.topics = sorted({validate_topic(t) for t in topics})
+        self.group_id = group_id
+        self._start_from = start_from
+        self._on_assigned = on_assigned
+        self._on_revoked = on_revoked
+        self._consumer: AIOKafkaConsumer | None = None
+        self._state = "new"
+
+    async def start(self) -> None:
+        if self._state == "started":
+            return
+        if self._state == "stopped":
+            raise BusError("a stopped consumer cannot be restarted; create a new one")
+        self._bus._check_started()
+        b = self._bus
+        reset = "latest" if self._start_from == "latest" else "earliest"
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=b.bootstrap,
+            client_id=b.client_id,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset=reset,
+            request_timeout_ms=b.request_timeout_ms,
+            session_timeout_ms=b.session_timeout_ms,
+            heartbeat_interval_ms=b.heartbeat_interval_ms,
+            fetch_max_wait_ms=b.fetch_max_wait_ms,
+            retry_backoff_ms=100,
+        )
+        self._consumer = consumer
+        try:
+            if self.group_id is not None:
+                for t in self.topics:  # create missing topics with our default partitions, not the broker's
+                    await b._ensure_exists(t)
+                consumer.subscribe(self.topics, listener=_Listener(self))
+                await asyncio.wait_for(consumer.start(), b.assignment_timeout_s)
+            else:
+                tps = [KTP(t, p) for t in self.topics for p in await b._ensure_exists(t)]
+                await asyncio.wait_for(consumer.start(), b.connect_timeout_s)
+                consumer.assign(tps)
+                await self._seek_groupless(tps)
+        except BaseException as exc:
+            await consumer.stop()
+            self._consumer = None
+            self._state = "stopped"
+            if isinstance(exc, (KafkaError, TimeoutError)):
+                raise BusError(f"consumer of {self.topics} on {b.bootstrap} failed to start: {exc!r}") from exc
+            raise
+        self._state = "started"
+
+    async def _seek_groupless(self, tps: list[KTP]) -> None:
+        c = self._consumer
+        assert c is not None
+        if self._start_from == "earliest":
+            await c.seek_to_beginning(*tps)
+        elif self._start_from == "latest":
+            await c.seek_to_end(*tps)
+        else:
+            found = await c.offsets_for_times({tp: int(self._start_from) for tp in tps})
+            past_end = [tp for tp in tps if found.get(tp) is None]
+            for tp in tps:
+                if found.get(tp) is not None:
+                    c.seek(tp, found[tp].offset)
+            if past_end:
+                await c.seek_to_end(*past_end)
+        for tp in tps:  # resolve lazily-reset positions now, so "latest" means "when start returned"
+            await c.position(tp)
+
+    async def _seek_uncommitted_to_time(self, tps: set[TopicPartition]) -> None:
+        """Group member starting from a timestamp: partitions without a committed offset seek there."""
+        c = self._consumer
+        if c is None or isinstance(self._start_from, str) or not tps:
+            return
+        uncommitted = [_ktp(tp) for tp in sorted(tps) if await c.committed(_ktp(tp)) is None]
+        if not uncommitted:
+            return
+        found = await c.offsets_for_times({tp: int(self._start_from) for tp in uncommitted})
+        for tp in uncommitted:
+            if found.get(tp) is not None:
+                c.seek(tp, found[tp].offset)
+            else:
+                await c.seek_to_end(tp)
+
+    async def stop(self) -> None:
+        self._state = "stopped"
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            await consumer.stop()  # leaves the group: its partitions move on at once
+        self._bus._forget(self)
+
+    def _live(self) -> AIOKafkaConsumer:
+        if self._state != "started" or self._consumer is None:
+            raise BusError(f"consumer is {self._state}, not started")
+        return self._consumer
+
+    async def getmany(self, timeout_ms: int = 100, max_records: int | None = None) -> list[Record]:
+        c = self._live()
+        if max_records is not None and max_records < 1:
+            raise ValueError(f"max_records must be >= 1, got {max_records}")
+        try:
+            batches = await c.getmany(timeout_ms=max(timeout_ms, 0), max_records=max_records)
+        except KafkaError as exc:
+            raise BusError(f"getmany on {self.topics} failed: {exc!r}") from exc
+        out: list[Record] = []
+        for ktp, msgs in batches.items():
+            for m in msgs:
+                headers = tuple((k, bytes(v) if v is not None else b"") for k, v in (m.headers or ()))
+                out.append(Record(ktp.topic, ktp.partition, m.offset, m.key, m.value or b"", m.timestamp, headers))
+        return out
+
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        c = self._live()
+        if self.group_id is None:
+            raise BusError("commit needs a consumer group: this consumer was created without group_id")
+        mine = c.assignment()
+        for tp in offsets:
+            if _ktp(tp) not in mine:
+                raise BusError(f"commit failed: {tp.topic}[{tp.partition}] is not assigned to this member (rebalanced)")
+        try:
+            await c.commit({_ktp(tp): off for tp, off in offsets.items()})
+        except KafkaError as exc:
+            raise BusError(f"commit failed (group {self.group_id}): {exc!r}") from exc
+
+    def pause(self, *partitions: TopicPartition) -> None:
+        c = self._live()
+        mine = c.assignment()
+        for tp in partitions:
+            if _ktp(tp) not in mine:
+                raise BusError(f"cannot pause {tp.topic}[{tp.partition}]: not assigned to this consumer")
+        c.pause(*(_ktp(tp) for tp in partitions))
+
+    def resume(self, *partitions: TopicPartition) -> None:
+        c = self._live()
+        mine = c.assignment()
+        c.resume(*(_ktp(tp) for tp in partitions if _ktp(tp) in mine))
+
+    def paused(self) -> set[TopicPartition]:
+        return {_tp(k) for k in self._consumer.paused()} if self._consumer is not None else set()
+
+    def assignment(self) -> set[TopicPartition]:
+        return {_tp(k) for k in self._consumer.assignment()} if self._consumer is not None else set()
