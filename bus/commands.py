@@ -50,8 +50,10 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     delete.add_argument("names", nargs="*", metavar="TOPIC", help="topic names")
     delete.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"), help="bus URL (env LOCKGATE_BUS)")
     delete.add_argument("--model", action="append", default=[],
-                        help="also every topic `topics ensure --model` makes for it (priority topics, control, "
-                             "status, dead letters); repeatable")
+                        help="also the model's priority topics (p0-p2); repeatable")
+    delete.add_argument("--shared", action="store_true",
+                        help="also the namespace's shared control, status and dead-letter topics (every model "
+                             "of the namespace uses them; the dead letters are lost)")
     delete.add_argument("--namespace", default=env_default("namespace", "lockgate"),
                         help="topic name prefix for --model/--reply (env LOCKGATE_NAMESPACE)")
     delete.add_argument("--reply", action="append", default=[], metavar="OWNER",
@@ -127,10 +129,11 @@ def _topics_delete(args: argparse.Namespace) -> int:
     from bus.topics import validate_topic
 
     layout = TopicLayout(namespace=args.namespace)
-    names = list(dict.fromkeys([*args.names, *(s.name for m in args.model for s in layout.model_specs(m)),
+    shared = [layout.control_topic, layout.status_topic, layout.dead_letter_topic] if args.shared else []
+    names = list(dict.fromkeys([*args.names, *(t for m in args.model for t in layout.request_topics(m)), *shared,
                                 *(layout.reply_topic(o) for o in args.reply)]))
     if not names:
-        raise ValueError("name the topics to delete: TOPIC arguments, --model or --reply")
+        raise ValueError("name the topics to delete: TOPIC arguments, --model, --shared or --reply")
     for n in names:
         validate_topic(n)
     kwargs = {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}

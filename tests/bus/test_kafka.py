@@ -72,10 +72,19 @@ def test_topics_ensure_then_delete_cli(kafka_bootstrap: str, capsys: pytest.Capt
     made = sorted(line.split()[1] for line in capsys.readouterr().out.splitlines())
     assert len(made) == 7 and all(t.startswith(ns + ".") for t in made)  # 3 tiers, control, status, dlq, reply
 
+    # --model: that model's priority topics only; the namespace's shared topics stay
     args = build_parser().parse_args(["topics", "delete", *common, f"{ns}.never-made"])
     assert args.func(args) == 0
     out = dict(reversed(line.split()) for line in capsys.readouterr().out.splitlines())
-    assert out == {**{t: "deleted" for t in made}, f"{ns}.never-made": "missing"}
+    tiers = [t for t in made if ".req." in t]
+    shared = [f"{ns}.control", f"{ns}.status", f"{ns}.dlq"]
+    assert len(tiers) == 3 and sorted(shared) == sorted(set(made) - set(tiers) - {f"{ns}.reply.edge-1"})
+    assert out == {**{t: "deleted" for t in tiers}, f"{ns}.reply.edge-1": "deleted", f"{ns}.never-made": "missing"}
+    args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}", "--namespace", ns,
+                                      "--shared"])
+    assert args.func(args) == 0
+    assert sorted(line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("deleted")) \
+        == sorted(shared)
 
     args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}"])
     with pytest.raises(ValueError, match="name the topics to delete"):
