@@ -342,6 +342,12 @@ async def _bench(args: argparse.Namespace) -> dict:
         "edge_process_cpu_s": round(edge_cpu, 2),
         "clients_cpu_s": round(sum(r["cpu_s"] for r in results), 2),
         "edge_process_cpu_us_per_token": round(edge_cpu / max(1, tokens) * 1e6, 1),
+        # Share of the machine's CPU time those processes used while streaming: near 1 the cores
+        # are saturated (by the edge and the load generator together) and latency is queueing.
+        # Per edge process, the share of one core it used: an event loop is one thread, so near 1
+        # it is saturated and every token queues behind the rest of its step.
+        "edge_core_busy_share": round(edge_cpu / max(1e-9, wall * args.edge_procs), 2),
+        "cpu_busy_share": round((edge_cpu + sum(r["cpu_s"] for r in results)) / max(1e-9, wall * (os.cpu_count() or 1)), 2),
         # Garbage-collector pauses in the edge's process during the streaming phase (each one
         # stops every connection; a full collection's cost grows with the objects alive).
         "edge_gc_collections": len(pauses),

@@ -53,6 +53,9 @@ def test_bench_edge_every_token_arrives(tmp_path, edges, client):
     assert r["client"] == client
     assert r["tokens_received"] == r["tokens_expected"] == 40 * 20
     assert r["connections_held_after_streaming"] == 200
+    # the processes' CPU over the streaming phase, as a share of the machine: it was busy, and no
+    # more than all of its CPUs (a little slack: the clients' windows are their own)
+    assert 0 < r["cpu_busy_share"] <= 1.2 and 0 < r["edge_core_busy_share"] <= 1.2
 
 
 def test_freeze_heap_moves_startup_objects_out_of_collections_and_slows_the_collector():
