@@ -17,6 +17,8 @@ Cancellation: cancelling ``getmany`` loses no records (uncommitted ones are rede
 from __future__ import annotations
 
 import abc
+import inspect
+import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -62,6 +64,32 @@ class TopicSpec:
 StartFrom = Literal["earliest", "latest"] | int  # int = a timestamp in ms
 
 RebalanceCallback = Callable[[set[TopicPartition]], Awaitable[None] | None]
+
+
+def checked_consumer_args(topics: Sequence[str], start_from: StartFrom) -> list[str]:
+    """The topic names of a new consumer, validated, after checking ``start_from``; raises
+    ``ValueError`` naming the bad argument. Both buses' consumers start with it."""
+    if isinstance(topics, str) or not topics:
+        raise ValueError("topics must be a non-empty list of topic names")
+    if not (start_from in ("earliest", "latest") or (isinstance(start_from, int) and not isinstance(start_from, bool))):
+        raise ValueError(f"start_from must be 'earliest', 'latest' or a timestamp in ms, got {start_from!r}")
+    from bus.topics import validate_topic  # bus.topics imports this module
+
+    return [validate_topic(t) for t in topics]
+
+
+async def call_rebalance_callback(cb: RebalanceCallback | None, tps: set[TopicPartition], what: str,
+                                  log: logging.Logger) -> None:
+    """Run a rebalance callback (sync or async); like aiokafka, an exception is logged to ``log`` and
+    does not stop the group. Both buses call it, so both treat callbacks alike."""
+    if cb is None:
+        return
+    try:
+        result = cb(tps)
+        if inspect.isawaitable(result):
+            await result
+    except Exception:
+        log.exception("%s callback failed", what)
 
 
 class BusError(RuntimeError):

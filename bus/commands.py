@@ -32,34 +32,22 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     topics = sub.add_parser("topics", help="manage bus topics")
     tsub = topics.add_subparsers(dest="topics_action", metavar="ACTION", required=True)
     ensure = tsub.add_parser("ensure", help="create the topics a model needs (idempotent)")
-    ensure.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"), help="bus URL (env LOCKGATE_BUS)")
+    _topic_args(ensure, "create")
     ensure.add_argument("--model", action="append", default=None, required=env_default("model", None) is None,
                         help="model name; repeat for several (env LOCKGATE_MODEL)")
     ensure.add_argument("--partitions", type=int, default=env_default("partitions", 6),
                         help="partitions per priority topic (env LOCKGATE_PARTITIONS)")
     ensure.add_argument("--replication", type=int, default=env_default("replication", 1),
                         help="replication factor (env LOCKGATE_REPLICATION)")
-    ensure.add_argument("--namespace", default=env_default("namespace", "lockgate"),
-                        help="topic name prefix (env LOCKGATE_NAMESPACE)")
-    ensure.add_argument("--reply", action="append", default=[], metavar="OWNER",
-                        help="also create the reply topic of OWNER (edge instance, batch job); repeatable")
-    ensure.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
-                        help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
     ensure.set_defaults(func=_topics_ensure)
     delete = tsub.add_parser("delete", help="delete topics with their records (skips missing ones)")
+    _topic_args(delete, "delete")
     delete.add_argument("names", nargs="*", metavar="TOPIC", help="topic names")
-    delete.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"), help="bus URL (env LOCKGATE_BUS)")
     delete.add_argument("--model", action="append", default=[],
                         help="also the model's priority topics (p0-p2); repeatable")
     delete.add_argument("--shared", action="store_true",
                         help="also the namespace's shared control, status and dead-letter topics (every model "
                              "of the namespace uses them; the dead letters are lost)")
-    delete.add_argument("--namespace", default=env_default("namespace", "lockgate"),
-                        help="topic name prefix for --model/--reply (env LOCKGATE_NAMESPACE)")
-    delete.add_argument("--reply", action="append", default=[], metavar="OWNER",
-                        help="also the reply topic of OWNER; repeatable")
-    delete.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
-                        help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
     delete.set_defaults(func=_topics_delete)
 
     b = bench.add_parser("bus", help="produce->consume latency p50/p99 and records/s: memory bus vs --bus")
@@ -71,6 +59,17 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     b.add_argument("--payload", type=int, default=env_default("payload", 200), help="bytes per record")
     b.add_argument("--json", action="store_true", default=env_default("json", False), help="print JSON instead of a table")
     b.set_defaults(func=_bench_bus)
+
+
+def _topic_args(p: argparse.ArgumentParser, verb: str) -> None:
+    """The flags both ``topics`` actions take."""
+    p.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"), help="bus URL (env LOCKGATE_BUS)")
+    p.add_argument("--namespace", default=env_default("namespace", "lockgate"),
+                   help="topic name prefix (env LOCKGATE_NAMESPACE)")
+    p.add_argument("--reply", action="append", default=[], metavar="OWNER",
+                   help=f"also {verb} the reply topic of OWNER (edge instance, batch job); repeatable")
+    p.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
+                   help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
 
 
 def _kafka(args: argparse.Namespace) -> int:

@@ -13,7 +13,6 @@ returns once the first assignment is known; partitions without a committed offse
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -22,8 +21,16 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka import TopicPartition as KTP
 from aiokafka.errors import KafkaError
 
-from bus.base import BusError, Consumer, RebalanceCallback, Record, StartFrom, TopicPartition
-from bus.topics import validate_topic
+from bus.base import (
+    BusError,
+    Consumer,
+    RebalanceCallback,
+    Record,
+    StartFrom,
+    TopicPartition,
+    call_rebalance_callback,
+    checked_consumer_args,
+)
 
 if TYPE_CHECKING:
     from bus.kafka import KafkaBus
@@ -45,23 +52,12 @@ class _Listener(ConsumerRebalanceListener):
         self.owner = owner
 
     async def on_partitions_revoked(self, revoked: Iterable[KTP]) -> None:
-        await _call(self.owner._on_revoked, {_tp(k) for k in revoked}, "on_revoked")
+        await call_rebalance_callback(self.owner._on_revoked, {_tp(k) for k in revoked}, "on_revoked", log)
 
     async def on_partitions_assigned(self, assigned: Iterable[KTP]) -> None:
         tps = {_tp(k) for k in assigned}
         await self.owner._seek_uncommitted_to_time(tps)
-        await _call(self.owner._on_assigned, tps, "on_assigned")
-
-
-async def _call(cb: RebalanceCallback | None, tps: set[TopicPartition], what: str) -> None:
-    if cb is None:
-        return
-    try:
-        result = cb(tps)
-        if inspect.isawaitable(result):
-            await result
-    except Exception:
-        log.exception("%s callback failed", what)
+        await call_rebalance_callback(self.owner._on_assigned, tps, "on_assigned", log)
 
 
 class KafkaConsumer(Consumer):
@@ -76,12 +72,8 @@ class KafkaConsumer(Consumer):
         on_assigned: RebalanceCallback | None,
         on_revoked: RebalanceCallback | None,
     ) -> None:
-        if isinstance(topics, str) or not topics:
-            raise ValueError("topics must be a non-empty list of topic names")
-        if not (start_from in ("earliest", "latest") or (isinstance(start_from, int) and not isinstance(start_from, bool))):
-            raise ValueError(f"start_from must be 'earliest', 'latest' or a timestamp in ms, got {start_from!r}")
         self._bus = bus
-        self.topics = sorted({validate_topic(t) for t in topics})
+        self.topics = sorted(set(checked_consumer_args(topics, start_from)))
         self.group_id = group_id
         self._start_from = start_from
         self._on_assigned = on_assigned

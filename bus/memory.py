@@ -37,7 +37,6 @@ Cancelling ``getmany`` loses nothing: positions advance only in the synchronous 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -51,6 +50,8 @@ from bus.base import (
     StartFrom,
     TopicPartition,
     TopicSpec,
+    call_rebalance_callback,
+    checked_consumer_args,
 )
 from bus.memory_broker import (  # noqa: F401 - re-exported
     DEFAULT_MAX_RECORDS_PER_PARTITION,
@@ -78,12 +79,8 @@ class MemoryConsumer(Consumer):
         on_assigned: RebalanceCallback | None,
         on_revoked: RebalanceCallback | None,
     ) -> None:
-        if isinstance(topics, str) or not topics:
-            raise ValueError("topics must be a non-empty list of topic names")
-        if not (start_from in ("earliest", "latest") or (isinstance(start_from, int) and not isinstance(start_from, bool))):
-            raise ValueError(f"start_from must be 'earliest', 'latest' or a timestamp in ms, got {start_from!r}")
         self._bus = bus
-        self.topics = frozenset(validate_topic(t) for t in topics)
+        self.topics = frozenset(checked_consumer_args(topics, start_from))
         self.group_id = group_id
         self._start_from = start_from
         self._on_assigned = on_assigned
@@ -158,7 +155,7 @@ class MemoryConsumer(Consumer):
 
     async def _revoke(self) -> None:
         """Rebalance phase 1 (called by the group): hand back every partition."""
-        await _call(self._on_revoked, set(self._positions), "on_revoked")
+        await call_rebalance_callback(self._on_revoked, set(self._positions), "on_revoked", log)
         self._positions = {}
         self._paused.clear()
 
@@ -173,7 +170,7 @@ class MemoryConsumer(Consumer):
 
     async def _notify_assigned(self, gen: int) -> None:
         """Rebalance phase 3."""
-        await _call(self._on_assigned, set(self._positions), "on_assigned")
+        await call_rebalance_callback(self._on_assigned, set(self._positions), "on_assigned", log)
 
     def _check_started(self) -> None:
         if self._state != "started":
@@ -261,18 +258,6 @@ class MemoryConsumer(Consumer):
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._positions)
-
-
-async def _call(cb: RebalanceCallback | None, tps: set[TopicPartition], what: str) -> None:
-    """Run a rebalance callback; like aiokafka, an exception is logged and does not stop the group."""
-    if cb is None:
-        return
-    try:
-        result = cb(tps)
-        if inspect.isawaitable(result):
-            await result
-    except Exception:
-        log.exception("%s callback failed", what)
 
 
 class MemoryBus(Bus):

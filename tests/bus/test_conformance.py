@@ -231,6 +231,19 @@ async def test_ensure_topics_is_idempotent(bus: Bus, name: str) -> None:
     assert await bus.partitions_for(name + ".c") == [0, 1]
 
 
+async def test_a_failing_rebalance_callback_is_logged_and_the_member_goes_on(
+        bus: Bus, name: str, caplog: pytest.LogCaptureFixture) -> None:
+    await bus.ensure_topics([TopicSpec(name, 1)])
+
+    def boom(tps: set[TopicPartition]) -> None:
+        raise RuntimeError("callback bug")
+
+    async with bus.consumer([name], group_id=name + ".g", start_from="earliest", on_assigned=boom) as c:
+        await bus.send(name, b"after", key=b"k")
+        assert [r.value for r in await drain(c, 1)] == [b"after"]
+    assert any("on_assigned callback failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 async def test_delete_topics(bus: Bus, name: str) -> None:
     a, b = name + ".a", name + ".b"
     await bus.ensure_topics([TopicSpec(a, 2), TopicSpec(b, 1)])
