@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import statistics
 import time
 import uuid
 
 from bus.messages import Finished, InferenceRequest, SamplingParams, TokenChunk, decode, encode
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BUSES = ("memory://", "kafka://127.0.0.1:9092")  # the product defaults (bus/kafka.py)
 
@@ -86,7 +89,7 @@ def run_inprocess(engine, work) -> dict:
 
 
 async def run_bus(engine, work, url: str, model: str) -> dict:
-    from bus import TopicLayout, connect
+    from bus import BusError, TopicLayout, connect
 
     layout = TopicLayout(namespace=f"bench{uuid.uuid4().hex[:8]}", partitions=6)
     salt = uuid.uuid4().hex
@@ -99,7 +102,10 @@ async def run_bus(engine, work, url: str, model: str) -> dict:
         finally:
             # The namespace is this run's alone: a long-lived broker would otherwise keep ~10
             # topics per run for a week (repeated runs had left ~2,000 on the dev broker).
-            await bus.delete_topics([s.name for s in specs])
+            try:
+                await bus.delete_topics([s.name for s in specs])
+            except BusError as exc:  # never hide the run's own error behind the clean-up's
+                log.warning("could not delete this run's topics (%s): %s", layout.namespace, exc)
 
 
 async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: str, salt: str) -> dict:  # noqa: ANN001
