@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -179,7 +180,10 @@ async def test_starvation_fifo_strict_aging(kafka_bootstrap: str, tiny_dir: Path
     # first until the burst has aged 2 periods
     fa, aa = f["p0_after_burst"], a["p0_after_burst"]
     assert fa and aa
-    assert sum(fa) / len(fa) > sum(aa) / len(aa) + 0.3 and max(fa) > max(aa)
+    # mean and median, not the maximum: one p0 delayed by a fetch gap or a busy CPU decides a
+    # maximum (a clean-clone CI run saw aging's max 1.69 s against fifo's 1.58 s, means 1.19 / 1.55 s)
+    assert sum(fa) / len(fa) > sum(aa) / len(aa) + 0.3
+    assert statistics.median(fa) > statistics.median(aa)
 
 
 async def test_cancel_expired_invalid_on_kafka(kafka_bootstrap: str, tiny_dir: Path) -> None:
