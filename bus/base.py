@@ -163,6 +163,11 @@ class Bus(abc.ABC):
         """Create the topics that do not exist; return the names created. Idempotent."""
 
     @abc.abstractmethod
+    async def list_topics(self, prefix: str = "") -> list[str]:
+        """The names of the topics that exist and start with ``prefix``, sorted; the broker's own
+        internal topics (``__consumer_offsets`` and the like) are left out."""
+
+    @abc.abstractmethod
     async def delete_topics(self, names: Iterable[str]) -> list[str]:
         """Delete these topics with their records; return the names that existed. Names that do
         not exist are skipped, so it is idempotent. Meant for throwaway namespaces (benchmarks,

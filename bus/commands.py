@@ -1,4 +1,4 @@
-"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure|delete``, ``lockgate bench bus``.
+"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure|delete|list``, ``lockgate bench bus``.
 
 Imports nothing heavy at module level (aiokafka loads inside the commands). Every flag has its
 ``LOCKGATE_<FLAG>`` environment twin through :func:`engine_workers.cli.env_default`.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,7 +49,14 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     delete.add_argument("--shared", action="store_true",
                         help="also the namespace's shared control, status and dead-letter topics (every model "
                              "of the namespace uses them; the dead letters are lost)")
+    delete.add_argument("--prefix", default=None,
+                        help="also every existing topic whose name starts with PREFIX (not empty), e.g. an old "
+                             "benchmark namespace")
     delete.set_defaults(func=_topics_delete)
+    listing = tsub.add_parser("list", help="list the topics (the broker's internal ones left out)")
+    _bus_args(listing)
+    listing.add_argument("--prefix", default="", help="only names that start with PREFIX")
+    listing.set_defaults(func=_topics_list)
 
     b = bench.add_parser("bus", help="produce->consume latency p50/p99 and records/s: memory bus vs --bus")
     b.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),
@@ -61,15 +69,20 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     b.set_defaults(func=_bench_bus)
 
 
-def _topic_args(p: argparse.ArgumentParser, verb: str) -> None:
-    """The flags both ``topics`` actions take."""
+def _bus_args(p: argparse.ArgumentParser) -> None:
+    """The flags every ``topics`` action takes."""
     p.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"), help="bus URL (env LOCKGATE_BUS)")
+    p.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
+                   help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
+
+
+def _topic_args(p: argparse.ArgumentParser, verb: str) -> None:
+    """The flags ``topics ensure`` and ``topics delete`` take."""
+    _bus_args(p)
     p.add_argument("--namespace", default=env_default("namespace", "lockgate"),
                    help="topic name prefix (env LOCKGATE_NAMESPACE)")
     p.add_argument("--reply", action="append", default=[], metavar="OWNER",
                    help=f"also {verb} the reply topic of OWNER (edge instance, batch job); repeatable")
-    p.add_argument("--connect-timeout", type=float, default=env_default("connect-timeout", 15.0),
-                   help="seconds to wait for the broker (env LOCKGATE_CONNECT_TIMEOUT)")
 
 
 def _kafka(args: argparse.Namespace) -> int:
@@ -105,10 +118,8 @@ def _topics_ensure(args: argparse.Namespace) -> int:
     layout = TopicLayout(namespace=args.namespace, partitions=args.partitions, replication=args.replication)
     specs = {s.name: s for m in models for s in layout.model_specs(m)}
     specs.update({s.name: s for s in (layout.reply_spec(o) for o in args.reply)})
-    kwargs = {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}
-
     async def run() -> list[str]:
-        async with connect(args.bus, **kwargs) as bus:
+        async with connect(args.bus, **_connect_kwargs(args)) as bus:
             return await bus.ensure_topics(specs.values())
 
     try:
@@ -131,14 +142,17 @@ def _topics_delete(args: argparse.Namespace) -> int:
     shared = [layout.control_topic, layout.status_topic, layout.dead_letter_topic] if args.shared else []
     names = list(dict.fromkeys([*args.names, *(t for m in args.model for t in layout.request_topics(m)), *shared,
                                 *(layout.reply_topic(o) for o in args.reply)]))
-    if not names:
-        raise ValueError("name the topics to delete: TOPIC arguments, --model, --shared or --reply")
+    if args.prefix is not None and not args.prefix:
+        raise ValueError("--prefix must not be empty (it would delete every topic)")
+    if not names and args.prefix is None:
+        raise ValueError("name the topics to delete: TOPIC arguments, --prefix, --model, --shared or --reply")
     for n in names:
         validate_topic(n)
-    kwargs = {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}
 
     async def run() -> list[str]:
-        async with connect(args.bus, **kwargs) as bus:
+        async with connect(args.bus, **_connect_kwargs(args)) as bus:
+            if args.prefix is not None:
+                names.extend(t for t in await bus.list_topics(args.prefix) if t not in names)
             return await bus.delete_topics(names)
 
     try:
@@ -149,6 +163,32 @@ def _topics_delete(args: argparse.Namespace) -> int:
     for name in names:
         print(f"{'deleted' if name in deleted else 'missing'} {name}")
     return 0
+
+
+def _topics_list(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from bus import BusError, connect
+
+    async def run() -> list[str]:
+        async with connect(args.bus, **_connect_kwargs(args)) as bus:
+            return await bus.list_topics(args.prefix)
+
+    try:
+        names = asyncio.run(run())
+    except BusError as exc:
+        print(f"lockgate topics list: {exc}", file=sys.stderr)
+        return 1
+    try:
+        sys.stdout.write("".join(f"{n}\n" for n in names))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
+def _connect_kwargs(args: argparse.Namespace) -> dict:
+    return {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}
 
 
 def _bench_bus(args: argparse.Namespace) -> int:

@@ -257,6 +257,15 @@ class KafkaBus(Bus):
             raise BusError(f"topic {topic} on {self.bootstrap} did not become available")
         return parts
 
+    async def list_topics(self, prefix: str = "") -> list[str]:
+        self._check_started()
+        assert self._admin is not None
+        try:
+            names = await self._admin.list_topics()  # the whole cluster's metadata: an admin call
+        except KafkaError as exc:
+            raise BusError(f"list topics on {self.bootstrap} failed: {exc!r}") from exc
+        return sorted(n for n in names if n.startswith(prefix) and not n.startswith("__"))
+
     async def delete_topics(self, names: Iterable[str]) -> list[str]:
         self._check_started()
         assert self._admin is not None

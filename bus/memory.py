@@ -308,6 +308,10 @@ class MemoryBus(Bus):
         self._check_started()
         return [s.name for s in specs if self.broker.create(s)]
 
+    async def list_topics(self, prefix: str = "") -> list[str]:
+        self._check_started()
+        return sorted(n for n in self.broker.topics if n.startswith(prefix) and not n.startswith("__"))
+
     async def delete_topics(self, names: Iterable[str]) -> list[str]:
         self._check_started()
         names = [validate_topic(n) for n in dict.fromkeys(names)]

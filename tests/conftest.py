@@ -17,29 +17,23 @@ import sys
 import pytest
 
 
+async def _with_bus(addr: str, use):  # noqa: ANN001, ANN202
+    from bus import connect
+
+    async with connect(f"kafka://{addr}?client_id=lockgate-tests") as bus:
+        return await use(bus)
+
+
 def _topics(addr: str) -> set[str]:
-    async def go() -> set[str]:
-        from aiokafka.admin import AIOKafkaAdminClient
-
-        admin = AIOKafkaAdminClient(bootstrap_servers=addr, client_id="lockgate-tests")
-        await admin.start()
-        try:
-            return set(await admin.list_topics())
-        finally:
-            await admin.close()
-
-    return asyncio.run(go())
+    return set(asyncio.run(_with_bus(addr, lambda bus: bus.list_topics())))
 
 
 def _delete_topics(addr: str, names: list[str]) -> None:
-    async def go() -> None:
-        from bus import connect
+    async def delete(bus) -> None:  # noqa: ANN001
+        for i in range(0, len(names), 100):
+            await bus.delete_topics(names[i:i + 100])
 
-        async with connect(f"kafka://{addr}?client_id=lockgate-tests") as bus:
-            for i in range(0, len(names), 100):
-                await bus.delete_topics(names[i:i + 100])
-
-    asyncio.run(go())
+    asyncio.run(_with_bus(addr, delete))
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +42,7 @@ def kafka_bootstrap():
     before = _topics(addr)
     yield addr
     try:  # best effort: a broker that went away must not turn passed tests into errors
-        created = sorted(t for t in _topics(addr) - before if not t.startswith("__"))
+        created = sorted(_topics(addr) - before)
         if created:
             _delete_topics(addr, created)
     except Exception as exc:  # noqa: BLE001

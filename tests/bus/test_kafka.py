@@ -86,8 +86,26 @@ def test_topics_ensure_then_delete_cli(kafka_bootstrap: str, capsys: pytest.Capt
     assert sorted(line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("deleted")) \
         == sorted(shared)
 
+    # --prefix: everything under a prefix, e.g. an old namespace (a fresh one: a just-deleted topic
+    # is not re-created here); list shows what is there
+    ns2 = ns + "-old"
+    args = build_parser().parse_args(["topics", "ensure", "--bus", f"kafka://{kafka_bootstrap}", "--namespace", ns2,
+                                      "--model", "m", "--partitions", "1"])
+    assert args.func(args) == 0
+    made2 = sorted(line.split()[1] for line in capsys.readouterr().out.splitlines())
+    args = build_parser().parse_args(["topics", "list", "--bus", f"kafka://{kafka_bootstrap}", "--prefix", ns2])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.split() == made2
+    args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}", "--prefix", ns2 + "."])
+    assert args.func(args) == 0
+    assert sorted(line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("deleted")) \
+        == made2
+
     args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}"])
     with pytest.raises(ValueError, match="name the topics to delete"):
+        args.func(args)
+    args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}", "--prefix", ""])
+    with pytest.raises(ValueError, match="--prefix must not be empty"):
         args.func(args)
     args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}", "bad name"])
     with pytest.raises(ValueError, match="invalid topic name"):
