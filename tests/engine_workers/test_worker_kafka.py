@@ -106,6 +106,9 @@ async def test_kill9_one_of_two_workers_streams_exact(kafka_bootstrap: str, tiny
                 p.stdout.close()
 
 
+STEP_FLOOR_S = 0.0015
+
+
 async def run_mode(bootstrap: str, tiny_dir: Path, mode: str, period: float, saturate_s: float) -> dict[str, list]:
     """One worker (in-process, real Kafka) saturated by closed-loop p0 traffic plus a burst of p2.
     Returns queue times (Finished.timings.queue) per tier and the instant the p0 load stopped."""
@@ -115,6 +118,17 @@ async def run_mode(bootstrap: str, tiny_dir: Path, mode: str, period: float, sat
     # trip through the test loop and the broker can take several tenths of a second under load)
     k_outstanding, n_p2 = 12, 16
     engine = make_engine(tiny_dir, max_num_seqs=2)
+    # A step floor (~1.5 ms of sleep before each step): the bounds below are in seconds of queueing,
+    # and with the CPU kernels a 96-token request on the tiny model took ~0.09 s, so the p2 burst
+    # drained in ~0.7 s and fifo's penalty sank into the noise of Kafka's fetch gaps. With the floor
+    # a request takes ~0.2 s on any machine, as when these bounds were set.
+    step = engine.step
+
+    def floored_step():  # noqa: ANN202
+        time.sleep(STEP_FLOOR_S)
+        return step()
+
+    engine.step = floored_step
     cfg = WorkerConfig(MODEL, layout=layout, intake_mode=mode, aging_period_s=period, prefetch_per_tier=4)
     async with connect(kafka_url(bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
