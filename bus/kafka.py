@@ -50,6 +50,21 @@ BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 2.0
 
 
+class _BootstrapErrors(logging.Filter):
+    """Drops aiokafka's ERROR line for each failed bootstrap connect while a start is retrying: the
+    retry loop logs at DEBUG and ends in one ``BusError`` naming the address, where a broker that
+    is still starting produced a dozen ERROR lines first. Installed on the ``aiokafka`` logger
+    while at least one start is retrying (counted), so errors after start-up are logged as ever."""
+
+    active = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable connect to \"")
+
+
+_BOOTSTRAP_FILTER = _BootstrapErrors()
+
+
 async def _retrying(what: str, bootstrap: str, timeout_s: float, attempt: Callable[[], Awaitable[Any]]) -> Any:
     """Run ``attempt`` until it succeeds or ``timeout_s`` has passed, with exponential backoff.
 
@@ -57,17 +72,25 @@ async def _retrying(what: str, bootstrap: str, timeout_s: float, attempt: Callab
     deadline = time.monotonic() + timeout_s
     backoff = BACKOFF_START_S
     last: BaseException | None = None
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            return await asyncio.wait_for(attempt(), left)
-        except (KafkaError, OSError, TimeoutError) as exc:
-            last = exc
-            log.debug("%s: %s unreachable (%s); retrying", what, bootstrap, exc)
-        await asyncio.sleep(min(backoff, max(deadline - time.monotonic(), 0)))
-        backoff = min(backoff * 2, BACKOFF_MAX_S)
+    if _BootstrapErrors.active == 0:
+        logging.getLogger("aiokafka").addFilter(_BOOTSTRAP_FILTER)
+    _BootstrapErrors.active += 1
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                return await asyncio.wait_for(attempt(), left)
+            except (KafkaError, OSError, TimeoutError) as exc:
+                last = exc
+                log.debug("%s: %s unreachable (%s); retrying", what, bootstrap, exc)
+            await asyncio.sleep(min(backoff, max(deadline - time.monotonic(), 0)))
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+    finally:
+        _BootstrapErrors.active -= 1
+        if _BootstrapErrors.active == 0:
+            logging.getLogger("aiokafka").removeFilter(_BOOTSTRAP_FILTER)
     raise BusError(f"{what}: Kafka broker at {bootstrap} unreachable after {timeout_s:g}s ({last!r})")
 
 

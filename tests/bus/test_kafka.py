@@ -17,14 +17,20 @@ def closed_port() -> int:
         return s.getsockname()[1]  # closed again when the block ends: nothing listens there
 
 
-async def test_unreachable_broker_raises_bus_error_within_timeout() -> None:
+async def test_unreachable_broker_raises_bus_error_within_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
     port = closed_port()
     bus = connect(f"kafka://127.0.0.1:{port}?connect_timeout_s=2")
     t0 = time.monotonic()
-    with pytest.raises(BusError, match=f"127.0.0.1:{port} unreachable after 2s"):
+    with caplog.at_level(logging.DEBUG), pytest.raises(BusError, match=f"127.0.0.1:{port} unreachable after 2s"):
         await bus.start()
     elapsed = time.monotonic() - t0
     assert 1.5 <= elapsed < 6, f"gave up after {elapsed:.1f}s, configured 2s"
+    # one clear error instead of aiokafka's ERROR line per attempt; the retries are at DEBUG
+    assert not [r for r in caplog.records if r.name == "aiokafka" and r.levelno >= logging.ERROR]
+    assert any("unreachable" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+    assert not logging.getLogger("aiokafka").filters, "the filter is gone once no start is retrying"
     await bus.stop()  # idempotent on a bus that never started
     with pytest.raises(BusError, match="not started"):
         await bus.send("t", b"x")
