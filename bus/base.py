@@ -66,6 +66,14 @@ StartFrom = Literal["earliest", "latest"] | int  # int = a timestamp in ms
 RebalanceCallback = Callable[[set[TopicPartition]], Awaitable[None] | None]
 
 
+def checked_topic_names(names: Iterable[str]) -> list[str]:
+    """``names`` without repeats, in order, each checked by :func:`bus.topics.validate_topic`
+    (``ValueError`` naming a bad one)."""
+    from bus.topics import validate_topic  # bus.topics imports this module
+
+    return [validate_topic(n) for n in dict.fromkeys(names)]
+
+
 def checked_consumer_args(topics: Sequence[str], start_from: StartFrom) -> list[str]:
     """The topic names of a new consumer, validated, after checking ``start_from``; raises
     ``ValueError`` naming the bad argument. Both buses' consumers start with it."""
@@ -73,9 +81,7 @@ def checked_consumer_args(topics: Sequence[str], start_from: StartFrom) -> list[
         raise ValueError("topics must be a non-empty list of topic names")
     if not (start_from in ("earliest", "latest") or (isinstance(start_from, int) and not isinstance(start_from, bool))):
         raise ValueError(f"start_from must be 'earliest', 'latest' or a timestamp in ms, got {start_from!r}")
-    from bus.topics import validate_topic  # bus.topics imports this module
-
-    return [validate_topic(t) for t in topics]
+    return checked_topic_names(topics)
 
 
 async def call_rebalance_callback(cb: RebalanceCallback | None, tps: set[TopicPartition], what: str,

@@ -107,10 +107,28 @@ def _kafka(args: argparse.Namespace) -> int:
     return 0
 
 
-def _topics_ensure(args: argparse.Namespace) -> int:
+def _on_bus(args: argparse.Namespace, action: str, use):  # noqa: ANN001, ANN202
+    """``await use(bus)`` on a bus connected to ``--bus``; ``None`` after printing why when the bus
+    fails (``BusError``), so each ``topics`` action exits 1 with one line instead of a traceback."""
     import asyncio
 
-    from bus import BusError, TopicLayout, connect
+    from bus import BusError, connect
+
+    kwargs = {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}
+
+    async def run():  # noqa: ANN202
+        async with connect(args.bus, **kwargs) as bus:
+            return await use(bus)
+
+    try:
+        return asyncio.run(run())
+    except BusError as exc:
+        print(f"lockgate topics {action}: {exc}", file=sys.stderr)
+        return None
+
+
+def _topics_ensure(args: argparse.Namespace) -> int:
+    from bus import TopicLayout
 
     models = args.model or [str(env_default("model", ""))]
     if args.partitions < 1 or args.replication < 1:
@@ -118,14 +136,8 @@ def _topics_ensure(args: argparse.Namespace) -> int:
     layout = TopicLayout(namespace=args.namespace, partitions=args.partitions, replication=args.replication)
     specs = {s.name: s for m in models for s in layout.model_specs(m)}
     specs.update({s.name: s for s in (layout.reply_spec(o) for o in args.reply)})
-    async def run() -> list[str]:
-        async with connect(args.bus, **_connect_kwargs(args)) as bus:
-            return await bus.ensure_topics(specs.values())
-
-    try:
-        created = asyncio.run(run())
-    except BusError as exc:
-        print(f"lockgate topics ensure: {exc}", file=sys.stderr)
+    created = _on_bus(args, "ensure", lambda bus: bus.ensure_topics(specs.values()))
+    if created is None:
         return 1
     for name in sorted(specs):
         print(f"{'created' if name in created else 'exists '} {name}")
@@ -133,32 +145,26 @@ def _topics_ensure(args: argparse.Namespace) -> int:
 
 
 def _topics_delete(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from bus import BusError, TopicLayout, connect
-    from bus.topics import validate_topic
+    from bus import TopicLayout
+    from bus.base import checked_topic_names
 
     layout = TopicLayout(namespace=args.namespace)
     shared = [layout.control_topic, layout.status_topic, layout.dead_letter_topic] if args.shared else []
-    names = list(dict.fromkeys([*args.names, *(t for m in args.model for t in layout.request_topics(m)), *shared,
-                                *(layout.reply_topic(o) for o in args.reply)]))
+    # checked before connecting: a bad name fails at once, not after the broker answers
+    names = checked_topic_names([*args.names, *(t for m in args.model for t in layout.request_topics(m)), *shared,
+                                 *(layout.reply_topic(o) for o in args.reply)])
     if args.prefix is not None and not args.prefix:
         raise ValueError("--prefix must not be empty (it would delete every topic)")
     if not names and args.prefix is None:
         raise ValueError("name the topics to delete: TOPIC arguments, --prefix, --model, --shared or --reply")
-    for n in names:
-        validate_topic(n)
 
-    async def run() -> list[str]:
-        async with connect(args.bus, **_connect_kwargs(args)) as bus:
-            if args.prefix is not None:
-                names.extend(t for t in await bus.list_topics(args.prefix) if t not in names)
-            return await bus.delete_topics(names)
+    async def delete(bus) -> list[str]:  # noqa: ANN001
+        if args.prefix is not None:
+            names.extend(t for t in await bus.list_topics(args.prefix) if t not in names)
+        return await bus.delete_topics(names)
 
-    try:
-        deleted = set(asyncio.run(run()))
-    except BusError as exc:
-        print(f"lockgate topics delete: {exc}", file=sys.stderr)
+    deleted = _on_bus(args, "delete", delete)
+    if deleted is None:
         return 1
     for name in names:
         print(f"{'deleted' if name in deleted else 'missing'} {name}")
@@ -166,18 +172,8 @@ def _topics_delete(args: argparse.Namespace) -> int:
 
 
 def _topics_list(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from bus import BusError, connect
-
-    async def run() -> list[str]:
-        async with connect(args.bus, **_connect_kwargs(args)) as bus:
-            return await bus.list_topics(args.prefix)
-
-    try:
-        names = asyncio.run(run())
-    except BusError as exc:
-        print(f"lockgate topics list: {exc}", file=sys.stderr)
+    names = _on_bus(args, "list", lambda bus: bus.list_topics(args.prefix))
+    if names is None:
         return 1
     try:
         sys.stdout.write("".join(f"{n}\n" for n in names))
@@ -185,10 +181,6 @@ def _topics_list(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `| head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0
-
-
-def _connect_kwargs(args: argparse.Namespace) -> dict:
-    return {"connect_timeout_s": args.connect_timeout} if args.bus.startswith("kafka:") else {}
 
 
 def _bench_bus(args: argparse.Namespace) -> int:

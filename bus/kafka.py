@@ -40,6 +40,7 @@ from bus.base import (
     RecordMetadata,
     StartFrom,
     TopicSpec,
+    checked_topic_names,
 )
 from bus.kafka_consumer import KafkaConsumer
 from bus.topics import validate_topic
@@ -292,9 +293,7 @@ class KafkaBus(Bus):
     async def delete_topics(self, names: Iterable[str]) -> list[str]:
         self._check_started()
         assert self._admin is not None
-        names = list(dict.fromkeys(names))
-        for n in names:
-            validate_topic(n)
+        names = checked_topic_names(names)
         if not names:
             return []
         try:

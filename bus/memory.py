@@ -52,6 +52,7 @@ from bus.base import (
     TopicSpec,
     call_rebalance_callback,
     checked_consumer_args,
+    checked_topic_names,
 )
 from bus.memory_broker import (  # noqa: F401 - re-exported
     DEFAULT_MAX_RECORDS_PER_PARTITION,
@@ -314,7 +315,7 @@ class MemoryBus(Bus):
 
     async def delete_topics(self, names: Iterable[str]) -> list[str]:
         self._check_started()
-        names = [validate_topic(n) for n in dict.fromkeys(names)]
+        names = checked_topic_names(names)
         return [n for n in names if self.broker.delete(n)]
 
     async def partitions_for(self, topic: str) -> list[int]:

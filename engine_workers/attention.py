@@ -148,11 +148,11 @@ def build_metadata(
         else:
             ctx = start + n
             table = torch.tensor(blocks[: -(-ctx // block_size)], dtype=torch.long)
-            if prefill_kernel is not None:
-                prefill.append(PrefillChunk(row, n, dev(table), None, start))
-            else:
+            mask = None  # the prefill kernel is causal by construction
+            if prefill_kernel is None:
                 causal = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
-                prefill.append(PrefillChunk(row, n, dev(table), dev(_additive(causal, dtype)), start))
+                mask = dev(_additive(causal, dtype))
+            prefill.append(PrefillChunk(row, n, dev(table), mask, start))
         row += n
 
     groups: list[DecodeGroup] = []

@@ -73,10 +73,8 @@ class PackedLinear(nn.Module):
         out_f, in_f = weight.shape
         w = weight.detach().contiguous()
         b = None if bias is None else bias.detach().contiguous()
-        if small_m is None:
-            return cls(reorder(w, None), b, in_f, out_f)
-        pack, linear = small_m
-        return cls(reorder(w, None), b, in_f, out_f, pack(w), linear)
+        pack, linear = small_m if small_m is not None else (None, None)
+        return cls(reorder(w, None), b, in_f, out_f, pack(w) if pack is not None else None, linear)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, small_m=None) -> "PackedLinear":  # noqa: ANN001
