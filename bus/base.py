@@ -74,6 +74,13 @@ def checked_topic_names(names: Iterable[str]) -> list[str]:
     return [validate_topic(n) for n in dict.fromkeys(names)]
 
 
+def check_partition_arg(partition: int | None) -> None:
+    """``Bus.send``'s ``partition``: ``None`` or an int >= 0 (``ValueError`` otherwise); whether the
+    topic has it is the bus's check."""
+    if partition is not None and (partition.__class__ is not int or partition < 0):
+        raise ValueError(f"partition must be an integer >= 0 or None, got {partition!r}")
+
+
 def checked_consumer_args(topics: Sequence[str], start_from: StartFrom) -> list[str]:
     """The topic names of a new consumer, validated, after checking ``start_from``; raises
     ``ValueError`` naming the bad argument. Both buses' consumers start with it."""
@@ -161,8 +168,13 @@ class Bus(abc.ABC):
         value: bytes,
         key: bytes | None = None,
         headers: Sequence[tuple[str, bytes]] = (),
+        partition: int | None = None,
     ) -> RecordMetadata:
-        """Send one record and wait for the acknowledgement (``acks=all`` on Kafka)."""
+        """Send one record and wait for the acknowledgement (``acks=all`` on Kafka).
+
+        The record goes to ``partition`` when given (``ValueError`` if the topic has no such
+        partition), else to the partition Kafka's default partitioner picks for ``key``
+        (:func:`bus.partitioner.partition_for_key`), else round-robin."""
 
     @abc.abstractmethod
     async def ensure_topics(self, specs: Iterable[TopicSpec]) -> list[str]:

@@ -51,6 +51,7 @@ from bus.base import (
     TopicPartition,
     TopicSpec,
     call_rebalance_callback,
+    check_partition_arg,
     checked_consumer_args,
     checked_topic_names,
 )
@@ -295,15 +296,17 @@ class MemoryBus(Bus):
         value: bytes,
         key: bytes | None = None,
         headers: Sequence[tuple[str, bytes]] = (),
+        partition: int | None = None,
     ) -> RecordMetadata:
         self._check_started()
+        check_partition_arg(partition)
         if not isinstance(value, (bytes, bytearray)):
             raise TypeError(f"value must be bytes, got {type(value).__name__}")
         if key is not None and not isinstance(key, (bytes, bytearray)):
             raise TypeError(f"key must be bytes or None, got {type(key).__name__}")
         if topic not in self.broker.topics:  # existing topics were validated when created
             validate_topic(topic)
-        return self.broker.append(topic, bytes(value), None if key is None else bytes(key), tuple(headers))
+        return self.broker.append(topic, bytes(value), None if key is None else bytes(key), tuple(headers), partition)
 
     async def ensure_topics(self, specs: Iterable[TopicSpec]) -> list[str]:
         self._check_started()

@@ -119,10 +119,15 @@ class MemoryBroker:
             t = self.topics[name]
         return t
 
-    def append(self, topic: str, value: bytes, key: bytes | None, headers: tuple[tuple[str, bytes], ...]) -> RecordMetadata:
+    def append(self, topic: str, value: bytes, key: bytes | None, headers: tuple[tuple[str, bytes], ...],
+               partition: int | None = None) -> RecordMetadata:
         t = self.topic(topic)
         n = len(t.partitions)
-        if n == 1:
+        if partition is not None:
+            if partition >= n:
+                raise ValueError(f"topic {topic} has no partition {partition} (it has {n})")
+            p = partition
+        elif n == 1:
             p = 0
         elif key is not None:
             p = self._partition_cache.get((key, n))

@@ -253,7 +253,25 @@ class WorkerStatus:
     draining: bool = False
 
 
-Message = Union[InferenceRequest, TokenChunk, Finished, Error, Cancel, WorkerStatus]
+@dataclass(frozen=True, slots=True)
+class ReplyBatch:
+    """Replies to several requests in one record: what a worker has for one partition of one reply
+    topic after a step (one record per step instead of one per running request).
+
+    Order: a request appears at most once in ``chunks`` and at most once among ``finished`` and
+    ``errors``, and its chunk precedes its final reply. A consumer handles ``chunks`` in order, then
+    ``finished``, then ``errors`` (:func:`replies_of` does exactly that), which is the order the
+    records would have had one by one. Every request in the batch has this record's partition, the
+    one its own key (the request id) maps to, so a request's replies stay in one partition, in order.
+    """
+
+    chunks: tuple[TokenChunk, ...] = ()
+    finished: tuple[Finished, ...] = ()
+    errors: tuple[Error, ...] = ()
+
+
+Message = Union[InferenceRequest, TokenChunk, Finished, Error, Cancel, WorkerStatus, ReplyBatch]
+ReplyMessage = Union[TokenChunk, Finished, Error]  # what a worker sends to reply_to, one by one
 
 _TYPE_NAMES: dict[type, str] = {
     InferenceRequest: "request",
@@ -262,6 +280,7 @@ _TYPE_NAMES: dict[type, str] = {
     Error: "error",
     Cancel: "cancel",
     WorkerStatus: "status",
+    ReplyBatch: "replies",
 }
 _BY_NAME: dict[str, type] = {v: k for k, v in _TYPE_NAMES.items()}
 
@@ -297,6 +316,15 @@ def decode(data: bytes | bytearray | memoryview | str) -> Message:
         raise
     except (ValueError, TypeError) as exc:
         raise DecodeError(f"invalid {kind}: {exc}") from None
+
+
+def replies_of(msg: Message) -> tuple[Message, ...]:
+    """The replies a decoded record carries, in order: a :class:`ReplyBatch`'s chunks, then its
+    finished, then its errors; any other message alone. Every reply-topic consumer goes through
+    this, so it reads batched and single records alike."""
+    if msg.__class__ is ReplyBatch:
+        return msg.chunks + msg.finished + msg.errors  # type: ignore[union-attr,operator]
+    return (msg,)
 
 
 def decode_as(cls: type, data: bytes) -> Any:

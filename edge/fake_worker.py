@@ -2,8 +2,10 @@
 
 It speaks the real worker's bus contract: consumes the model's priority topics (group
 ``lockgate-fake-workers``), publishes one :class:`TokenChunk` per output token to each request's
-``reply_to`` (keyed by request id), then :class:`Finished`; honours :class:`Cancel` from the
-control topic (publishes ``Finished(abort)``); publishes :class:`WorkerStatus` heartbeats.
+``reply_to``, then :class:`Finished`, through the real worker's :class:`ReplySender` (so a step's
+replies for one reply partition travel as one record, as from a real worker); honours
+:class:`Cancel` from the control topic (publishes ``Finished(abort)``); publishes
+:class:`WorkerStatus` heartbeats.
 
 Output of a request is a pure function of its prompt and ``max_tokens`` (see :func:`expected_text`),
 so tests can compare what a client received. Knobs for tests: ``step_s`` (delay between steps; each
@@ -31,7 +33,6 @@ from bus.messages import (
     Finished,
     InferenceRequest,
     Timings,
-    TokenChunk,
     Usage,
     WorkerStatus,
     decode,
@@ -39,6 +40,7 @@ from bus.messages import (
 )
 from bus.topics import TopicLayout
 from edge.router import checkpoint
+from engine_workers.reply_sender import ReplySender
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class FakeWorker:
         self.seen: list[InferenceRequest] = []  # every request received (tests inspect it)
         self.cancels: list[Cancel] = []
         self.tokens_sent = 0
+        self.replies = ReplySender(bus, worker_id)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._started = False
@@ -120,6 +123,7 @@ class FakeWorker:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.replies.stop()
 
     async def __aenter__(self) -> "FakeWorker":
         await self.start()
@@ -174,16 +178,22 @@ class FakeWorker:
                         self.cancels.append(msg)
                         run = self.running.pop(msg.request_id, None)
                         if run is not None:
-                            await self._finish(run, FinishReason.ABORT)
+                            self._finish(run, FinishReason.ABORT)
         finally:
             await consumer.stop()
 
-    async def _finish(self, run: _Run, reason: str) -> None:
+    def _finish(self, run: _Run, reason: str) -> None:
         req = run.req
         fin = Finished(req.request_id, run.attempt, reason, run.pos,
                        Usage(len(req.prompt_token_ids), run.pos), Timings(e2e=time.time() - run.started),
                        self.worker_id)
-        await self.bus.send(req.reply_to, encode(fin), key=req.request_id.encode())
+        self.replies.final(self._key(run), req.reply_to, req.request_id, fin, lambda: None)
+
+    @staticmethod
+    def _key(run: _Run) -> str:
+        # One ReplySender key per attempt, as the real worker has one per fetched record: a replay
+        # re-sends from seq 0, which must not be glued onto the previous attempt's queued tokens.
+        return f"{run.req.request_id}/{run.attempt}"
 
     async def _generate(self) -> None:
         # Fixed-rate steps (every step_s from the previous step's start, not step_s after its end),
@@ -200,17 +210,18 @@ class FakeWorker:
                     continue
                 req = run.req
                 if self.replay_after is not None and not run.replayed and run.pos == self.replay_after:
+                    self.replies.drop(self._key(run))  # like a crash: what was not yet sent is lost
                     run.replayed, run.pos, run.texts_len, run.attempt = True, 0, 0, run.attempt + 1
                 i = run.pos
                 text = self.token_text(req.prompt_token_ids, i)
-                chunk = TokenChunk(rid, run.attempt, i, (i % 200 + 3,), text, run.texts_len, None, self.worker_id)
-                await self.bus.send(req.reply_to, encode(chunk), key=rid.encode())
+                self.replies.chunk(self._key(run), req.reply_to, rid, run.attempt, i, (i % 200 + 3,), text,
+                                   run.texts_len)
                 self.tokens_sent += 1
                 run.pos += 1
                 run.texts_len += len(text)
                 if run.pos >= req.sampling.max_tokens:
                     del self.running[rid]
-                    await self._finish(run, FinishReason.LENGTH)
+                    self._finish(run, FinishReason.LENGTH)
             next_at += self.step_s
             delay = next_at - loop.time()
             if delay < 0:

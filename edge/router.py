@@ -1,7 +1,7 @@
 """Reply routing: ONE consumer of the edge's own reply topic feeds every session.
 
 Each admitted request is a :class:`Stream` registered here under its request id. The router task
-decodes each reply record, drops duplicates by (request id, seq) and hands the rest to the stream's
+decodes each reply record (one reply, or a worker step's batch of them), drops duplicates by (request id, seq) and hands the rest to the stream's
 session (:meth:`Session.on_chunk` / ``on_finished`` / ``on_error``), which only appends to a bounded
 queue — routing never awaits a client, so one slow client cannot stall the others.
 
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from bus.base import Bus, Record
 import orjson
 
-from bus.messages import SCHEMA_VERSION, DecodeError, Error, Finished, TokenChunk, decode
+from bus.messages import SCHEMA_VERSION, DecodeError, Error, Finished, Message, TokenChunk, decode, replies_of
 
 if TYPE_CHECKING:
     from edge.auth import Principal
@@ -73,19 +73,14 @@ class Stream:
         self.ended = False
 
 
-_CHUNK_KEYS = frozenset(("v", "type", "request_id", "attempt", "seq", "token_ids", "text", "text_offset", "logprobs",
-                         "worker_id"))
+_CHUNK_KEYS = frozenset(("request_id", "attempt", "seq", "token_ids", "text", "text_offset", "logprobs", "worker_id"))
+_BATCH_KEYS = frozenset(("v", "type", "chunks", "finished", "errors"))
 
 
-def decode_reply(value: bytes):  # noqa: ANN201
-    """Decode a reply record: a fast, equally strict path for ``TokenChunk`` (the hot record: one
-    per token), :func:`bus.messages.decode` for everything else. Raises ``DecodeError``."""
-    try:
-        obj = orjson.loads(value)
-    except orjson.JSONDecodeError:
-        return decode(value)  # raises a DecodeError saying why
-    if type(obj) is dict and obj.get("type") == "chunk" and obj.get("v") == SCHEMA_VERSION \
-            and obj.keys() <= _CHUNK_KEYS and obj.get("logprobs") is None:
+def _fast_chunk(obj: object) -> TokenChunk | None:
+    """``obj`` (a decoded JSON value) as a ``TokenChunk`` when it is a plain one (no logprobs) that
+    passes the same checks as the generic decoder; ``None`` means: take the generic path."""
+    if type(obj) is dict and obj.keys() <= _CHUNK_KEYS and obj.get("logprobs") is None:
         rid, attempt, seq = obj.get("request_id"), obj.get("attempt"), obj.get("seq")
         ids, text, off = obj.get("token_ids"), obj.get("text"), obj.get("text_offset")
         if type(rid) is str and type(attempt) is int and type(seq) is int and type(ids) is list \
@@ -93,7 +88,32 @@ def decode_reply(value: bytes):  # noqa: ANN201
                 and type(text) is str and type(off) is int \
                 and type(obj.get("worker_id", "")) is str:
             return TokenChunk(rid, attempt, seq, tuple(ids), text, off, None, obj.get("worker_id", ""))
-    return decode(value)
+    return None
+
+
+def decode_reply(value: bytes) -> tuple[Message, ...]:
+    """Decode a reply record into the replies it carries, in order (:func:`replies_of`): a fast,
+    equally strict path for ``TokenChunk`` and for a ``ReplyBatch`` of chunks only (the hot records:
+    one per token, or one per worker step), :func:`bus.messages.decode` for everything else.
+    Raises ``DecodeError`` for a bad record (nothing of a bad batch is used)."""
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return replies_of(decode(value))  # raises a DecodeError saying why
+    if type(obj) is dict and obj.get("v") == SCHEMA_VERSION:
+        kind = obj.get("type")
+        if kind == "chunk":
+            del obj["v"], obj["type"]
+            chunk = _fast_chunk(obj)
+            if chunk is not None:
+                return (chunk,)
+        elif kind == "replies" and obj.keys() <= _BATCH_KEYS and not obj.get("finished") and not obj.get("errors"):
+            items = obj.get("chunks")
+            if type(items) is list:
+                chunks = tuple(map(_fast_chunk, items))
+                if None not in chunks:
+                    return chunks  # type: ignore[return-value]
+    return replies_of(decode(value))
 
 
 def dedupe(stream: Stream, chunk: TokenChunk) -> tuple[int, str, tuple[int, ...], tuple | None] | None:
@@ -161,11 +181,15 @@ class ReplyRouter:
 
     def _route(self, rec: Record) -> None:
         try:
-            msg = decode_reply(rec.value)
+            msgs = decode_reply(rec.value)
         except DecodeError as exc:
             self.metrics.bad_records.inc()
             log.warning("undecodable record on %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
             return
+        for msg in msgs:
+            self._route_one(msg, rec)
+
+    def _route_one(self, msg: Message, rec: Record) -> None:
         stream = self.streams.get(getattr(msg, "request_id", ""))
         if stream is None:
             self.metrics.orphans.inc()

@@ -29,7 +29,7 @@ import statistics
 import time
 import uuid
 
-from bus.messages import Finished, InferenceRequest, SamplingParams, TokenChunk, decode, encode
+from bus.messages import Finished, InferenceRequest, SamplingParams, TokenChunk, decode, encode, replies_of
 
 log = logging.getLogger(__name__)
 
@@ -126,14 +126,14 @@ async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: s
             deadline = time.monotonic() + timeout
             while done != ids and time.monotonic() < deadline:
                 for rec in await replies.getmany(timeout_ms=50):
-                    msg = decode(rec.value)
-                    if isinstance(msg, TokenChunk) and msg.request_id in ids:
-                        tokens += len(msg.token_ids)
-                        first.setdefault(msg.request_id, time.monotonic())
-                    elif isinstance(msg, Finished) and msg.request_id in ids:
-                        done.add(msg.request_id)
-                        if finals is not None:
-                            finals[msg.request_id] = msg
+                    for msg in replies_of(decode(rec.value)):
+                        if isinstance(msg, TokenChunk) and msg.request_id in ids:
+                            tokens += len(msg.token_ids)
+                            first.setdefault(msg.request_id, time.monotonic())
+                        elif isinstance(msg, Finished) and msg.request_id in ids:
+                            done.add(msg.request_id)
+                            if finals is not None:
+                                finals[msg.request_id] = msg
             if done != ids:
                 raise RuntimeError(f"{url}: {len(ids - done)} requests unfinished after {timeout}s")
             return tokens

@@ -13,9 +13,9 @@ which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward
   a free sequence slot and free KV blocks for the prompt (the head of the queue waits for room; no
   lower-priority request jumps it). The engine ``ValueError`` -> ``invalid_request``.
 * **replies** — the engine's per-step outputs become one ``TokenChunk`` per request per step (more
-  coalesced when the bus lags) and a final ``Finished`` to ``reply_to``, keyed by request id, in
-  order (:class:`ReplySender`: one task per request with something to send, never blocking the
-  engine).
+  coalesced when the bus lags) and a final ``Finished`` to ``reply_to``, in order, all of a step's
+  replies for one partition of a reply topic in one record (:class:`ReplySender`: one task per
+  reply topic with something to send, never blocking the engine).
 * **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
   commits its low watermark. Revoked partitions: their requests are aborted and forgotten (the new
   owner re-runs them from the committed offset). Jobs, offsets, commits and rebalance are kept by
@@ -399,8 +399,7 @@ class Worker:
 
     def _close(self, job: Job, msg: Finished | Error) -> None:
         job.closing = True
-        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, encode(msg),
-                           lambda: self.ledger.answered(job))
+        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, lambda: self.ledger.answered(job))
 
     def _on_send_failed(self, eid: str) -> None:
         job = self.ledger.get(eid)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bus.base import Bus, StartFrom
-from bus.messages import DecodeError, Error, Finished, TokenChunk, decode
+from bus.messages import DecodeError, Error, Finished, TokenChunk, decode, replies_of
 
 log = logging.getLogger(__name__)
 
@@ -158,11 +158,12 @@ class ReplyCollector:
             now = self.clock()
             for rec in records:
                 try:
-                    msg = decode(rec.value)
+                    msgs = replies_of(decode(rec.value))
                 except DecodeError:
                     self.undecodable += 1
                     continue
-                self._on_message(msg, now)
+                for msg in msgs:
+                    self._on_message(msg, now)
 
     def _on_message(self, msg: object, now: float) -> None:
         rid = getattr(msg, "request_id", None)

@@ -17,6 +17,7 @@ from bus.messages import (
     Error,
     Finished,
     InferenceRequest,
+    ReplyBatch,
     SamplingParams,
     Timings,
     TokenChunk,
@@ -85,6 +86,8 @@ def all_messages() -> list:
         Error("r2", "overloaded", "busy", attempt=0, retry_after=1.0),
         Cancel("r1", "client"),
         WorkerStatus("w", "smol", 12.0, (1, 2, 3), (0.1, 0.2, 0.3), 4, 8, 0.5, 100, 50, 99.0, False),
+        ReplyBatch((TokenChunk("r1", 0, 0, (1,), "a", 0), TokenChunk("r2", 1, 4, (2, 3), "bc", 9, None, "w")),
+                   (Finished("r3", 0, "stop", 2, Usage(1, 2)),), (Error("r4", "expired", "late"),)),
     ]
 
 
@@ -123,6 +126,21 @@ async def test_per_key_order_across_partitions(bus: Bus, name: str) -> None:
     assert all(s == list(range(per_key)) for s in seen.values()), "a key's records arrived out of order"
     assert all(len(p) == 1 for p in parts.values())
     assert len({p for ps in parts.values() for p in ps}) > 1, "keys should spread over partitions"
+
+
+async def test_send_to_an_explicit_partition(bus: Bus, name: str) -> None:
+    await bus.ensure_topics([TopicSpec(name, 3)])
+    key = key_for_partition(0, 3)
+    metas = [await bus.send(name, b"x%d" % p, key=key, partition=p) for p in (2, 1, 2)]
+    assert [m.partition for m in metas] == [2, 1, 2]  # the partition wins over the key's own
+    async with bus.consumer([name], start_from="earliest") as c:
+        recs = await drain(c, 3)
+    assert sorted((r.partition, r.value) for r in recs) == [(1, b"x1"), (2, b"x2"), (2, b"x2")]
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ValueError, match="partition"):
+            await bus.send(name, b"y", partition=bad)
+    with pytest.raises(ValueError, match="no partition 3"):
+        await bus.send(name, b"y", partition=3)
 
 
 async def test_group_failover_redelivers_uncommitted(bus: Bus, name: str) -> None:

@@ -250,15 +250,24 @@ def test_text_frames_match_websockets_framing_and_parse_back():
 
 
 def test_fast_chunk_decode_matches_bus_decode():
-    from bus.messages import DecodeError, Finished, Usage, decode, encode
+    from bus.messages import DecodeError, Error, Finished, ReplyBatch, Usage, decode, encode, replies_of
     from edge.router import decode_reply
 
-    for msg in (TokenChunk("r", 1, 3, (5, 6), "héllo 🙂", 7, None, "w1"),
+    chunks = (TokenChunk("r", 1, 3, (5, 6), "héllo 🙂", 7, None, "w1"), TokenChunk("s", 0, 0, (1,), "x", 0))
+    for msg in (*chunks,
                 TokenChunk("r", 0, 0, (1,), "x", 0, ((( 1, -0.5),),), "w"),
-                Finished("r", 0, "stop", 3, Usage(1, 3))):
-        assert decode_reply(encode(msg)) == decode(encode(msg)) == msg
+                Finished("r", 0, "stop", 3, Usage(1, 3)),
+                ReplyBatch(chunks),  # the fast path
+                ReplyBatch(chunks, (Finished("s", 0, "stop", 1, Usage(1, 1)),), (Error("r", "internal", "boom"),)),
+                ReplyBatch((TokenChunk("r", 0, 0, (1,), "x", 0, ((( 1, -0.5),),), "w"),))):
+        assert decode_reply(encode(msg)) == replies_of(decode(encode(msg)))
+    assert decode_reply(encode(ReplyBatch(chunks))) == chunks
+    chunk = b'{"request_id":"r","attempt":0,"seq":0,"token_ids":[1],"text":"","text_offset":0}'
     for bad in (b'{"v":1,"type":"chunk","request_id":"r","attempt":0,"seq":"0","token_ids":[1],"text":"","text_offset":0}',
                 b'{"v":1,"type":"chunk","request_id":"r","attempt":0,"seq":0,"token_ids":[1],"text":"","text_offset":0,"x":1}',
+                b'{"v":1,"type":"replies","chunks":[' + chunk + b',' + chunk.replace(b'"seq":0', b'"seq":"1"') + b']}',  # one bad: all bad
+                b'{"v":1,"type":"replies","chunks":{}}',
+                b'{"v":1,"type":"replies","chunks":[],"more":1}',
                 b"nope"):
         with pytest.raises(DecodeError):
             decode_reply(bad)

@@ -12,7 +12,7 @@ import pytest
 
 from bus import MemoryBus, TopicLayout, TopicPartition
 from bus.messages import (Cancel, Error, Finished, InferenceRequest, SamplingParams, TokenChunk, WorkerStatus, decode,
-                          encode)
+                          encode, replies_of)
 from engine_workers.config import EngineConfig
 from engine_workers.engine import Engine
 from engine_workers.worker import Worker, WorkerConfig
@@ -63,13 +63,13 @@ class Replies:
 
     async def poll(self, timeout_ms: int) -> None:
         for rec in await self.consumer.getmany(timeout_ms=timeout_ms):
-            msg = decode(rec.value)
-            if isinstance(msg, TokenChunk):
-                self.chunks.append(msg)
-                for i, t in enumerate(msg.token_ids):
-                    self.tokens.setdefault(msg.request_id, {})[msg.seq + i] = t
-            elif isinstance(msg, (Finished, Error)):
-                self.final[msg.request_id] = msg
+            for msg in replies_of(decode(rec.value)):
+                if isinstance(msg, TokenChunk):
+                    self.chunks.append(msg)
+                    for i, t in enumerate(msg.token_ids):
+                        self.tokens.setdefault(msg.request_id, {})[msg.seq + i] = t
+                elif isinstance(msg, (Finished, Error)):
+                    self.final[msg.request_id] = msg
 
     def stream(self, rid: str) -> list[int]:
         got = self.tokens.get(rid, {})

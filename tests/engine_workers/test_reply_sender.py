@@ -1,0 +1,158 @@
+"""ReplySender on the memory bus: one record per reply partition per round, each request's replies
+in order and in one partition, finals acknowledged after their tokens, drop and failure paths."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus import BusError, TopicSpec, connect
+from bus.base import Record
+from bus.memory import MemoryBus
+from bus.messages import Error, Finished, ReplyBatch, TokenChunk, Usage, decode, replies_of
+from bus.partitioner import partition_for_key
+from engine_workers.reply_sender import ReplySender
+
+TOPIC = "lockgate.reply.t"
+
+
+@pytest.fixture
+async def bus():
+    async with connect("memory://") as b:
+        await b.ensure_topics([TopicSpec(TOPIC, 3)])
+        yield b
+
+
+async def records(bus: MemoryBus, topic: str = TOPIC) -> list[Record]:
+    async with bus.consumer([topic], start_from="earliest") as c:
+        out: list[Record] = []
+        while recs := await c.getmany(timeout_ms=50):
+            out += recs
+        return out
+
+
+def fin(rid: str, n: int) -> Finished:
+    return Finished(rid, 0, "length", n, Usage(1, n))
+
+
+async def settle(sender: ReplySender) -> None:
+    assert await sender.idle(5.0) or not sender._tasks
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_one_record_per_partition_per_round(bus: MemoryBus) -> None:
+    sender = ReplySender(bus, "w")
+    ids = [f"req-{i}" for i in range(12)]
+    acked: list[str] = []
+    for rid in ids:  # one engine step: a token for every request, and half of them finish
+        sender.chunk(rid, TOPIC, rid, 0, 0, (7,), "a", 0)
+    for rid in ids[:6]:
+        sender.final(rid, TOPIC, rid, fin(rid, 1), lambda rid=rid: acked.append(rid))
+    await settle(sender)
+    recs = await records(bus)
+    parts = {partition_for_key(rid.encode(), 3) for rid in ids}
+    assert len(recs) == len(parts) == sender.records_sent  # not one per request
+    assert sender.replies_sent == 18
+    seen: list = []
+    for r in recs:
+        msg = decode(r.value)
+        assert isinstance(msg, ReplyBatch)
+        for m in replies_of(msg):
+            assert partition_for_key(m.request_id.encode(), 3) == r.partition  # a request's own partition
+            seen.append(m)
+    assert sorted(m.request_id for m in seen if isinstance(m, TokenChunk)) == sorted(ids)
+    assert sorted(m.request_id for m in seen if isinstance(m, Finished)) == sorted(ids[:6])
+    assert sorted(acked) == sorted(ids[:6])
+    assert len(sender) == 6  # the unfinished ones stay tracked until their final
+    await sender.stop()
+
+
+async def test_a_lone_request_sends_plain_messages_in_order(bus: MemoryBus) -> None:
+    sender = ReplySender(bus, "w")
+    acked = asyncio.Event()
+    sender.chunk("k", TOPIC, "r", 2, 0, (1,), "a", 0)  # goes out alone
+    await asyncio.sleep(0)
+    sender.chunk("k", TOPIC, "r", 2, 1, (2,), "b", 1)  # these three wait for the first ack:
+    sender.chunk("k", TOPIC, "r", 2, 2, (3,), "c", 2)  # coalesced into one chunk,
+    sender.final("k", TOPIC, "r", fin("r", 3), acked.set)  # with the final behind it
+    with pytest.raises(RuntimeError, match="chunk after final"):
+        sender.chunk("k", TOPIC, "r", 2, 3, (4,), "d", 3)
+    await asyncio.wait_for(acked.wait(), 5)
+    msgs = [m for r in await records(bus) for m in replies_of(decode(r.value))]
+    assert msgs == [TokenChunk("r", 2, 0, (1,), "a", 0, None, "w"), TokenChunk("r", 2, 1, (2, 3), "bc", 1, None, "w"),
+                    fin("r", 3)]
+    assert len({r.partition for r in await records(bus)}) == 1
+    assert len(sender) == 0
+    await sender.stop()
+
+
+async def test_drop_forgets_queued_replies_and_never_acks(bus: MemoryBus) -> None:
+    sender = ReplySender(bus, "w")
+    acked: list[str] = []
+    sender.chunk("a", TOPIC, "a", 0, 0, (1,), "x", 0)
+    sender.chunk("b", TOPIC, "b", 0, 0, (1,), "x", 0)
+    sender.final("b", TOPIC, "b", fin("b", 1), lambda: acked.append("b"))
+    sender.drop("b")  # partition revoked before the round went out
+    sender.final("a", TOPIC, "a", fin("a", 1), lambda: acked.append("a"))
+    await settle(sender)
+    msgs = [m for r in await records(bus) for m in replies_of(decode(r.value))]
+    assert {m.request_id for m in msgs} == {"a"} and acked == ["a"] and len(sender) == 0
+    await sender.stop()
+
+
+async def test_a_failed_record_fails_each_request_in_it_and_leaves_no_gap(bus: MemoryBus,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    failed: list[str] = []
+    sender = ReplySender(bus, "w", retries=1, on_failed=failed.append)
+    real_send = bus.send
+    calls = 0
+
+    async def broken(topic, value, key=None, headers=(), partition=None):  # noqa: ANN001, ANN202
+        nonlocal calls
+        calls += 1
+        raise BusError("broker gone")
+
+    monkeypatch.setattr(bus, "send", broken)
+    same = [f"r{i}" for i in range(40) if partition_for_key(f"r{i}".encode(), 3) == 0][:2]
+    for rid in same:
+        sender.chunk(rid, TOPIC, rid, 0, 0, (1,), "x", 0)
+    await asyncio.sleep(0.01)  # the round is in flight (retrying); more tokens queue meanwhile
+    sender.chunk(same[0], TOPIC, same[0], 0, 1, (2,), "y", 1)
+    await asyncio.sleep(0.3)
+    assert sorted(failed) == sorted(same) and calls == 2  # one record, tried 1 + retries times
+    assert len(sender) == 0
+    monkeypatch.setattr(bus, "send", real_send)
+    await settle(sender)
+    assert await records(bus) == []  # seq 1 was not sent after the failed seq 0
+    await sender.stop()
+
+
+async def test_unknown_topic_falls_back_to_one_keyed_record_per_request(bus: MemoryBus) -> None:
+    sender = ReplySender(bus, "w")
+    topic = "lockgate.reply.new"  # not created: the first send creates it
+    for rid in ("a", "b", "c"):
+        sender.chunk(rid, topic, rid, 0, 0, (1,), "x", 0)
+        sender.final(rid, topic, rid, Error(rid, "expired", "late"), lambda: None)
+    await settle(sender)
+    recs = await records(bus, topic)
+    assert len(recs) == 3 and all(r.key == decode(r.value).chunks[0].request_id.encode() for r in recs)
+    await sender.stop()
+
+
+async def test_stop_cancels_rounds_in_flight(bus: MemoryBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = asyncio.Event()
+    real_send = bus.send
+
+    async def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        await gate.wait()
+        return await real_send(*args, **kwargs)
+
+    monkeypatch.setattr(bus, "send", slow)
+    sender = ReplySender(bus, "w")
+    sender.chunk("a", TOPIC, "a", 0, 0, (1,), "x", 0)
+    await asyncio.sleep(0.01)
+    await sender.stop()
+    await sender.stop()  # idempotent
+    assert len(sender) == 0 and not sender._tasks
