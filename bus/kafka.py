@@ -40,6 +40,7 @@ from bus.base import (
     RecordMetadata,
     StartFrom,
     TopicSpec,
+    check_partition_arg,
     checked_topic_names,
 )
 from bus.kafka_consumer import KafkaConsumer
@@ -197,6 +198,7 @@ class KafkaBus(Bus):
         value: bytes,
         key: bytes | None = None,
         headers: Sequence[tuple[str, bytes]] = (),
+        partition: int | None = None,
     ) -> RecordMetadata:
         self._check_started()
         assert self._producer is not None
@@ -205,10 +207,14 @@ class KafkaBus(Bus):
         if key is not None and not isinstance(key, (bytes, bytearray)):
             raise TypeError(f"key must be bytes or None, got {type(key).__name__}")
         validate_topic(topic)
+        check_partition_arg(partition)
         try:
-            md = await self._producer.send_and_wait(topic, value, key=key, headers=list(headers) or None)
+            md = await self._producer.send_and_wait(topic, value, key=key, partition=partition,
+                                                    headers=list(headers) or None)
         except KafkaError as exc:
             raise BusError(f"send to {topic} on {self.bootstrap} failed: {exc!r}") from exc
+        except AssertionError:  # aiokafka asserts that an explicit partition is in the topic's metadata
+            raise ValueError(f"topic {topic} has no partition {partition}") from None
         ts = md.timestamp if md.timestamp is not None and md.timestamp >= 0 else int(time.time() * 1000)
         return RecordMetadata(md.topic, md.partition, md.offset, ts)
 
@@ -306,9 +312,20 @@ class KafkaBus(Bus):
                 deleted.append(topic)
             elif for_code(code) is not UnknownTopicOrPartitionError:
                 failed.append(f"{topic}: {for_code(code).__name__}")
+        self._untrack(deleted)
         if failed:
             raise BusError(f"delete topics on {self.bootstrap} failed: {'; '.join(failed)}")
         return [n for n in names if n in deleted]
+
+    def _untrack(self, topics: Iterable[str]) -> None:
+        """Stop the producer's metadata refreshes asking for deleted topics. aiokafka's client keeps
+        every topic it ever sent to in a private set and, once one is gone, logs an ERROR "Topic ...
+        not found in cluster metadata" at every refresh. Its public ``set_topics`` cannot shrink the
+        set to empty (empty means "every topic of the cluster"), so the names are discarded from the
+        set itself; if aiokafka renames it, this does nothing (and the Kafka tests notice)."""
+        tracked = getattr(getattr(self._producer, "client", None), "_topics", None)
+        if isinstance(tracked, set):
+            tracked.difference_update(topics)
 
     async def partitions_for(self, topic: str) -> list[int]:
         self._check_started()

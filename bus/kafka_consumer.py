@@ -46,6 +46,28 @@ def _tp(ktp: KTP) -> TopicPartition:
     return TopicPartition(ktp.topic, ktp.partition)
 
 
+class _TransientOffsetErrors(logging.Filter):
+    """Turns aiokafka's ERROR "Failed fetch offsets ... NotLeaderForPartitionError" into a DEBUG
+    line of this module. A consumer that starts right after its topic was created asks the broker
+    for the partition's end offset while the broker is still taking up leadership (the metadata
+    already names it: ``ensure_topics`` waits for that); aiokafka retries and succeeds a moment
+    later, so the line said "error" about nothing. Other offset failures stay errors."""
+
+    TRANSIENT = ("NotLeaderForPartitionError", "LeaderNotAvailableError")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and isinstance(record.msg, str) \
+                and record.msg.startswith("Failed fetch offsets"):
+            text = record.getMessage()
+            if any(t in text for t in self.TRANSIENT):
+                log.debug("retrying: %s", text)
+                return False
+        return True
+
+
+logging.getLogger("aiokafka.consumer.fetcher").addFilter(_TransientOffsetErrors())
+
+
 
 class _Listener(ConsumerRebalanceListener):
     def __init__(self, owner: KafkaConsumer) -> None:

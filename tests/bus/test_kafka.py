@@ -116,3 +116,41 @@ def test_topics_ensure_then_delete_cli(kafka_bootstrap: str, capsys: pytest.Capt
     args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}", "bad name"])
     with pytest.raises(ValueError, match="invalid topic name"):
         args.func(args)
+
+
+def test_transient_offset_lookup_errors_are_debug_lines(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import bus.kafka_consumer  # noqa: F401 - installs the filter
+    from aiokafka.errors import NotLeaderForPartitionError, UnknownTopicOrPartitionError
+
+    fetcher = logging.getLogger("aiokafka.consumer.fetcher")
+    with caplog.at_level(logging.DEBUG):
+        fetcher.error("Failed fetch offsets from %s: %s", 0, NotLeaderForPartitionError("t-0"))
+        fetcher.error("Failed fetch offsets from %s: %s", 0, UnknownTopicOrPartitionError("t-0"))
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "UnknownTopicOrPartition" in errors[0].getMessage()  # only the real one
+    assert any(r.levelno == logging.DEBUG and "NotLeaderForPartition" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.kafka
+async def test_fresh_topics_consume_and_delete_without_error_logs(kafka_bootstrap: str,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import uuid
+
+    async with connect(f"kafka://{kafka_bootstrap}") as bus:
+        with caplog.at_level(logging.INFO):
+            for _ in range(3):
+                name = f"t.fresh.{uuid.uuid4().hex[:8]}"
+                await bus.ensure_topics([TopicSpec(name, 1)])
+                async with bus.consumer([name], start_from="latest") as c:
+                    await bus.send(name, b"x")
+                    got = []
+                    for _ in range(40):
+                        got += await c.getmany(timeout_ms=250)
+                        if got:
+                            break
+                    assert [r.value for r in got] == [b"x"]
+                await bus.delete_topics([name])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
