@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import time
 
+from edge.bench_floor import send_floor_us
 from edge.commands import raise_nofile, run_loop
 from engine_workers.cli import freeze_heap
 
@@ -369,6 +370,15 @@ def run_bench(args: argparse.Namespace) -> int:
         out.update(await _bench(args))
 
     run_loop(main())
+    if getattr(args, "floor", True):
+        # Same machine state, after the edge is gone: the kernel's part of one token's delivery.
+        floor = send_floor_us(max(1, out["streams"]))
+        per_edge = out["streams"] / out["edge_procs"]
+        out["kernel_send_floor_us"] = round(floor, 2)
+        out["edge_cpu_over_floor"] = round(out["edge_process_cpu_us_per_token"] / floor, 2)
+        # The least time one edge process needs to write one step's tokens (its share of the
+        # streams, one send each) even if its own code cost nothing: its last token waits that long.
+        out["step_write_floor_ms"] = round(per_edge * floor / 1000, 2)
     for k, v in out.items():
         print(f"{k:36s} {v}")
     if args.json:

@@ -59,6 +59,9 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
                         "library's client (~15 us/frame more CPU, taken from the edge on a small machine)")
     b.add_argument("--edge-procs", type=int, default=1,
                    help="edge processes sharing the port (SO_REUSEPORT), each with its own memory bus and fake worker")
+    b.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the kernel floor: the CPU of one bare loopback-TCP send per stream, "
+                        "measured after the run (edge/bench_floor.py)")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
     b.set_defaults(func=_bench)
 

@@ -56,6 +56,18 @@ def test_bench_edge_every_token_arrives(tmp_path, edges, client):
     # the processes' CPU over the streaming phase, as a share of the machine: it was busy, and no
     # more than all of its CPUs (a little slack: the clients' windows are their own)
     assert 0 < r["cpu_busy_share"] <= 1.2 and 0 < r["edge_core_busy_share"] <= 1.2
+    # the kernel floor, measured after the run: a bare send costs something, the edge more
+    assert r["kernel_send_floor_us"] > 0 and r["edge_cpu_over_floor"] > 1
+    assert r["step_write_floor_ms"] == pytest.approx(40 / edges * r["kernel_send_floor_us"] / 1000, abs=0.01)
+
+
+def test_send_floor_measures_and_checks_its_arguments():
+    from edge.bench_floor import send_floor_us
+
+    assert 0 < send_floor_us(20, rounds=3) < 10_000
+    for bad in ({"n_sockets": 0}, {"n_sockets": 1, "rounds": 0}, {"n_sockets": 1, "payload": 1}):
+        with pytest.raises(ValueError):
+            send_floor_us(**{"n_sockets": 1, **bad})
 
 
 def test_freeze_heap_moves_startup_objects_out_of_collections_and_slows_the_collector():
