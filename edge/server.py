@@ -39,7 +39,7 @@ from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.protocol import PromptEncoder
 from edge.ratelimit import RateLimiter
 from edge.router import ReplyRouter, checkpoint
-from edge.session import Session
+from edge.session import Session, TickFlusher
 from edge.shedding import LoadShedder
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class Edge:
         self.reply_topic = config.layout.reply_topic(config.edge_id)
         self.router = ReplyRouter(bus, self.reply_topic, self.metrics)
         self.sessions: set[Session] = set()
+        self.flusher = TickFlusher()  # flushes the sessions' frames once per loop tick
         # set by process_request, taken by the handler; weak so failed handshakes leave nothing behind
         self._principals: weakref.WeakKeyDictionary[ServerConnection, Principal] = weakref.WeakKeyDictionary()
         self._ids = itertools.count()

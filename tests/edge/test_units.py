@@ -271,3 +271,36 @@ def test_fast_chunk_decode_matches_bus_decode():
                 b"nope"):
         with pytest.raises(DecodeError):
             decode_reply(bad)
+
+
+async def test_tick_flusher_flushes_each_session_once_per_tick_and_isolates_failures():
+    import asyncio
+
+    from edge.session import TickFlusher
+
+    class FakeSession:
+        def __init__(self, name: str, broken: bool = False) -> None:
+            self.name, self.broken, self.flushes, self.killed = name, broken, 0, None
+            self._pending = ["frame"]
+            self.principal = type("P", (), {"tenant": name})()
+
+        def _flush(self) -> None:
+            self.flushes += 1
+            if self.broken:
+                raise RuntimeError("boom")
+            self._pending = None
+
+        def kill(self, code: int, reason: str) -> None:
+            self.killed = code
+
+    flusher = TickFlusher()
+    a, bad, b = FakeSession("a"), FakeSession("bad", broken=True), FakeSession("b")
+    for s in (a, bad, b):
+        flusher.add(s)
+    assert a.flushes == 0  # nothing runs before the loop's next tick
+    await asyncio.sleep(0)
+    assert (a.flushes, bad.flushes, b.flushes) == (1, 1, 1)  # the broken one did not stop b
+    assert bad.killed == 1011 and bad._pending is None and a.killed is None and b.killed is None
+    flusher.add(a)  # a new tick schedules a new run
+    await asyncio.sleep(0)
+    assert a.flushes == 2 and b.flushes == 1
