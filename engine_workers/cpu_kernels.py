@@ -18,7 +18,8 @@ Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~40 s on 2 cores, once:
 include only ATen's tensor headers, ~4-7 s each; ``module.cpp``, which binds them to Python, is the
 one with ``torch/extension.h``, ~30 s) into
 ``$LOCKGATE_CACHE/ext/<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
-cache ``~/.cache/lockgate``), so later processes load it in well under a second. Each kernel is
+cache ``~/.cache/lockgate``), so later processes load it in well under a second; a load also removes
+the builds beside it that nothing loaded for 14 days (one per source edit, venv or checkout). Each kernel is
 checked against its torch equivalent on random data before use; where the module cannot be built
 or a kernel disagrees, the engine logs why and keeps the torch path for that one.
 ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns them all off.
@@ -68,6 +69,9 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+STALE_BUILD_S = 14 * 24 * 3600  # a build not loaded for this long is removed (see _prune_stale)
+
+
 def _build_dir() -> Path:
     # The source's path and the Python environment are in the key too: the build files name the
     # source by path, so two checkouts (or venvs) sharing one directory would rebuild each other.
@@ -80,6 +84,30 @@ def _build_dir() -> Path:
     path = root / f"cpu_kernels-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _prune_stale(current: Path, now: float | None = None) -> list[Path]:
+    """Remove the other ``cpu_kernels-*`` builds beside ``current`` that no process has loaded for
+    ``STALE_BUILD_S``, and mark ``current`` as just used. Every source edit, venv or checkout gets
+    its own build (~7 MB), so without this the cache only grows. A build still in use elsewhere
+    (another checkout sharing the cache) is touched by each load, so it stays; one removed by
+    mistake is rebuilt on its next use. Returns what was removed; never raises."""
+    import shutil
+    import time
+
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        os.utime(current)
+        for other in current.parent.glob("cpu_kernels-*"):
+            if other != current and other.is_dir() and now - other.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(other, ignore_errors=True)
+                removed.append(other)
+    except OSError as exc:
+        log.debug("pruning old kernel builds: %s", exc)
+    if removed:
+        log.info("removed %d kernel builds unused for %d days", len(removed), STALE_BUILD_S // 86400)
+    return removed
 
 
 def reference_decode(q, k_cache, v_cache, tables, ctx, block_size: int, scale: float) -> torch.Tensor:
@@ -115,6 +143,12 @@ def paged_decode() -> Callable | None:
 def problem() -> str | None:
     paged_decode()
     return _state["decode_problem"]  # type: ignore[return-value]
+
+
+def problems() -> str | None:
+    """Build and check every kernel; the first reason one is unavailable, or ``None`` when all
+    are ready (``make model`` prints it, so the build happens at install time, not in a test)."""
+    return problem() or prefill_problem() or small_m_problem() or fused_problem()
 
 
 def _resolved(key: str, resolve: Callable[[], tuple[object, str | None]], fallback: str):  # noqa: ANN202
@@ -247,10 +281,12 @@ def _module() -> tuple[object | None, str | None]:
         try:
             from torch.utils.cpp_extension import load
 
+            build = _build_dir()
             _state["module"] = load(name="lockgate_cpu_kernels", sources=[str(f) for f in SOURCES],
-                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(_build_dir()),
+                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build),
                                     verbose=False)
             _state["module_problem"] = None
+            _prune_stale(build)
         except Exception as exc:  # no compiler, no ninja, a failed build: all mean "use torch's"
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _state["module"] = None

@@ -223,3 +223,20 @@ def test_fused_kernels_reject_bad_inputs():
         ops.add_rms_norm(torch.randn(3, 8), torch.randn(2, 8), torch.randn(8), 1e-6)
     with pytest.raises(RuntimeError, match="gate_up"):
         ops.silu_mul(torch.randn(3, 7))
+
+
+def test_stale_kernel_builds_are_pruned_and_the_current_one_kept(tmp_path):
+    import os
+
+    current, fresh, stale, other = (tmp_path / n for n in ("cpu_kernels-cur", "cpu_kernels-new", "cpu_kernels-old",
+                                                          "bench_reader-old"))
+    for d in (current, fresh, stale, other):
+        d.mkdir()
+        (d / "lib.so").write_bytes(b"x")
+    now = 2_000_000_000.0
+    for d in (current, stale, other):
+        os.utime(d, (now - cpu_kernels.STALE_BUILD_S - 60,) * 2)
+    os.utime(fresh, (now - 60,) * 2)
+    removed = cpu_kernels._prune_stale(current, now=now)
+    assert removed == [stale]  # only an old build of this module; not ours, not a fresh one, not others
+    assert current.exists() and fresh.exists() and other.exists() and not stale.exists()
