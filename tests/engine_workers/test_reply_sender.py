@@ -36,10 +36,13 @@ def fin(rid: str, n: int) -> Finished:
     return Finished(rid, 0, "length", n, Usage(1, n))
 
 
-async def settle(sender: ReplySender) -> None:
-    assert await sender.idle(5.0) or not sender._tasks
-    for _ in range(5):
-        await asyncio.sleep(0)
+async def settle(sender: ReplySender, timeout_s: float = 5.0) -> None:
+    """Wait until no round is in flight (requests without a final stay tracked: not "idle")."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while sender._tasks:
+        assert loop.time() < deadline, "rounds still in flight"
+        await asyncio.sleep(0.005)
 
 
 async def test_one_record_per_partition_per_round(bus: MemoryBus) -> None:
