@@ -192,32 +192,51 @@ class ReplySender:
         return n
 
     async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
-        chunks = [c for _, p in items if (c := p.take_chunk(self.worker_id)) is not None]
-        finals = [p.final for _, p in items if p.final is not None]
-        n = len(chunks) + len(finals)
-        if n == 1:
-            value = encode((chunks or finals)[0])
-        else:
-            value = encode(ReplyBatch(tuple(chunks), tuple(f for f in finals if isinstance(f, Finished)),
-                                      tuple(f for f in finals if isinstance(f, Error))))
-        key = items[0][1].request_id.encode()  # every request here maps to ``part``
+        """Send one partition's record of a round; never raises (but ``CancelledError``): a
+        request whose record could not be sent is failed, the others of the round go on."""
         try:
-            await self._send(t.name, value, key, part)
-        except BusError as exc:
-            log.error("replies of %s to %s failed: %s", [k for k, _ in items], t.name, exc)
+            chunks = [c for _, p in items if (c := p.take_chunk(self.worker_id)) is not None]
+            finals = [p.final for _, p in items if p.final is not None]
+            n = len(chunks) + len(finals)
+            if n == 1:
+                value = encode((chunks or finals)[0])
+            else:
+                value = encode(ReplyBatch(tuple(chunks), tuple(f for f in finals if isinstance(f, Finished)),
+                                          tuple(f for f in finals if isinstance(f, Error))))
+            key = items[0][1].request_id.encode()  # every request here maps to ``part``
+            try:
+                await self._send(t.name, value, key, part)
+            except ValueError:  # the topic was re-created with fewer partitions: the count is stale
+                if part is None:
+                    raise
+                self._counts.pop(t.name, None)
+                for k, _ in items:
+                    self._partition.pop(k, None)
+                await self._send(t.name, value, key, None)  # keyed; later rounds use the new count
+        except Exception as exc:  # noqa: BLE001 - BusError after the retries, or a bug: fail these requests
+            log.error("replies of %s to %s failed: %r", [k for k, _ in items], t.name, exc,
+                      exc_info=not isinstance(exc, BusError))
             for k, _ in items:
                 if self._keys.get(k) is t:
                     self._forget(k)
                     t.queued.pop(k, None)
-                    if self.on_failed is not None:
-                        self.on_failed(k)
+                    self._call(self.on_failed, k)
             return
         self.replies_sent += n
         for k, p in items:
             if p.final is not None and self._keys.get(k) is t:
                 self._forget(k)
-                if p.on_acked is not None:
-                    p.on_acked()
+                self._call(p.on_acked)
+
+    @staticmethod
+    def _call(cb: Callable | None, *args: object) -> None:
+        """A caller's callback; its exception is logged, so it cannot stop the round for the others."""
+        if cb is None:
+            return
+        try:
+            cb(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("reply callback %r failed", cb)
 
     async def _send(self, topic: str, value: bytes, key: bytes, partition: int | None) -> None:
         backoff = 0.1

@@ -159,3 +159,39 @@ async def test_stop_cancels_rounds_in_flight(bus: MemoryBus, monkeypatch: pytest
     await sender.stop()
     await sender.stop()  # idempotent
     assert len(sender) == 0 and not sender._tasks
+
+
+async def test_a_topic_recreated_with_fewer_partitions_is_re_read(bus: MemoryBus) -> None:
+    sender = ReplySender(bus, "w")
+    rid = next(f"r{i}" for i in range(100) if partition_for_key(f"r{i}".encode(), 3) == 2)
+    sender.chunk(rid, TOPIC, rid, 0, 0, (1,), "a", 0)
+    await settle(sender)  # the count (3) is cached, the request's partition is 2
+    await bus.delete_topics([TOPIC])
+    await bus.ensure_topics([TopicSpec(TOPIC, 1)])
+    acked = asyncio.Event()
+    sender.chunk(rid, TOPIC, rid, 0, 1, (2,), "b", 1)
+    sender.final(rid, TOPIC, rid, fin(rid, 2), acked.set)
+    await asyncio.wait_for(acked.wait(), 5)  # sent (keyed) instead of failing on partition 2
+    msgs = [m for r in await records(bus) for m in replies_of(decode(r.value))]
+    assert msgs == [TokenChunk(rid, 0, 1, (2,), "b", 1, None, "w"), fin(rid, 2)]
+    sender.chunk("s", TOPIC, "s", 0, 0, (1,), "x", 0)
+    await settle(sender)
+    assert sender._counts[TOPIC] == 1  # the next round read the new count
+    await sender.stop()
+
+
+async def test_a_raising_callback_does_not_stop_the_others(bus: MemoryBus) -> None:
+    sender = ReplySender(bus, "w")
+    acked: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("caller bug")
+
+    for rid in ("a", "b", "c"):
+        sender.final(rid, TOPIC, rid, fin(rid, 0), boom if rid == "a" else (lambda rid=rid: acked.append(rid)))
+    await settle(sender)
+    assert sorted(acked) == ["b", "c"] and len(sender) == 0
+    sender.chunk("d", TOPIC, "d", 0, 0, (1,), "x", 0)  # and the sender still works
+    await settle(sender)
+    assert any(m.request_id == "d" for r in await records(bus) for m in replies_of(decode(r.value)))
+    await sender.stop()
