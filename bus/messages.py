@@ -271,7 +271,6 @@ class ReplyBatch:
 
 
 Message = Union[InferenceRequest, TokenChunk, Finished, Error, Cancel, WorkerStatus, ReplyBatch]
-ReplyMessage = Union[TokenChunk, Finished, Error]  # what a worker sends to reply_to, one by one
 
 _TYPE_NAMES: dict[type, str] = {
     InferenceRequest: "request",

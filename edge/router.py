@@ -1,9 +1,10 @@
 """Reply routing: ONE consumer of the edge's own reply topic feeds every session.
 
 Each admitted request is a :class:`Stream` registered here under its request id. The router task
-decodes each reply record (one reply, or a worker step's batch of them), drops duplicates by (request id, seq) and hands the rest to the stream's
-session (:meth:`Session.on_chunk` / ``on_finished`` / ``on_error``), which only appends to a bounded
-queue — routing never awaits a client, so one slow client cannot stall the others.
+decodes each reply record (one reply, or a worker step's batch of them), drops duplicates by
+(request id, seq) and hands the rest to the stream's session (:meth:`Session.on_chunk` /
+``on_finished`` / ``on_error``), which only appends to a bounded queue — routing never awaits a
+client, so one slow client cannot stall the others.
 
 Dedupe: a stream keeps ``next_seq`` (the next output index it expects) and ``chars`` (output
 characters delivered). A chunk entirely below ``next_seq`` is a duplicate (a worker re-running the
