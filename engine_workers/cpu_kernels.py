@@ -18,10 +18,11 @@ Built with ``torch.utils.cpp_extension`` (g++ and ninja, ~40 s on 2 cores, once:
 include only ATen's tensor headers, ~4-7 s each; ``module.cpp``, which binds them to Python, is the
 one with ``torch/extension.h``, ~30 s) into
 ``$LOCKGATE_CACHE/ext/<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
-cache ``~/.cache/lockgate``), so later processes load it in well under a second; a load also removes
-the builds beside it that nothing loaded for 14 days (one per source edit, venv or checkout). Each kernel is
-checked against its torch equivalent on random data before use; where the module cannot be built
-or a kernel disagrees, the engine logs why and keeps the torch path for that one.
+cache ``~/.cache/lockgate``), so later processes load it in well under a second; a load also
+removes the builds beside it that nothing loaded for 14 days (one per source edit, venv or
+checkout). Each kernel is checked against its torch equivalent on random data before use; where
+the module cannot be built or a kernel disagrees, the engine logs why and keeps the torch path for
+that one.
 ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns them all off.
 """
 
