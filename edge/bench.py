@@ -23,8 +23,10 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import statistics
 import time
 
+from bus.topics import TopicLayout
 from edge.bench_floor import send_floor_us
 from edge.commands import raise_nofile, run_loop
 from engine_workers.cli import freeze_heap
@@ -53,6 +55,7 @@ class _Tally:
 
     def __init__(self) -> None:
         self.lat: list[float] = []
+        self.published: list[float] = []  # the worker's stamp of each latency, in the same order
         self.received = 0
         self.first: float | None = None
         self.last: float | None = None
@@ -60,13 +63,15 @@ class _Tally:
     def delta(self, text: str, now: float) -> None:
         stamps = text.split(";")[:-1]
         self.received += len(stamps)
-        self.lat.extend(now - float(s) for s in stamps)
+        pub = [float(s) for s in stamps]
+        self.published.extend(pub)
+        self.lat.extend(now - p for p in pub)
         if self.first is None:
             self.first = now
         self.last = now
 
     def result(self, still_open: int, cpu: float) -> tuple:
-        return ("result", {"latencies": self.lat, "tokens": self.received, "first": self.first, "last": self.last,
+        return ("result", {"published": self.published, "latencies": self.lat, "tokens": self.received, "first": self.first, "last": self.last,
                            "still_open": still_open, "cpu_s": cpu})
 
 
@@ -193,6 +198,25 @@ class _GcPauses:
         gc.callbacks.remove(self._cb)
 
 
+WINDOW_S = 0.5
+WINDOW_MIN = 1000  # latencies a window needs for its p99 to count (the last one is usually short)
+
+
+def window_p99s(published: list[float], latencies: list[float], window_s: float = WINDOW_S,
+                min_n: int = WINDOW_MIN) -> list[float]:
+    """The p99 latency of each ``window_s`` of publish time, in time order; windows with fewer than
+    ``min_n`` latencies are left out."""
+    if len(published) != len(latencies):
+        raise ValueError(f"{len(published)} publish stamps for {len(latencies)} latencies")
+    if not published:
+        return []
+    t0 = min(published)
+    by: dict[int, list[float]] = {}
+    for p, x in zip(published, latencies):
+        by.setdefault(int((p - t0) / window_s), []).append(x)
+    return [_pct(xs, 99) for _, xs in sorted(by.items()) if len(xs) >= min_n]
+
+
 def _pct(xs: list[float], p: float) -> float:
     if not xs:
         return float("nan")
@@ -204,8 +228,8 @@ class _Shard:
     """One edge with its own memory bus and fake worker (``--edge-procs`` runs one per process,
     all listening on one port with SO_REUSEPORT; the kernel spreads the connections)."""
 
-    def __init__(self, port: int, step_ms: float, reuse_port: bool) -> None:
-        self.port, self.step_ms, self.reuse_port = port, step_ms, reuse_port
+    def __init__(self, port: int, step_ms: float, reuse_port: bool, workers: int = 1) -> None:
+        self.port, self.step_ms, self.reuse_port, self.workers = port, step_ms, reuse_port, workers
 
     async def start(self) -> int:
         import bus as busmod
@@ -221,13 +245,21 @@ class _Shard:
         cfg = EdgeConfig(model=MODEL, port=self.port, keys=None, slo_wait_s=(1e9, 1e9, 1e9), ping_interval_s=None,
                          send_queue_frames=4096, max_streams_per_connection=4, max_connections=10**6,
                          reuse_port=self.reuse_port)
-        self.fw = FakeWorker(self.bus, MODEL, step_s=self.step_ms / 1000, token_text=_stamp)
-        await self.fw.start()
+        step = self.step_ms / 1000
+        # One worker: it steps as soon as work arrives (every token of a step in one burst). A
+        # fleet: worker k steps on the grid k * step / N of the monotonic clock, as workers whose
+        # steps nobody synchronises; the same phases in every edge process.
+        self.fws = [FakeWorker(self.bus, MODEL, worker_id=f"fake-{k}", step_s=step, token_text=_stamp,
+                               step_phase_s=None if self.workers == 1 else k * step / self.workers)
+                    for k in range(self.workers)]
         self.edge = Edge(cfg, self.bus, PromptEncoder(tok, 1 << 20))
         try:
+            for fw in self.fws:
+                await fw.start()
             await self.edge.start()
         except BaseException:
-            await self.fw.stop()
+            for fw in self.fws:
+                await fw.stop()
             await self.bus.stop()
             raise
         freeze_heap()  # as `lockgate edge` does once started
@@ -235,16 +267,17 @@ class _Shard:
 
     async def stop(self) -> None:
         await self.edge.stop()
-        await self.fw.stop()
+        for fw in self.fws:
+            await fw.stop()
         await self.bus.stop()
 
 
-def _edge_proc(pipe, port: int, step_ms: float) -> None:  # noqa: ANN001
+def _edge_proc(pipe, port: int, step_ms: float, workers: int) -> None:  # noqa: ANN001
     """An extra edge shard: ("ready") -> "held?" -> ("held", n) -> "go" ... "stop" -> ("stats", ...)."""
     raise_nofile()
 
     async def main() -> None:
-        shard = _Shard(port, step_ms, reuse_port=True)
+        shard = _Shard(port, step_ms, reuse_port=True, workers=workers)
         await shard.start()
         try:
             pipe.send(("ready",))
@@ -263,9 +296,12 @@ def _edge_proc(pipe, port: int, step_ms: float) -> None:  # noqa: ANN001
 
 async def _bench(args: argparse.Namespace) -> dict:
     nofile = raise_nofile()
-    if args.edge_procs < 1 or args.client_procs < 1:
-        raise ValueError("--edge-procs and --client-procs must be >= 1")
-    shard = _Shard(0, args.step_ms, reuse_port=args.edge_procs > 1)
+    if args.edge_procs < 1 or args.client_procs < 1 or args.workers < 1:
+        raise ValueError("--edge-procs, --client-procs and --workers must be >= 1")
+    if args.workers > TopicLayout().partitions:
+        raise ValueError(f"--workers must be <= {TopicLayout().partitions} (the request topic's partitions: "
+                         f"a worker beyond that gets no partition), got {args.workers}")
+    shard = _Shard(0, args.step_ms, reuse_port=args.edge_procs > 1, workers=args.workers)
     port = await shard.start()
     ctx = mp.get_context("spawn")
     procs, pipes, edge_pipes = [], [], []
@@ -274,7 +310,7 @@ async def _bench(args: argparse.Namespace) -> dict:
     try:
         for _ in range(args.edge_procs - 1):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_edge_proc, args=(child, port, args.step_ms), daemon=True)
+            p = ctx.Process(target=_edge_proc, args=(child, port, args.step_ms, args.workers), daemon=True)
             p.start()
             procs.append(p)
             edge_pipes.append(parent)
@@ -317,6 +353,7 @@ async def _bench(args: argparse.Namespace) -> dict:
                 p.kill()
         await shard.stop()
     lat = [x for r in results for x in r["latencies"]]
+    windows = window_p99s([p for r in results for p in r["published"]], lat)
     tokens = sum(r["tokens"] for r in results)
     first = min(r["first"] for r in results if r["first"])
     last = max(r["last"] for r in results if r["last"])
@@ -338,6 +375,10 @@ async def _bench(args: argparse.Namespace) -> dict:
         "latency_ms_p90": round(_pct(lat, 90) * 1000, 2),
         "latency_ms_p99": round(_pct(lat, 99) * 1000, 2),
         "latency_ms_max": round(max(lat) * 1000, 2) if lat else None,
+        # p99 of each WINDOW_S of publish time: a stall of the machine shows as a few bad windows,
+        # a burst the edge cannot absorb as every window bad. The median is a typical window's.
+        "latency_ms_p99_windows": [round(w * 1000, 1) for w in windows],
+        "latency_ms_p99_window_median": round(statistics.median(windows) * 1000, 2) if windows else None,
         # CPU seconds used during the streaming phase: the edge processes (edge + bus + fake
         # worker) and all client processes together; per token, the cost of one fanned-out token.
         "edge_process_cpu_s": round(edge_cpu, 2),
@@ -356,6 +397,7 @@ async def _bench(args: argparse.Namespace) -> dict:
         "edge_gc_pause_ms_total": round(sum(p for _, p in pauses) * 1000, 1),
         "edge_gc_full_collections": sum(1 for g, _ in pauses if g == 2),
         "edge_procs": args.edge_procs,
+        "workers_per_edge": args.workers,
         "client_procs": args.client_procs,
         "client": args.client,
         "cpus": os.cpu_count(),

@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     b.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     b.add_argument("--step-ms", type=float, default=20.0, help="fake worker step: one token per stream per step")
     b.add_argument("--client-procs", type=int, default=2, help="client processes")
+    b.add_argument("--workers", type=int, default=1,
+                   help="fake workers per edge process (at most the request topic's 6 partitions). 1: every "
+                        "token of a step leaves in one burst; N: the streams split over N workers stepping "
+                        "at evenly spread phases, as a fleet whose steps are not synchronised")
     b.add_argument("--client", choices=("raw", "websockets"), default="raw",
                    help="load generator: a lean frame parser (edge/bench_client.py), or the websockets "
                         "library's client (~15 us/frame more CPU, taken from the edge on a small machine)")

@@ -12,7 +12,9 @@ so tests can compare what a client received. Knobs for tests: ``step_s`` (delay 
 step emits one token for every running request), ``replay_after`` (after that many tokens, behave
 like a restarted worker: re-send from seq 0 with ``attempt + 1``), ``est_wait_s`` / ``queue_depth``
 (mutable, reported in heartbeats), ``token_text`` (custom token text, e.g. publish timestamps for
-latency benchmarks), ``error`` (answer every request with this error code).
+latency benchmarks), ``error`` (answer every request with this error code), ``step_phase_s``
+(step on a fixed grid of the monotonic clock, offset by this phase: several fake workers with
+spread phases behave like a fleet whose steps are not synchronised).
 
 All tasks are owned: ``start()`` creates them, ``stop()`` cancels and awaits them (idempotent).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -80,6 +83,7 @@ class FakeWorker:
         token_text: Callable[[tuple[int, ...], int], str] | None = None,
         error: str | None = None,
         heartbeats: bool = True,
+        step_phase_s: float | None = None,
     ) -> None:
         self.bus = bus
         self.model = model
@@ -91,6 +95,9 @@ class FakeWorker:
         self.token_text = token_text or token_piece
         self.error = error
         self.heartbeats = heartbeats
+        if step_phase_s is not None and not 0 <= step_phase_s < max(step_s, 1e-9):
+            raise ValueError(f"step_phase_s must be in [0, step_s), got {step_phase_s}")
+        self.step_phase_s = step_phase_s
         self.est_wait_s: list[float] = [0.0, 0.0, 0.0]
         self.queue_depth: list[int] = [0, 0, 0]
         self.running: dict[str, _Run] = {}
@@ -195,16 +202,28 @@ class FakeWorker:
         # re-sends from seq 0, which must not be glued onto the previous attempt's queued tokens.
         return f"{run.req.request_id}/{run.attempt}"
 
+    def _first_step_at(self, now: float) -> float:
+        """Without a phase, at once; with one, the next instant ``phase + k * step_s`` of the loop
+        clock (CLOCK_MONOTONIC: shared by every process of the machine, so fake workers in
+        different processes keep their phases relative to each other)."""
+        if self.step_phase_s is None or self.step_s <= 0:
+            return now
+        k = math.ceil((now - self.step_phase_s) / self.step_s)
+        return self.step_phase_s + k * self.step_s
+
     async def _generate(self) -> None:
         # Fixed-rate steps (every step_s from the previous step's start, not step_s after its end),
-        # so the offered load is len(running) / step_s; a step that overruns starts the next at once.
+        # so the offered load is len(running) / step_s; a step that overruns starts the next at once
+        # (with a phase: at the next point of its grid, skipping the missed ones).
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
             if not self.running:
                 self._wake.clear()
                 await self._wake.wait()
-                next_at = loop.time()
+                next_at = self._first_step_at(loop.time())
+                if next_at > loop.time():
+                    await asyncio.sleep(next_at - loop.time())
             for rid, run in list(self.running.items()):
                 if rid not in self.running:
                     continue
@@ -225,5 +244,8 @@ class FakeWorker:
             next_at += self.step_s
             delay = next_at - loop.time()
             if delay < 0:
-                next_at, delay = loop.time(), 0.0
+                # Overran (or the loop stalled): without a phase, step again at once; with one,
+                # at the next grid point, so a stall cannot leave a fleet stepping in lockstep.
+                next_at = self._first_step_at(loop.time())
+                delay = max(0.0, next_at - loop.time())
             await asyncio.sleep(delay)

@@ -91,8 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level > logging.DEBUG:
+        # websockets logs "connection open" / "connection closed" at INFO for every connection: an
+        # edge holding 10,000 clients would print 20,000 lines per reconnect wave (and spend ~1 s of
+        # its loop formatting them). The edge's metrics count connections; DEBUG brings them back.
+        logging.getLogger("websockets").setLevel(logging.WARNING)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

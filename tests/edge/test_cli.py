@@ -32,11 +32,11 @@ def test_help(argv, capsys):
     assert "--" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("edges, client", [(2, "raw"), (1, "websockets")])
-def test_bench_edge_every_token_arrives(tmp_path, edges, client):
+@pytest.mark.parametrize("edges, client, workers", [(2, "raw", 1), (1, "websockets", 3)])
+def test_bench_edge_every_token_arrives(tmp_path, edges, client, workers):
     """`lockgate bench edge`: every token of every stream arrives once, with either load generator;
     with `--edge-procs 2` two edges share one port (SO_REUSEPORT) and the kernel spreads the
-    connections over both."""
+    connections over both; with `--workers 3` three fake workers split the streams."""
     import subprocess
     import sys
 
@@ -44,13 +44,13 @@ def test_bench_edge_every_token_arrives(tmp_path, edges, client):
     proc = subprocess.run(
         [sys.executable, "-m", "engine_workers.cli", "--log-level", "WARNING", "bench", "edge", "--connections", "200",
          "--streams", "40", "--tokens", "20", "--step-ms", "5", "--client-procs", "1", "--edge-procs", str(edges),
-         "--client", client, "--json", str(out)],
+         "--client", client, "--workers", str(workers), "--json", str(out)],
         capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["connections_held"] == 200 and r["connect_failures"] == 0
     assert len(r["connections_per_edge"]) == edges and min(r["connections_per_edge"]) > 0
-    assert r["client"] == client
+    assert r["client"] == client and r["workers_per_edge"] == workers
     assert r["tokens_received"] == r["tokens_expected"] == 40 * 20
     assert r["connections_held_after_streaming"] == 200
     # the processes' CPU over the streaming phase, as a share of the machine: it was busy, and no
@@ -59,6 +59,27 @@ def test_bench_edge_every_token_arrives(tmp_path, edges, client):
     # the kernel floor, measured after the run: a bare send costs something, the edge more
     assert r["kernel_send_floor_us"] > 0 and r["edge_cpu_over_floor"] > 1
     assert r["step_write_floor_ms"] == pytest.approx(40 / edges * r["kernel_send_floor_us"] / 1000, abs=0.01)
+
+
+def test_bench_edge_rejects_more_workers_than_partitions(capsys):
+    assert main(["bench", "edge", "--workers", "7", "--no-floor"]) == 2
+    assert "--workers must be <= 6" in capsys.readouterr().err
+
+
+def test_websockets_connection_lines_only_at_debug(capsys):
+    """An edge's 10,000 clients must not print 20,000 INFO lines; --log-level DEBUG shows them."""
+    import logging
+
+    ws = logging.getLogger("websockets")
+    before = ws.level
+    try:
+        ws.setLevel(logging.NOTSET)
+        assert main(["--log-level", "DEBUG"]) == 2  # no subcommand: help, after logging is set up
+        assert ws.level == logging.NOTSET
+        assert main(["--log-level", "INFO"]) == 2
+        assert ws.level == logging.WARNING
+    finally:
+        ws.setLevel(before)
 
 
 def test_send_floor_measures_and_checks_its_arguments():
@@ -85,3 +106,16 @@ def test_freeze_heap_moves_startup_objects_out_of_collections_and_slows_the_coll
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_window_p99s_separate_a_stall_from_steady_windows():
+    from edge.bench import window_p99s
+
+    # three half-second windows of 1,000 latencies: 1 ms, then a stall (50 ms), then 2 ms
+    published = [i * 0.0005 for i in range(3000)]
+    latencies = [0.001] * 1000 + [0.05] * 1000 + [0.002] * 1000
+    assert window_p99s(published, latencies) == pytest.approx([0.001, 0.05, 0.002])
+    assert window_p99s(published[:1500], latencies[:1500]) == pytest.approx([0.001])  # short window left out
+    assert window_p99s([], []) == []
+    with pytest.raises(ValueError, match="publish stamps"):
+        window_p99s([0.0], [])

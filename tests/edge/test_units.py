@@ -304,3 +304,21 @@ async def test_tick_flusher_flushes_each_session_once_per_tick_and_isolates_fail
     flusher.add(a)  # a new tick schedules a new run
     await asyncio.sleep(0)
     assert a.flushes == 2 and b.flushes == 1
+
+
+async def test_fake_worker_steps_on_its_phase_grid():
+    """`bench edge --workers N`: worker k steps at k * step / N + j * step of the monotonic clock, so a
+    fleet's bursts interleave; without a phase a worker steps as soon as work arrives."""
+    from bus.memory import MemoryBus
+    from edge.fake_worker import FakeWorker
+
+    bus = MemoryBus()
+    at_once = FakeWorker(bus, "m", step_s=0.02)
+    assert at_once._first_step_at(100.013) == 100.013
+    second = FakeWorker(bus, "m", step_s=0.02, step_phase_s=0.01)
+    assert second._first_step_at(100.013) == pytest.approx(100.03)
+    assert second._first_step_at(100.03) == pytest.approx(100.03)
+    assert FakeWorker(bus, "m", step_s=0.02, step_phase_s=0.0)._first_step_at(100.013) == pytest.approx(100.02)
+    for bad in (-0.001, 0.02, 0.5):
+        with pytest.raises(ValueError, match="step_phase_s"):
+            FakeWorker(bus, "m", step_s=0.02, step_phase_s=bad)
