@@ -70,8 +70,8 @@ class _Tally:
             self.first = now
         self.last = now
 
-    def result(self, still_open: int, cpu: float) -> tuple:
-        return ("result", {"published": self.published, "latencies": self.lat, "tokens": self.received, "first": self.first, "last": self.last,
+    def result(self, still_open: int, cpu: float, gc_pauses: list[tuple[int, float]]) -> tuple:
+        return ("result", {"gc_pauses": gc_pauses, "published": self.published, "latencies": self.lat, "tokens": self.received, "first": self.first, "last": self.last,
                            "still_open": still_open, "cpu_s": cpu})
 
 
@@ -118,16 +118,17 @@ async def _raw_clients(pipe, port: int, n_conns: int, stream_idx: list[int], tok
     pipe.send(("held", len(conns), failed, time.time() - t0))
     await asyncio.to_thread(pipe.recv)  # "go"
     cpu0 = time.process_time()
-    pending.update(i for i in stream_idx if i in conns)
-    for i in sorted(pending):
-        conns[i].send_text(_generate_frame(i, tokens))
-    if pending:
-        # Bounded: a stream that never ends shows up as missing tokens, not as a hung benchmark.
-        waiter = asyncio.ensure_future(all_done.wait())
-        await asyncio.wait({waiter}, timeout=60 + tokens)
-        waiter.cancel()
+    with _GcPauses() as pauses:
+        pending.update(i for i in stream_idx if i in conns)
+        for i in sorted(pending):
+            conns[i].send_text(_generate_frame(i, tokens))
+        if pending:
+            # Bounded: a stream that never ends shows up as missing tokens, not as a hung benchmark.
+            waiter = asyncio.ensure_future(all_done.wait())
+            await asyncio.wait({waiter}, timeout=60 + tokens)
+            waiter.cancel()
     cpu = time.process_time() - cpu0
-    pipe.send(tally.result(sum(1 for c in conns.values() if c.open), cpu))
+    pipe.send(tally.result(sum(1 for c in conns.values() if c.open), cpu, pauses.pauses))
     await asyncio.to_thread(pipe.recv)  # "close"
     for c in conns.values():
         c.close()
@@ -170,9 +171,10 @@ async def _clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens:
                 return
 
     cpu0 = time.process_time()
-    await asyncio.gather(*(stream(i, conns[i]) for i in stream_idx if i < len(conns)))
+    with _GcPauses() as pauses:
+        await asyncio.gather(*(stream(i, conns[i]) for i in stream_idx if i < len(conns)))
     cpu = time.process_time() - cpu0
-    pipe.send(tally.result(sum(1 for c in conns if c.state.name == "OPEN"), cpu))
+    pipe.send(tally.result(sum(1 for c in conns if c.state.name == "OPEN"), cpu, pauses.pauses))
     await asyncio.to_thread(pipe.recv)  # "close"
     await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
 
@@ -396,6 +398,10 @@ async def _bench(args: argparse.Namespace) -> dict:
         "edge_gc_pause_ms_max": round(max((p for _, p in pauses), default=0.0) * 1000, 1),
         "edge_gc_pause_ms_total": round(sum(p for _, p in pauses) * 1000, 1),
         "edge_gc_full_collections": sum(1 for g, _ in pauses if g == 2),
+        # The load generator's own pauses: a client paused by its collector reads late, and that
+        # wait is counted as the edge's latency.
+        "clients_gc_collections": sum(len(r["gc_pauses"]) for r in results),
+        "clients_gc_pause_ms_max": round(max((p for r in results for _, p in r["gc_pauses"]), default=0.0) * 1000, 1),
         "edge_procs": args.edge_procs,
         "workers_per_edge": args.workers,
         "client_procs": args.client_procs,
