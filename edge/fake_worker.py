@@ -204,8 +204,8 @@ class FakeWorker:
 
     def _first_step_at(self, now: float) -> float:
         """Without a phase, at once; with one, the next instant ``phase + k * step_s`` of the loop
-        clock (CLOCK_MONOTONIC: shared by every process of the machine, so fake workers in
-        different processes keep their phases relative to each other)."""
+        clock (the system's monotonic clock, to the millisecond on uvloop: shared by every process
+        of the machine, so fake workers in different processes keep their phases)."""
         if self.step_phase_s is None or self.step_s <= 0:
             return now
         k = math.ceil((now - self.step_phase_s) / self.step_s)
