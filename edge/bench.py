@@ -71,8 +71,9 @@ class _Tally:
         self.last = now
 
     def result(self, still_open: int, cpu: float, gc_pauses: list[tuple[int, float]]) -> tuple:
-        return ("result", {"gc_pauses": gc_pauses, "published": self.published, "latencies": self.lat, "tokens": self.received, "first": self.first, "last": self.last,
-                           "still_open": still_open, "cpu_s": cpu})
+        return ("result", {"latencies": self.lat, "published": self.published, "tokens": self.received,
+                           "first": self.first, "last": self.last, "still_open": still_open, "cpu_s": cpu,
+                           "gc_pauses": gc_pauses})
 
 
 async def _raw_clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int) -> None:  # noqa: ANN001

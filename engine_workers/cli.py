@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if level > logging.DEBUG:
         # websockets logs "connection open" / "connection closed" at INFO for every connection: an
-        # edge holding 10,000 clients would print 20,000 lines per reconnect wave (and spend ~1 s of
-        # its loop formatting them). The edge's metrics count connections; DEBUG brings them back.
+        # edge holding 10,000 clients would print 20,000 lines per reconnect wave, formatted on its
+        # event loop. The edge's metrics count connections; DEBUG brings the lines back.
         logging.getLogger("websockets").setLevel(logging.WARNING)
     func = getattr(args, "func", None)
     if func is None:
