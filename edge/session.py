@@ -176,35 +176,33 @@ class Session:
             self._pending.append(item)
         return True
 
+    def _direct(self) -> bool:
+        """Whether a frame may go straight to the socket: open, nothing queued or being sent, no
+        extension, and the socket took everything so far (so one tick's frames are the most this
+        can add to its buffer; the next tick sees a non-empty buffer and queues instead)."""
+        ws = self.ws
+        transport = ws.transport
+        return (not self.closing and not self._ended and (self.queue is None or self.queue.empty())
+                and self.send_since is None and ws.protocol.state is State.OPEN and not ws.protocol.extensions
+                and not transport.is_closing() and transport.get_write_buffer_size() == 0)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self.ws.transport.write(data)
+        except Exception as exc:  # the socket is failing; websockets' reader will see it too
+            log.info("write to client %s failed: %s", self.principal.tenant, exc)
+            self.kill(1011, "write failed")
+
     def _flush(self) -> None:
         items, self._pending = self._pending, None
         if not items or self._ended:
             return
-        ws = self.ws
-        transport = ws.transport
-        if (not self.closing and (self.queue is None or self.queue.empty()) and self.send_since is None and ws.protocol.state is State.OPEN
-                and not transport.is_closing() and transport.get_write_buffer_size() == 0):
-            # Fast path: the socket took everything so far, so this write cannot grow a buffer
-            # beyond one tick's frames; the next tick sees a non-empty buffer and queues instead.
-            try:
-                if ws.protocol.extensions:  # never with compression=None; kept for safety
-                    for frame in coalesce(items):
-                        ws.protocol.send_text(frame)
-                    for d in ws.protocol.data_to_send():
-                        if d:
-                            transport.write(d)
-                        elif transport.can_write_eof():  # b"": websockets' end-of-stream marker
-                            transport.write_eof()
-                        else:
-                            transport.close()
-                elif len(items) == 1 and items[0].__class__ is _Delta:  # the common case: one token
-                    d = items[0]
-                    transport.write(text_frames((delta_frame(d.id, d.seq, d.text, d.token_ids, d.logprobs),)))
-                else:
-                    transport.write(text_frames(coalesce(items)))
-            except Exception as exc:  # the socket is failing; websockets' reader will see it too
-                log.info("write to client %s failed: %s", self.principal.tenant, exc)
-                self.kill(1011, "write failed")
+        if self._direct():
+            if len(items) == 1 and items[0].__class__ is _Delta:  # one token
+                d = items[0]
+                self._write(text_frames((delta_frame(d.id, d.seq, d.text, d.token_ids, d.logprobs),)))
+            else:
+                self._write(text_frames(coalesce(items)))
             return
         for item in items:
             if not self._enqueue(item):
@@ -264,6 +262,11 @@ class Session:
             s.first_at = now
             m.per_request(s.labels)[0].observe(now - s.admitted_at)
         m.add_generated(s.labels, len(token_ids))
+        if logprobs is None and not s.token_ids and self._pending is None and self._direct():
+            # The common case, a plain delta with nothing ahead of it: framed and written now,
+            # without the tick's pending list (which exists to merge what queues up behind).
+            self._write(text_frames((delta_frame(s.client_id, seq, text, None, None),)))
+            return
         lp = [[list(p) for p in pos] for pos in logprobs] if logprobs is not None else None
         self.push(_Delta(s.client_id, seq, text, list(token_ids) if s.token_ids else None, lp))
 
