@@ -7,7 +7,10 @@ Concurrency contract:
   order. A ``generate`` is admitted (validated, tokenized, charged, published) before the next frame
   is read, so frames of one connection are handled in order.
 * Everything the router calls (``on_chunk``/``on_finished``/``on_error``) is synchronous and never
-  blocks. Outbound frames of one event-loop tick collect in a pending list; the edge's
+  blocks. A plain token delta (no token ids or logprobs asked for) with nothing pending, queued or
+  being written is framed and written to the socket at once, from ``on_chunk``: in a worker step's
+  burst the first clients get their token while the router is still routing the rest. Any other
+  outbound frame of one event-loop tick collects in a pending list; the edge's
   :class:`TickFlusher` (one ``call_soon`` per tick for all sessions) then flushes each session,
   which either writes them straight to the socket (fast path: nothing queued, no write in
   progress, the transport's buffer empty — one ``transport.write`` for all of them) or
