@@ -6,20 +6,30 @@ record ``i`` is due at ``t0 + i/rate``; sends run as concurrent tasks, at most `
 keyed by a rotating request id. Each value carries ``perf_counter_ns`` taken just before ``send``;
 latency = receive time − that stamp, so it covers batching (linger), the broker round trip with
 ``acks=all``, and the consumer's fetch. Throughput = records received / (last − first receive).
+
+CPU per record, over the measured records (warm-up excluded): ``client`` is this process's event
+loop thread (producer, consumer and the loop together: ``time.thread_time``); ``broker`` is the
+local broker's process (``lockgate kafka start`` on the URL's loopback port, read from ``/proc``),
+net of its idle rate measured for ``IDLE_S`` just before. ``None`` where it cannot be read: a
+remote broker, no ``/proc``, or the memory bus (whose "broker" is the client's own loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import struct
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
 
 from bus import TopicSpec, connect
 
 _STAMP = struct.Struct(">qQ")  # send perf_counter_ns, sequence number
+IDLE_S = 1.0  # the broker's idle CPU rate is measured this long before the first record
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +44,46 @@ class BusBenchResult:
     p999_ms: float
     max_ms: float
     records_per_s: float
+    client_cpu_us_per_record: float | None = None
+    broker_cpu_us_per_record: float | None = None  # net of the broker's idle rate
+    broker_idle_cpu_pct: float | None = None  # of one core
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def local_broker_pids(url: str) -> list[int] | None:
+    """Pids of the ``lockgate kafka start`` cluster behind a loopback ``kafka://`` URL (every node of
+    a multi-node cluster), or ``None`` when the URL is not one (remote, memory, not running)."""
+    if not url.startswith("kafka://"):
+        return None
+    from bus import kafka_local
+
+    pids: list[int] = []
+    for hostport in urlsplit(url).netloc.split(","):
+        host, _, port = hostport.rpartition(":")
+        if host.strip("[]") not in _LOOPBACK or not port.isdigit():
+            return None
+        for nodes in (1, 3):  # the cluster sizes `lockgate kafka start` makes; ports are consecutive
+            try:
+                info = kafka_local.status(nodes=nodes, port=int(port))
+            except (ValueError, kafka_local.KafkaLocalError):
+                continue
+            pids += [p for p in info.pids if p is not None and p not in pids]
+    return pids or None
+
+
+def process_cpu_s(pids: list[int]) -> float | None:
+    """User + system CPU seconds of ``pids`` (all their threads), or ``None`` when one cannot be read."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            return None
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
 
 
 def _pct(sorted_ms: list[float], q: float) -> float:
@@ -56,6 +103,8 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
     warm = int(rate * warmup_s)
     latencies: list[float] = []
     recv_times: list[int] = []
+    pids = local_broker_pids(url)
+    cpu: dict[str, float] = {}  # thread/broker CPU at the first measured send and the last receive
     async with connect(url) as bus:
         await bus.ensure_topics([TopicSpec(topic, partitions)])
         async with bus.consumer([topic], start_from="latest") as consumer:
@@ -71,6 +120,7 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
                         if seq >= warm:
                             latencies.append((now - sent_ns) / 1e6)
                             recv_times.append(now)
+                cpu["client1"], cpu["broker1"] = time.thread_time(), (process_cpu_s(pids) if pids else -1.0)
                 done.set()
 
             slots = asyncio.Semaphore(max_in_flight)
@@ -83,10 +133,19 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
                 finally:
                     slots.release()
 
+            if pids:  # the broker's idle rate, with this consumer already connected and polling
+                idle0, t_idle = process_cpu_s(pids), time.perf_counter()
+                await asyncio.sleep(IDLE_S)
+                idle1 = process_cpu_s(pids)
+                if idle0 is not None and idle1 is not None:
+                    cpu["idle_rate"] = (idle1 - idle0) / (time.perf_counter() - t_idle)
             consumer_task = asyncio.create_task(consume())
             t0 = time.perf_counter()
             try:
                 for seq in range(warm + total):
+                    if seq == warm:
+                        cpu["client0"], cpu["broker0"] = time.thread_time(), (process_cpu_s(pids) if pids else -1.0)
+                        cpu["t0"] = time.perf_counter()
                     delay = t0 + seq / rate - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
@@ -105,23 +164,42 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
         await bus.delete_topics([topic])  # this run's own topic: leave nothing behind on the broker
     latencies.sort()
     span = (recv_times[-1] - recv_times[0]) / 1e9 if len(recv_times) > 1 else float("nan")
+    n = len(latencies)
+    client_us = broker_us = idle_pct = None
+    if n and "client0" in cpu and "client1" in cpu:
+        client_us = (cpu["client1"] - cpu["client0"]) / n * 1e6
+        if "idle_rate" in cpu and cpu["broker0"] >= 0 and cpu["broker1"] >= 0:
+            window = recv_times[-1] / 1e9 - cpu["t0"]  # perf_counter seconds, like recv_times
+            broker_us = max(0.0, cpu["broker1"] - cpu["broker0"] - cpu["idle_rate"] * window) / n * 1e6
+            idle_pct = cpu["idle_rate"] * 100
     return BusBenchResult(
         bus=url, rate=rate, seconds=seconds, sent=total, received=len(latencies),
         p50_ms=_pct(latencies, 0.50), p99_ms=_pct(latencies, 0.99), p999_ms=_pct(latencies, 0.999),
         max_ms=latencies[-1] if latencies else float("nan"),
         records_per_s=len(recv_times) / span if span and span == span else float("nan"),
+        client_cpu_us_per_record=client_us, broker_cpu_us_per_record=broker_us, broker_idle_cpu_pct=idle_pct,
     )
 
 
 def format_table(results: list[BusBenchResult]) -> str:
-    head = f"{'bus':<34} {'rate/s':>7} {'sent':>7} {'recv':>7} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} {'max ms':>8} {'rec/s':>9}"
+    head = (f"{'bus':<34} {'rate/s':>7} {'sent':>7} {'recv':>7} {'p50 ms':>8} {'p99 ms':>8} {'p99.9 ms':>9} "
+            f"{'max ms':>8} {'rec/s':>9} {'client us/rec':>13} {'broker us/rec':>13}")
     lines = [head, "-" * len(head)]
+
+    def us(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
     for r in results:
         lines.append(f"{r.bus:<34} {r.rate:>7} {r.sent:>7} {r.received:>7} {r.p50_ms:>8.3f} {r.p99_ms:>8.3f} "
-                     f"{r.p999_ms:>9.3f} {r.max_ms:>8.3f} {r.records_per_s:>9.1f}")
+                     f"{r.p999_ms:>9.3f} {r.max_ms:>8.3f} {r.records_per_s:>9.1f} {us(r.client_cpu_us_per_record):>13} "
+                     f"{us(r.broker_cpu_us_per_record):>13}")
     if len(results) >= 2:
         base, other = results[0], results[1]
         lines.append("")
         lines.append(f"ratios {other.bus} / {base.bus}: p50 x{other.p50_ms / base.p50_ms:.1f}, "
                      f"p99 x{other.p99_ms / base.p99_ms:.1f}")
+    if any(r.broker_idle_cpu_pct is not None for r in results):
+        idle = ", ".join(f"{r.broker_idle_cpu_pct:.1f} %" for r in results if r.broker_idle_cpu_pct is not None)
+        lines.append(f"CPU per measured record: client = this process's event loop thread (producer + consumer); "
+                     f"broker = the local broker process net of its idle rate ({idle} of a core)")
     return "\n".join(lines)
