@@ -43,7 +43,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 def worker_config_from_args(args: argparse.Namespace):
     from bus.topics import TopicLayout
     from engine_workers.model_store import model_name
-    from engine_workers.worker import WorkerConfig
+    from engine_workers.worker_config import WorkerConfig
 
     kw = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerConfig(

@@ -1,0 +1,33 @@
+"""WorkerConfig (engine_workers/worker_config.py): a bad setting fails when built, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from bus.topics import TopicLayout
+from engine_workers.intake import IntakeMode
+from engine_workers.worker_config import WorkerConfig
+
+
+def test_defaults_and_the_group_name() -> None:
+    cfg = WorkerConfig("SmolLM2/135M", layout=TopicLayout(namespace="ns"))
+    assert cfg.intake_mode is IntakeMode.AGING
+    assert cfg.worker_id.startswith("worker-") and cfg.worker_id != WorkerConfig("m").worker_id
+    assert cfg.group.startswith("ns.workers.") and "/" not in cfg.group  # topic-safe model name
+    assert WorkerConfig("m", group_id="mine").group == "mine"
+
+
+def test_intake_mode_given_as_text_becomes_the_enum() -> None:
+    assert WorkerConfig("m", intake_mode="strict").intake_mode is IntakeMode.STRICT
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"heartbeat_s": -1}, "heartbeat_s"),
+    ({"drain_grace_s": float("nan")}, "drain_grace_s"),
+    ({"revoke_flush_s": -0.5}, "revoke_flush_s"),
+    ({"prefetch_per_tier": 0}, "prefetch_per_tier"),
+    ({"intake_mode": "lottery"}, "lottery"),
+])
+def test_bad_settings_are_refused_naming_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        WorkerConfig("m", **kwargs)
