@@ -53,24 +53,24 @@ class BusBenchResult:
 
 
 def local_broker_pids(url: str) -> list[int] | None:
-    """Pids of the ``lockgate kafka start`` cluster behind a loopback ``kafka://`` URL (every node of
-    a multi-node cluster), or ``None`` when the URL is not one (remote, memory, not running)."""
+    """Pids of the ``lockgate kafka start`` cluster (1 or 3 nodes, numbered from the URL's first
+    port) behind a loopback ``kafka://`` URL, or ``None`` when the URL is not one (remote, memory,
+    nothing of ours running there)."""
     if not url.startswith("kafka://"):
         return None
     from bus import kafka_local
 
-    pids: list[int] = []
-    for hostport in urlsplit(url).netloc.split(","):
-        host, _, port = hostport.rpartition(":")
-        if host.strip("[]") not in _LOOPBACK or not port.isdigit():
+    hosts = [hp.rpartition(":") for hp in urlsplit(url).netloc.split(",")]
+    if any(h.strip("[]") not in _LOOPBACK or not p.isdigit() for h, _, p in hosts):
+        return None
+    for nodes in (1, 3):  # the cluster sizes `lockgate kafka start` makes
+        try:
+            pids = [p for p in kafka_local.status(nodes=nodes, port=int(hosts[0][2])).pids if p is not None]
+        except ValueError:  # a port that command never uses
             return None
-        for nodes in (1, 3):  # the cluster sizes `lockgate kafka start` makes; ports are consecutive
-            try:
-                info = kafka_local.status(nodes=nodes, port=int(port))
-            except (ValueError, kafka_local.KafkaLocalError):
-                continue
-            pids += [p for p in info.pids if p is not None and p not in pids]
-    return pids or None
+        if pids:
+            return pids
+    return None
 
 
 def process_cpu_s(pids: list[int]) -> float | None:
@@ -104,13 +104,20 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
     latencies: list[float] = []
     recv_times: list[int] = []
     pids = local_broker_pids(url)
-    cpu: dict[str, float] = {}  # thread/broker CPU at the first measured send and the last receive
+
+    def mark() -> tuple[float, float, float | None]:  # (perf_counter, loop thread CPU, broker CPU)
+        return time.perf_counter(), time.thread_time(), process_cpu_s(pids) if pids else None
+
+    start: tuple[float, float, float | None] | None = None  # at the first measured send
+    end: tuple[float, float, float | None] | None = None  # at the last receive
+    idle_rate: float | None = None  # broker CPU seconds per second before the first record
     async with connect(url) as bus:
         await bus.ensure_topics([TopicSpec(topic, partitions)])
         async with bus.consumer([topic], start_from="latest") as consumer:
             done = asyncio.Event()
 
             async def consume() -> None:
+                nonlocal end
                 seen = 0
                 while seen < warm + total:
                     for rec in await consumer.getmany(timeout_ms=200):
@@ -120,7 +127,7 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
                         if seq >= warm:
                             latencies.append((now - sent_ns) / 1e6)
                             recv_times.append(now)
-                cpu["client1"], cpu["broker1"] = time.thread_time(), (process_cpu_s(pids) if pids else -1.0)
+                end = mark()
                 done.set()
 
             slots = asyncio.Semaphore(max_in_flight)
@@ -134,18 +141,17 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
                     slots.release()
 
             if pids:  # the broker's idle rate, with this consumer already connected and polling
-                idle0, t_idle = process_cpu_s(pids), time.perf_counter()
+                t_a, _, idle_a = mark()
                 await asyncio.sleep(IDLE_S)
-                idle1 = process_cpu_s(pids)
-                if idle0 is not None and idle1 is not None:
-                    cpu["idle_rate"] = (idle1 - idle0) / (time.perf_counter() - t_idle)
+                t_b, _, idle_b = mark()
+                if idle_a is not None and idle_b is not None:
+                    idle_rate = (idle_b - idle_a) / (t_b - t_a)
             consumer_task = asyncio.create_task(consume())
             t0 = time.perf_counter()
             try:
                 for seq in range(warm + total):
                     if seq == warm:
-                        cpu["client0"], cpu["broker0"] = time.thread_time(), (process_cpu_s(pids) if pids else -1.0)
-                        cpu["t0"] = time.perf_counter()
+                        start = mark()
                     delay = t0 + seq / rate - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
@@ -166,12 +172,11 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
     span = (recv_times[-1] - recv_times[0]) / 1e9 if len(recv_times) > 1 else float("nan")
     n = len(latencies)
     client_us = broker_us = idle_pct = None
-    if n and "client0" in cpu and "client1" in cpu:
-        client_us = (cpu["client1"] - cpu["client0"]) / n * 1e6
-        if "idle_rate" in cpu and cpu["broker0"] >= 0 and cpu["broker1"] >= 0:
-            window = recv_times[-1] / 1e9 - cpu["t0"]  # perf_counter seconds, like recv_times
-            broker_us = max(0.0, cpu["broker1"] - cpu["broker0"] - cpu["idle_rate"] * window) / n * 1e6
-            idle_pct = cpu["idle_rate"] * 100
+    if n and start is not None and end is not None:
+        client_us = (end[1] - start[1]) / n * 1e6
+        if idle_rate is not None and start[2] is not None and end[2] is not None:
+            broker_us = max(0.0, end[2] - start[2] - idle_rate * (end[0] - start[0])) / n * 1e6
+            idle_pct = idle_rate * 100
     return BusBenchResult(
         bus=url, rate=rate, seconds=seconds, sent=total, received=len(latencies),
         p50_ms=_pct(latencies, 0.50), p99_ms=_pct(latencies, 0.99), p999_ms=_pct(latencies, 0.999),
