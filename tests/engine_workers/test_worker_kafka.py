@@ -17,6 +17,7 @@ import pytest
 
 from bus import TopicLayout, connect
 from bus.messages import Cancel, Error, Finished, InferenceRequest, SamplingParams, encode
+from bus.partitioner import partition_for_key
 from engine_workers.worker import Worker, WorkerConfig
 from tests.engine_workers.test_worker_memory import MODEL, Replies, make_engine, publish, req, tiny_dir  # noqa: F401
 
@@ -98,6 +99,70 @@ async def test_kill9_one_of_two_workers_streams_exact(kafka_bootstrap: str, tiny
             # SIGTERM: the survivor drains and exits 0
             procs[survivor].send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(procs[survivor].wait, 30) == 0
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                p.wait(10)
+                p.stdout.close()
+
+
+async def test_sigterm_busy_worker_finishes_running_and_hands_over_the_rest(kafka_bootstrap: str, tiny_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """SIGTERM while busy: the worker stops intake, finishes what it was running, exits 0, and the
+    requests it held but had not started are run by the other worker; every stream stays exact."""
+    # One tier, two partitions (one each once the group settles), twelve requests a partition:
+    # the worker signalled runs two and still holds the rest of its partition.
+    layout = new_layout(partitions=2)
+    rng = random.Random(11)
+    n = 24
+    prompts = [tuple(rng.randrange(3, 500) for _ in range(rng.randint(8, 64))) for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(64, 96), temperature=0.0, ignore_eos=True) for _ in range(n)]
+    ref = make_engine(tiny_dir).generate(prompts, params)
+
+    async with connect(kafka_url(kafka_bootstrap)) as bus:
+        await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
+        procs = {w: spawn_worker(kafka_bootstrap, tiny_dir, layout, w, tmp_path / f"{w}.log") for w in ("wa", "wb")}
+        try:
+            for p in procs.values():
+                await wait_ready(p)
+            await asyncio.sleep(2.0)  # the second join's rebalance settles
+            replies = Replies(bus, layout.reply_topic("test"))
+            await replies.consumer.start()
+            reqs = [InferenceRequest(f"t{i}", MODEL, prompts[i], params[i], layout.reply_topic("test"),
+                                     tier=1, enqueued_at=time.time()) for i in range(n)]
+            for r in reqs:
+                await publish(bus, layout, r)
+            # SIGTERM the first worker seen streaming, while it holds requests it has not started
+            deadline = time.monotonic() + 60
+            while not replies.chunks:
+                assert time.monotonic() < deadline, "no worker streamed anything"
+                await replies.poll(20)
+            victim = replies.chunks[0].worker_id
+            procs[victim].send_signal(signal.SIGTERM)
+            started = {c.request_id for c in replies.chunks if c.worker_id == victim}
+            assert await asyncio.to_thread(procs[victim].wait, 30) == 0, "the drained worker exits 0"
+            await replies.wait([r.request_id for r in reqs], 90)
+
+            for r, expected in zip(reqs, ref):
+                assert replies.stream(r.request_id) == list(expected.token_ids), r.request_id
+            seen: dict[tuple[str, int], int] = {}  # a re-run repeats the same token at the same seq
+            for c in replies.chunks:
+                for i, t in enumerate(c.token_ids):
+                    assert seen.setdefault((c.request_id, c.seq + i), t) == t
+            assert all(isinstance(f, Finished) for f in replies.finals)
+            finished_by = {(f.request_id, f.worker_id) for f in replies.finals}
+            # what it had started by the signal, it finished itself (the drain, not an abort)
+            assert started and all((rid, victim) in finished_by for rid in started)
+            # what it held on its partitions but never started, the other worker ran
+            survivor = next(w for w in procs if w != victim)
+            part = {r.request_id: partition_for_key(r.request_id.encode(), layout.partitions) for r in reqs}
+            victims_parts = {part[rid] for rid in started}
+            handed = [r.request_id for r in reqs if part[r.request_id] in victims_parts and r.request_id not in started
+                      and not any(c.request_id == r.request_id and c.worker_id == victim for c in replies.chunks)]
+            assert handed, "the victim had nothing left to hand over: the test did not exercise the handover"
+            assert all((rid, survivor) in finished_by for rid in handed)
+            print(f"victim {victim}: {len(started)} started and finished by it, {len(handed)} handed to {survivor}")
         finally:
             for p in procs.values():
                 if p.poll() is None:

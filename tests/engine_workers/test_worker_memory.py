@@ -52,7 +52,8 @@ class Replies:
     def __init__(self, bus, topic: str) -> None:
         self.consumer = bus.consumer([topic], start_from="earliest")
         self.tokens: dict[str, dict[int, int]] = {}
-        self.final: dict[str, Finished | Error] = {}
+        self.final: dict[str, Finished | Error] = {}  # the latest final reply per request
+        self.finals: list[Finished | Error] = []  # every final reply, in arrival order (re-runs too)
         self.chunks: list[TokenChunk] = []
 
     async def wait(self, ids, timeout: float = 30.0) -> None:
@@ -70,6 +71,7 @@ class Replies:
                         self.tokens.setdefault(msg.request_id, {})[msg.seq + i] = t
                 elif isinstance(msg, (Finished, Error)):
                     self.final[msg.request_id] = msg
+                    self.finals.append(msg)
 
     def stream(self, rid: str) -> list[int]:
         got = self.tokens.get(rid, {})
