@@ -178,6 +178,10 @@ class RequestLedger:
         await self.commit(tps)
 
     async def on_assigned(self, tps: set[TopicPartition]) -> None:
+        # One line a rebalance: which partitions this worker now reads (what an operator looks for
+        # when requests seem stuck on one worker).
+        log.info("worker %s assigned %d partitions: %s", self.worker_id, len(tps),
+                 ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(tps)) or "none")
         lost, self._revoking = self._revoking - tps, set()
         if not lost:
             return

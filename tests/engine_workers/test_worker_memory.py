@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import urllib.request
 import uuid
@@ -79,7 +80,9 @@ class Replies:
         return [got[i] for i in range(len(got))]
 
 
-async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicLayout) -> None:
+async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicLayout,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="engine_workers.ledger")
     engine = make_engine(tiny_dir)
     prompts = [tuple(range(3 + i, 20 + 3 * i)) for i in range(6)]
     ref = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
@@ -90,6 +93,10 @@ async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicL
         for r in reqs:
             await publish(bus, layout, r)
         await replies.wait([r.request_id for r in reqs])
+        # the assignment is logged, naming every partition it reads
+        assigned = [r.getMessage() for r in caplog.records if "assigned" in r.getMessage()]
+        assert assigned and all(f"{t}[{p}]" in assigned[-1] for t in layout.request_topics(MODEL)
+                                for p in range(layout.partitions))
         for r, expected in zip(reqs, ref):
             assert replies.stream(r.request_id) == list(expected.token_ids)
             fin = replies.final[r.request_id]
