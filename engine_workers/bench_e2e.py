@@ -12,6 +12,9 @@ of 8-256 random token ids, 8-96 output tokens, greedy, ``ignore_eos``; all submi
 In-process runs first and last (and once per ``--repeat`` round); each path keeps its fastest of its
 runs (and lowest lone TTFT), the in-process baseline included. Each bus path also gets its paired
 ratios (every run against the in-process run that opened its round) and their median.
+Where a bus path loses time: the engine counts the wall time inside its steps (``EngineStats.busy_s``),
+so each path's wall splits into time in steps (on shared cores, the same steps run slower) and time
+outside them (waiting for requests or replies); both are printed against in-process.
 Prints throughput (generated tokens/s), the ratio to in-process (target >= 0.9), TTFT p50 under the
 load, and the TTFT p50 of lone requests on an idle engine (sequential, 16-token prompts, 2 tokens)
 with the part the bus path adds (target < 10 ms): under load, TTFT is mostly prefill queueing. Each run uses its own ``cache_salt`` so no run
@@ -73,7 +76,7 @@ def run_inprocess(engine, work) -> dict:
     engine.add_request("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0), cache_salt=salt + "w")
     while engine.has_unfinished():
         engine.step()
-    t0, steps0 = time.monotonic(), engine.stats.steps
+    t0, steps0, busy0 = time.monotonic(), engine.stats.steps, engine.stats.busy_s
     for i, (prompt, params) in enumerate(work):
         engine.add_request(f"b{i}", prompt, params, cache_salt=salt, arrival_time=t0)
     tokens, ttft = 0, []
@@ -84,7 +87,7 @@ def run_inprocess(engine, work) -> dict:
                 ttft.append(out.times.first_token - t0)
     wall = time.monotonic() - t0
     return {"path": "in-process", "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": p50(ttft),
-            "engine_steps": engine.stats.steps - steps0,
+            "engine_steps": engine.stats.steps - steps0, "engine_busy_s": engine.stats.busy_s - busy0,
             "lone_ttft_p50_s": p50(lone), "lone_overhead_p50_s": p50(overhead)}
 
 
@@ -150,12 +153,13 @@ async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: s
             overhead.append(lone[-1] - (tm.ttft - tm.queue))
         ids = {f"b{i}" for i in range(len(work))}
         first: dict[str, float] = {}
-        t0, cpu0, steps0 = time.monotonic(), time.thread_time(), engine.stats.steps
+        t0, cpu0, steps0, busy0 = time.monotonic(), time.thread_time(), engine.stats.steps, engine.stats.busy_s
         await asyncio.gather(*(send(f"b{i}", p, sp) for i, (p, sp) in enumerate(work)))
         tokens = await collect(ids, first)
         wall, loop_cpu = time.monotonic() - t0, time.thread_time() - cpu0
+    # The Finished that ended `collect` left the engine after its step's busy time was counted.
     return {"path": url, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "loop_cpu_s": loop_cpu,
-            "engine_steps": engine.stats.steps - steps0,
+            "engine_steps": engine.stats.steps - steps0, "engine_busy_s": engine.stats.busy_s - busy0,
             "ttft_p50_s": p50([t - t0 for t in first.values()]), "lone_ttft_p50_s": p50(lone),
             "lone_overhead_p50_s": p50(overhead)}
 
@@ -199,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     results = [base] + buses
     base["paired_ratios"], base["paired_ratio_median"] = [1.0] * args.repeat, 1.0
     for r in results:
+        r["engine_wait_s"] = r["wall_s"] - r["engine_busy_s"]  # not inside a step: waiting for work or replies
         r["throughput_ratio"] = r["tok_s"] / base["tok_s"]
         r["added_ttft_p50_ms"] = (r["ttft_p50_s"] - base["ttft_p50_s"]) * 1000
         r["added_lone_ttft_p50_ms"] = (r["lone_ttft_p50_s"] - base["lone_ttft_p50_s"]) * 1000
@@ -218,6 +223,13 @@ def run(args: argparse.Namespace) -> int:
               f"{r['added_lone_ttft_p50_ms']:7.1f} {r['lone_overhead_p50_s'] * 1000:8.2f} {r['added_overhead_p50_ms']:7.2f}")
     for r in results:
         print(f"runs of {r['path']}: " + ", ".join(f"{w:.2f} s" for w in r["runs_wall_s"]))
+    for r in results:
+        print(f"engine time of {r['path']} (its fastest run): {r['engine_busy_s']:.2f} s in {r['engine_steps']} steps, "
+              f"{r['engine_wait_s']:.2f} s outside them (wall - steps: waiting for requests, replies, the torch thread)")
+    for r in buses:
+        print(f"{r['path']} against in-process: steps {r['engine_busy_s'] - base['engine_busy_s']:+.2f} s (the same "
+              f"steps, slower: the cores shared with the path), outside steps {r['engine_wait_s'] - base['engine_wait_s']:+.2f} s "
+              "(waiting on the path)")
     for r in buses:
         print(f"paired ratios of {r['path']} (each run / the in-process run of its round): "
               + ", ".join(f"{x:.3f}" for x in r["paired_ratios"]) + f"; median {r['paired_ratio_median']:.3f}")

@@ -71,6 +71,7 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
     last_batch_tokens: int = 0
     last_batch_seqs: int = 0
+    busy_s: float = 0.0  # wall seconds inside the steps that ran a batch (scheduling to the last output)
 
 
 class _Req:
@@ -199,6 +200,7 @@ class Engine:
         return torch_thread.call(self._step)
 
     def _step(self) -> list[RequestOutput]:
+        started = time.monotonic()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
@@ -228,6 +230,7 @@ class Engine:
                 self.kv.commit_computed(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens, item.seq.cache_extra)
         for i, seq in enumerate(sampling):
             self._append_token(seq, result.token_ids[i], result.logprobs[i], now, outputs)
+        self.stats.busy_s += time.monotonic() - started
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float, outputs: list) -> None:

@@ -55,6 +55,12 @@ def on_torch_thread() -> bool:
     return _thread is not None and threading.current_thread() is _thread
 
 
+def others_waiting() -> bool:
+    """True when a call is queued for the torch thread: a long job running there (an engine's step
+    loop) should return so that it gets its turn."""
+    return not _jobs.empty()
+
+
 def _ensure_started() -> None:
     global _thread
     with _lock:

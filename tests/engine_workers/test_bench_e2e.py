@@ -21,6 +21,9 @@ def test_bench_e2e_repeat_keeps_each_paths_fastest_run(tiny_model_dir, capsys):
     assert base["wall_s"] == min(base["runs_wall_s"]) and mem["wall_s"] == min(mem["runs_wall_s"])
     assert mem["tokens"] == base["tokens"] > 0  # the bus path delivered every token
     assert mem["engine_steps"] > 0 and mem["loop_cpu_s"] >= 0
+    for r in (base, mem):  # the wall splits into time inside the engine's steps and time outside them
+        assert 0 < r["engine_busy_s"] <= r["wall_s"]
+        assert r["engine_wait_s"] == pytest.approx(r["wall_s"] - r["engine_busy_s"])
     assert base["throughput_ratio"] == 1.0
     # same tokens on both paths, so each paired ratio is the round's in-process wall over the bus wall
     assert mem["paired_ratios"] == pytest.approx([a / b for a, b in zip(base["runs_wall_s"], mem["runs_wall_s"])])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -46,6 +47,18 @@ def test_abort_waiting_and_running_frees_blocks_within_a_step(engine):
     rest = drain(engine)
     assert rest["other"][-1].finish_reason == "length"
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_busy_time_counts_only_steps_that_ran_a_batch(engine):
+    assert not engine.has_unfinished()
+    busy = engine.stats.busy_s
+    engine.step()  # nothing scheduled: no time counted
+    assert engine.stats.busy_s == busy
+    engine.add_request("busy", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    t0 = time.monotonic()
+    drain(engine)
+    elapsed = time.monotonic() - t0
+    assert 0 < engine.stats.busy_s - busy <= elapsed
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):

@@ -54,3 +54,63 @@ def test_engine_step_runs_on_torch_thread(tiny_model_dir) -> None:
     while engine.has_unfinished():
         engine.step()
     assert where and all(where)
+
+
+def test_others_waiting_sees_a_queued_call() -> None:
+    started, release = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def hold() -> None:  # occupies the torch thread until released
+        started.set()
+        release.wait(10)
+        seen.append(torch_thread.others_waiting())
+
+    holder = threading.Thread(target=lambda: torch_thread.call(hold))
+    holder.start()
+    assert started.wait(10)
+    assert not torch_thread.others_waiting()
+    queued = threading.Thread(target=lambda: torch_thread.call(lambda: None))
+    queued.start()
+    for _ in range(1000):  # until the second call is queued (bounded)
+        if torch_thread.others_waiting():
+            break
+        threading.Event().wait(0.005)
+    release.set()
+    holder.join(10)
+    queued.join(10)
+    assert seen == [True]
+    assert not torch_thread.others_waiting()
+
+
+async def test_two_async_engines_take_turns_on_the_torch_thread(tiny_model_dir) -> None:
+    """Each AsyncEngine runs its steps back to back on the torch thread, but returns it whenever
+    another call waits: two busy engines of one process both stream, interleaved, to the end."""
+    import asyncio
+    import time
+
+    from bus.messages import SamplingParams
+    from engine_workers.async_engine import AsyncEngine
+    from engine_workers.config import EngineConfig
+    from engine_workers.engine import Engine
+
+    engines = [AsyncEngine(Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20))) for _ in range(2)]
+    times: dict[int, list[float]] = {0: [], 1: []}
+
+    async def stream(i: int) -> int:
+        n = 0
+        async for out in engines[i].generate(f"e{i}", [5, 6, 7, 8], SamplingParams(max_tokens=60, temperature=0.0,
+                                                                                      ignore_eos=True)):
+            n += len(out.token_ids)
+            times[i].append(time.monotonic())
+        return n
+
+    for e in engines:
+        await e.start()
+    try:
+        counts = await asyncio.wait_for(asyncio.gather(stream(0), stream(1)), 60)
+    finally:
+        for e in engines:
+            await e.stop()
+    assert counts == [60, 60]
+    # interleaved: each engine produced output before the other one finished
+    assert times[0][0] < times[1][-1] and times[1][0] < times[0][-1]
