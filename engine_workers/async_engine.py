@@ -66,7 +66,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None, max_commands: int = 4096) -> None:
         self.engine = engine
         self.on_outputs = on_outputs  # called on the event loop with each step's outputs; settable
-        # Called on the engine thread after each step with (batched tokens, sequences); must be
+        # Called on the torch thread after each step with (batched tokens, sequences); must be
         # cheap and thread-safe (e.g. a prometheus histogram observe).
         self.on_step: Callable[[int, int], None] | None = None
         self._commands: queue.Queue = queue.Queue(maxsize=max_commands)
