@@ -4,6 +4,7 @@ and error replies. Every loop is bounded in count and time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import statistics
@@ -47,64 +48,81 @@ async def wait_ready(proc: subprocess.Popen, timeout: float = 60) -> None:
     assert "ready" in line, f"worker did not start: {line!r}"
 
 
-async def test_kill9_one_of_two_workers_streams_exact(kafka_bootstrap: str, tiny_dir: Path, tmp_path: Path) -> None:
-    layout = new_layout()
-    rng = random.Random(7)
-    n = 24
+def seeded_work(seed: int, n: int, max_tokens: tuple[int, int]) -> tuple[list[tuple[int, ...]], list[SamplingParams]]:
+    rng = random.Random(seed)
     prompts = [tuple(rng.randrange(3, 500) for _ in range(rng.randint(8, 64))) for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randint(16, 32), temperature=0.0, ignore_eos=True) for _ in range(n)]
-    ref = make_engine(tiny_dir).generate(prompts, params)
+    params = [SamplingParams(max_tokens=rng.randint(*max_tokens), temperature=0.0, ignore_eos=True) for _ in range(n)]
+    return prompts, params
 
-    async with connect(kafka_url(kafka_bootstrap)) as bus:
+
+@contextlib.asynccontextmanager
+async def two_workers(bootstrap: str, model_dir: Path, layout: TopicLayout, logs: Path):
+    """Workers ``wa`` and ``wb`` in their own processes, ready and settled in one group, and a
+    reader of the ``test`` reply topic: yields (bus, procs, replies); kills what is left on exit."""
+    async with connect(kafka_url(bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
-        procs = {w: spawn_worker(kafka_bootstrap, tiny_dir, layout, w, tmp_path / f"{w}.log") for w in ("wa", "wb")}
+        procs = {w: spawn_worker(bootstrap, model_dir, layout, w, logs / f"{w}.log") for w in ("wa", "wb")}
         try:
             for p in procs.values():
                 await wait_ready(p)
             await asyncio.sleep(2.0)  # the second join's rebalance settles
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
-            reqs = [InferenceRequest(f"k{i}", MODEL, prompts[i], params[i], layout.reply_topic("test"),
-                                     tier=i % 3, enqueued_at=time.time()) for i in range(n)]
-            for r in reqs:
-                await publish(bus, layout, r)
-            # kill -9 the first worker to finish a request, while it still has others in hand
-            victim = None
-            by_worker: dict[str, set[str]] = {}
-            deadline = time.monotonic() + 60
-            while victim is None:
-                assert time.monotonic() < deadline, "no worker finished anything"
-                await replies.poll(50)
-                for c in replies.chunks:
-                    by_worker.setdefault(c.worker_id, set()).add(c.request_id)
-                done = [f for f in replies.final.values() if isinstance(f, Finished)]
-                if done:
-                    victim = done[0].worker_id
-                    procs[victim].send_signal(signal.SIGKILL)
-            started_by_victim = set(by_worker.get(victim, ()))
-            await replies.wait([r.request_id for r in reqs], 90)
-            for r, expected in zip(reqs, ref):
-                fin = replies.final[r.request_id]
-                assert isinstance(fin, Finished), fin
-                assert replies.stream(r.request_id) == list(expected.token_ids), r.request_id
-                assert fin.num_tokens == len(expected.token_ids)
-            # a re-run repeats the same tokens at the same seq: reassembly by seq saw no conflict
-            seen: dict[tuple[str, int], int] = {}
-            for c in replies.chunks:
-                for i, t in enumerate(c.token_ids):
-                    assert seen.setdefault((c.request_id, c.seq + i), t) == t
-            survivor = next(w for w in procs if w != victim)
-            rerun = {rid for rid in started_by_victim if replies.final[rid].worker_id == survivor}
-            print(f"victim {victim}: {len(started_by_victim)} started, {len(rerun)} re-run by {survivor}")
-            # SIGTERM: the survivor drains and exits 0
-            procs[survivor].send_signal(signal.SIGTERM)
-            assert await asyncio.to_thread(procs[survivor].wait, 30) == 0
+            yield bus, procs, replies
         finally:
             for p in procs.values():
                 if p.poll() is None:
                     p.kill()
                 p.wait(10)
                 p.stdout.close()
+
+
+def assert_exact_streams(replies: Replies, reqs: list[InferenceRequest], ref) -> None:  # noqa: ANN001
+    """Each reassembled stream equals the reference, and a re-run repeated the same token at the
+    same seq (reassembly by seq saw no conflict)."""
+    for r, expected in zip(reqs, ref):
+        assert replies.stream(r.request_id) == list(expected.token_ids), r.request_id
+    seen: dict[tuple[str, int], int] = {}
+    for c in replies.chunks:
+        for i, t in enumerate(c.token_ids):
+            assert seen.setdefault((c.request_id, c.seq + i), t) == t
+
+
+async def test_kill9_one_of_two_workers_streams_exact(kafka_bootstrap: str, tiny_dir: Path, tmp_path: Path) -> None:
+    layout = new_layout()
+    prompts, params = seeded_work(7, 24, (16, 32))
+    ref = make_engine(tiny_dir).generate(prompts, params)
+    async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path) as (bus, procs, replies):
+        reqs = [InferenceRequest(f"k{i}", MODEL, p, sp, layout.reply_topic("test"), tier=i % 3, enqueued_at=time.time())
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        for r in reqs:
+            await publish(bus, layout, r)
+        # kill -9 the first worker to finish a request, while it still has others in hand
+        victim = None
+        by_worker: dict[str, set[str]] = {}
+        deadline = time.monotonic() + 60
+        while victim is None:
+            assert time.monotonic() < deadline, "no worker finished anything"
+            await replies.poll(50)
+            for c in replies.chunks:
+                by_worker.setdefault(c.worker_id, set()).add(c.request_id)
+            done = [f for f in replies.final.values() if isinstance(f, Finished)]
+            if done:
+                victim = done[0].worker_id
+                procs[victim].send_signal(signal.SIGKILL)
+        started_by_victim = set(by_worker.get(victim, ()))
+        await replies.wait([r.request_id for r in reqs], 90)
+        for r, expected in zip(reqs, ref):
+            fin = replies.final[r.request_id]
+            assert isinstance(fin, Finished), fin
+            assert fin.num_tokens == len(expected.token_ids)
+        assert_exact_streams(replies, reqs, ref)
+        survivor = next(w for w in procs if w != victim)
+        rerun = {rid for rid in started_by_victim if replies.final[rid].worker_id == survivor}
+        print(f"victim {victim}: {len(started_by_victim)} started, {len(rerun)} re-run by {survivor}")
+        # SIGTERM: the survivor drains and exits 0
+        procs[survivor].send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(procs[survivor].wait, 30) == 0
 
 
 async def test_sigterm_busy_worker_finishes_running_and_hands_over_the_rest(kafka_bootstrap: str, tiny_dir: Path,
@@ -114,61 +132,38 @@ async def test_sigterm_busy_worker_finishes_running_and_hands_over_the_rest(kafk
     # One tier, two partitions (one each once the group settles), twelve requests a partition:
     # the worker signalled runs two and still holds the rest of its partition.
     layout = new_layout(partitions=2)
-    rng = random.Random(11)
-    n = 24
-    prompts = [tuple(rng.randrange(3, 500) for _ in range(rng.randint(8, 64))) for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randint(64, 96), temperature=0.0, ignore_eos=True) for _ in range(n)]
+    prompts, params = seeded_work(11, 24, (64, 96))
     ref = make_engine(tiny_dir).generate(prompts, params)
+    async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path) as (bus, procs, replies):
+        reqs = [InferenceRequest(f"t{i}", MODEL, p, sp, layout.reply_topic("test"), tier=1, enqueued_at=time.time())
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        for r in reqs:
+            await publish(bus, layout, r)
+        # SIGTERM the first worker seen streaming, while it holds requests it has not started
+        deadline = time.monotonic() + 60
+        while not replies.chunks:
+            assert time.monotonic() < deadline, "no worker streamed anything"
+            await replies.poll(20)
+        victim = replies.chunks[0].worker_id
+        procs[victim].send_signal(signal.SIGTERM)
+        started = {c.request_id for c in replies.chunks if c.worker_id == victim}
+        assert await asyncio.to_thread(procs[victim].wait, 30) == 0, "the drained worker exits 0"
+        await replies.wait([r.request_id for r in reqs], 90)
 
-    async with connect(kafka_url(kafka_bootstrap)) as bus:
-        await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
-        procs = {w: spawn_worker(kafka_bootstrap, tiny_dir, layout, w, tmp_path / f"{w}.log") for w in ("wa", "wb")}
-        try:
-            for p in procs.values():
-                await wait_ready(p)
-            await asyncio.sleep(2.0)  # the second join's rebalance settles
-            replies = Replies(bus, layout.reply_topic("test"))
-            await replies.consumer.start()
-            reqs = [InferenceRequest(f"t{i}", MODEL, prompts[i], params[i], layout.reply_topic("test"),
-                                     tier=1, enqueued_at=time.time()) for i in range(n)]
-            for r in reqs:
-                await publish(bus, layout, r)
-            # SIGTERM the first worker seen streaming, while it holds requests it has not started
-            deadline = time.monotonic() + 60
-            while not replies.chunks:
-                assert time.monotonic() < deadline, "no worker streamed anything"
-                await replies.poll(20)
-            victim = replies.chunks[0].worker_id
-            procs[victim].send_signal(signal.SIGTERM)
-            started = {c.request_id for c in replies.chunks if c.worker_id == victim}
-            assert await asyncio.to_thread(procs[victim].wait, 30) == 0, "the drained worker exits 0"
-            await replies.wait([r.request_id for r in reqs], 90)
-
-            for r, expected in zip(reqs, ref):
-                assert replies.stream(r.request_id) == list(expected.token_ids), r.request_id
-            seen: dict[tuple[str, int], int] = {}  # a re-run repeats the same token at the same seq
-            for c in replies.chunks:
-                for i, t in enumerate(c.token_ids):
-                    assert seen.setdefault((c.request_id, c.seq + i), t) == t
-            assert all(isinstance(f, Finished) for f in replies.finals)
-            finished_by = {(f.request_id, f.worker_id) for f in replies.finals}
-            # what it had started by the signal, it finished itself (the drain, not an abort)
-            assert started and all((rid, victim) in finished_by for rid in started)
-            # what it held on its partitions but never started, the other worker ran
-            survivor = next(w for w in procs if w != victim)
-            part = {r.request_id: partition_for_key(r.request_id.encode(), layout.partitions) for r in reqs}
-            victims_parts = {part[rid] for rid in started}
-            handed = [r.request_id for r in reqs if part[r.request_id] in victims_parts and r.request_id not in started
-                      and not any(c.request_id == r.request_id and c.worker_id == victim for c in replies.chunks)]
-            assert handed, "the victim had nothing left to hand over: the test did not exercise the handover"
-            assert all((rid, survivor) in finished_by for rid in handed)
-            print(f"victim {victim}: {len(started)} started and finished by it, {len(handed)} handed to {survivor}")
-        finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                p.wait(10)
-                p.stdout.close()
+        assert_exact_streams(replies, reqs, ref)
+        assert all(isinstance(f, Finished) for f in replies.finals)
+        finished_by = {(f.request_id, f.worker_id) for f in replies.finals}
+        # what it had started by the signal, it finished itself (the drain, not an abort)
+        assert started and all((rid, victim) in finished_by for rid in started)
+        # what it held on its partitions but never started, the other worker ran
+        survivor = next(w for w in procs if w != victim)
+        part = {r.request_id: partition_for_key(r.request_id.encode(), layout.partitions) for r in reqs}
+        victims_parts = {part[rid] for rid in started}
+        handed = [r.request_id for r in reqs if part[r.request_id] in victims_parts and r.request_id not in started
+                  and not any(c.request_id == r.request_id and c.worker_id == victim for c in replies.chunks)]
+        assert handed, "the victim had nothing left to hand over: the test did not exercise the handover"
+        assert all((rid, survivor) in finished_by for rid in handed)
+        print(f"victim {victim}: {len(started)} started and finished by it, {len(handed)} handed to {survivor}")
 
 
 STEP_FLOOR_S = 0.0015
