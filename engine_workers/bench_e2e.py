@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"engine time of {r['path']} (its fastest run): {r['engine_busy_s']:.2f} s in {r['engine_steps']} steps, "
               f"{r['engine_wait_s']:.2f} s outside them (wall - steps: waiting for requests, replies, the torch thread)")
     for r in buses:
-        print(f"{r['path']} against in-process: steps {r['engine_busy_s'] - base['engine_busy_s']:+.2f} s (the same "
-              f"steps, slower: the cores shared with the path), outside steps {r['engine_wait_s'] - base['engine_wait_s']:+.2f} s "
+        print(f"{r['path']} against in-process: in steps {r['engine_busy_s'] - base['engine_busy_s']:+.2f} s (the same "
+              f"steps, on cores the path shares), outside steps {r['engine_wait_s'] - base['engine_wait_s']:+.2f} s "
               "(waiting on the path)")
     for r in buses:
         print(f"paired ratios of {r['path']} (each run / the in-process run of its round): "

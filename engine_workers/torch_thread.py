@@ -10,7 +10,9 @@ engine thread after one matmul on the main thread (``docs/design.md``, "One torc
 
 So :func:`call` runs ``fn`` on the process's torch thread and waits for its result, whichever thread
 asks; on the torch thread itself it simply calls ``fn`` (re-entrant). The hand-off costs two thread
-wake-ups (tens of microseconds), nothing next to a forward pass.
+wake-ups: tens of microseconds on idle cores, but each waits for a core when the cores are busy, so
+``AsyncEngine`` runs its steps back to back in one call and returns the thread when
+:func:`others_waiting` says another call is queued.
 
 Contracts:
 * Exceptions raised by ``fn`` re-raise in the caller, with their traceback.
