@@ -54,6 +54,7 @@ __all__ = [
     "decode_or_deadletter",
     "encode",
     "forget_named",
+    "kafka_bootstrap",
 ]
 
 _MEMORY_OPTIONS = {"default_partitions": int, "max_records_per_partition": int, "retention_ms": int}
@@ -86,6 +87,21 @@ def _options(url: str, query: str, allowed: dict[str, type], kwargs: dict[str, A
     return opts
 
 
+def kafka_bootstrap(url: str) -> list[tuple[str, int]]:
+    """The (host, port) bootstrap addresses of a ``kafka://host:port[,host:port]`` URL, in order.
+    Raises ``ValueError`` naming the address that is not ``host:port``."""
+    hosts = [h.strip() for h in urlsplit(url).netloc.split(",") if h.strip()]
+    if not hosts:
+        raise ValueError(f"{url}: no bootstrap address; use kafka://host:port[,host:port]")
+    out = []
+    for h in hosts:
+        host, sep, port = h.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"{url}: bootstrap address {h!r} is not host:port")
+        out.append((host, int(port)))
+    return out
+
+
 def connect(url: str, **kwargs: Any) -> Bus:
     """A bus for ``url`` (see the module docstring). Call ``start()`` or use ``async with``."""
     parts = urlsplit(url)
@@ -97,14 +113,8 @@ def connect(url: str, **kwargs: Any) -> Bus:
         return MemoryBus(url, broker)
     if scheme == "kafka":
         opts = _options(url, parts.query, _KAFKA_OPTIONS, kwargs)
-        hosts = [h.strip() for h in parts.netloc.split(",") if h.strip()]
-        if not hosts:
-            raise ValueError(f"{url}: no bootstrap address; use kafka://host:port[,host:port]")
-        for h in hosts:
-            host, sep, port = h.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"{url}: bootstrap address {h!r} is not host:port")
+        hosts = kafka_bootstrap(url)
         from bus.kafka import KafkaBus  # aiokafka is heavy: import only when used
 
-        return KafkaBus(",".join(hosts), url=url, **opts)
+        return KafkaBus(",".join(f"{h}:{p}" for h, p in hosts), url=url, **opts)
     raise ValueError(f"unsupported bus URL {url!r}: use memory://[name] or kafka://host:port[,host:port]")

@@ -23,13 +23,21 @@ import struct
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from urllib.parse import urlsplit
 
 from bus import TopicSpec, connect
 
 _STAMP = struct.Struct(">qQ")  # send perf_counter_ns, sequence number
 IDLE_S = 1.0  # the broker's idle CPU rate is measured this long before the first record
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Mark:
+    """One reading of the clocks CPU per record is computed from."""
+
+    t: float  # perf_counter
+    loop_cpu_s: float  # this thread's CPU
+    broker_cpu_s: float | None  # the local broker's CPU; None when not readable
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +66,17 @@ def local_broker_pids(url: str) -> list[int] | None:
     nothing of ours running there)."""
     if not url.startswith("kafka://"):
         return None
-    from bus import kafka_local
+    from bus import kafka_bootstrap, kafka_local
 
-    hosts = [hp.rpartition(":") for hp in urlsplit(url).netloc.split(",")]
-    if any(h.strip("[]") not in _LOOPBACK or not p.isdigit() for h, _, p in hosts):
+    try:
+        hosts = kafka_bootstrap(url)
+    except ValueError:
+        return None
+    if any(host.strip("[]") not in _LOOPBACK for host, _ in hosts):
         return None
     for nodes in (1, 3):  # the cluster sizes `lockgate kafka start` makes
         try:
-            pids = [p for p in kafka_local.status(nodes=nodes, port=int(hosts[0][2])).pids if p is not None]
+            pids = [p for p in kafka_local.status(nodes=nodes, port=hosts[0][1]).pids if p is not None]
         except ValueError:  # a port that command never uses
             return None
         if pids:
@@ -105,11 +116,11 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
     recv_times: list[int] = []
     pids = local_broker_pids(url)
 
-    def mark() -> tuple[float, float, float | None]:  # (perf_counter, loop thread CPU, broker CPU)
-        return time.perf_counter(), time.thread_time(), process_cpu_s(pids) if pids else None
+    def mark() -> _Mark:
+        return _Mark(time.perf_counter(), time.thread_time(), process_cpu_s(pids) if pids else None)
 
-    start: tuple[float, float, float | None] | None = None  # at the first measured send
-    end: tuple[float, float, float | None] | None = None  # at the last receive
+    start: _Mark | None = None  # at the first measured send
+    end: _Mark | None = None  # at the last receive
     idle_rate: float | None = None  # broker CPU seconds per second before the first record
     async with connect(url) as bus:
         await bus.ensure_topics([TopicSpec(topic, partitions)])
@@ -141,11 +152,11 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
                     slots.release()
 
             if pids:  # the broker's idle rate, with this consumer already connected and polling
-                t_a, _, idle_a = mark()
+                a = mark()
                 await asyncio.sleep(IDLE_S)
-                t_b, _, idle_b = mark()
-                if idle_a is not None and idle_b is not None:
-                    idle_rate = (idle_b - idle_a) / (t_b - t_a)
+                b = mark()
+                if a.broker_cpu_s is not None and b.broker_cpu_s is not None:
+                    idle_rate = (b.broker_cpu_s - a.broker_cpu_s) / (b.t - a.t)
             consumer_task = asyncio.create_task(consume())
             t0 = time.perf_counter()
             try:
@@ -173,9 +184,9 @@ async def bench_one(url: str, rate: int, seconds: float, partitions: int = 6, pa
     n = len(latencies)
     client_us = broker_us = idle_pct = None
     if n and start is not None and end is not None:
-        client_us = (end[1] - start[1]) / n * 1e6
-        if idle_rate is not None and start[2] is not None and end[2] is not None:
-            broker_us = max(0.0, end[2] - start[2] - idle_rate * (end[0] - start[0])) / n * 1e6
+        client_us = (end.loop_cpu_s - start.loop_cpu_s) / n * 1e6
+        if idle_rate is not None and start.broker_cpu_s is not None and end.broker_cpu_s is not None:
+            broker_us = max(0.0, end.broker_cpu_s - start.broker_cpu_s - idle_rate * (end.t - start.t)) / n * 1e6
             idle_pct = idle_rate * 100
     return BusBenchResult(
         bus=url, rate=rate, seconds=seconds, sent=total, received=len(latencies),

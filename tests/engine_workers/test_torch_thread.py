@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -74,7 +75,7 @@ def test_others_waiting_sees_a_queued_call() -> None:
     for _ in range(1000):  # until the second call is queued (bounded)
         if torch_thread.others_waiting():
             break
-        threading.Event().wait(0.005)
+        time.sleep(0.005)
     release.set()
     holder.join(10)
     queued.join(10)
@@ -86,7 +87,6 @@ async def test_two_async_engines_take_turns_on_the_torch_thread(tiny_model_dir) 
     """Each AsyncEngine runs its steps back to back on the torch thread, but returns it whenever
     another call waits: two busy engines of one process both stream, interleaved, to the end."""
     import asyncio
-    import time
 
     from bus.messages import SamplingParams
     from engine_workers.async_engine import AsyncEngine
