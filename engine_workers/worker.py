@@ -203,6 +203,7 @@ class Worker:
 
     async def _intake_loop(self) -> None:
         assert self._consumer is not None
+        last_commit = time.monotonic()
         while True:
             self._flow_control()
             try:
@@ -214,7 +215,9 @@ class Worker:
             for rec in records:
                 await self._on_record(rec)
             self._admit()
-            await self.ledger.commit()
+            if time.monotonic() - last_commit >= self.config.commit_interval_s:
+                last_commit = time.monotonic()
+                await self.ledger.commit()
 
     def _room(self) -> int:
         """Free engine sequence slots (0 when the KV blocks are all spoken for)."""

@@ -34,6 +34,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="requests held per tier beyond free sequence slots [LOCKGATE_PREFETCH_PER_TIER]")
     g.add_argument("--drain-grace", type=float, default=env_default("drain-grace", 30.0),
                    help="SIGTERM: seconds to let running requests finish [LOCKGATE_DRAIN_GRACE]")
+    g.add_argument("--commit-interval", type=float, default=env_default("commit-interval", 1.0),
+                   help="commit finished work at most every N s; drain and rebalance commit at once "
+                        "[LOCKGATE_COMMIT_INTERVAL]")
     g.add_argument("--heartbeat", type=float, default=env_default("heartbeat", 0.5), help="status period, s [LOCKGATE_HEARTBEAT]")
     g.add_argument("--metrics-host", default=env_default("metrics-host", "127.0.0.1"), help="[LOCKGATE_METRICS_HOST]")
     g.add_argument("--metrics-port", type=int, default=env_default("metrics-port", None),
@@ -50,7 +53,8 @@ def worker_config_from_args(args: argparse.Namespace):
         model=args.served_model_name or model_name(args.model),  # same name the edge uses
         layout=TopicLayout(namespace=args.namespace, partitions=args.partitions),
         intake_mode=args.intake_mode, aging_period_s=args.aging_period, prefetch_per_tier=args.prefetch_per_tier,
-        heartbeat_s=args.heartbeat, drain_grace_s=args.drain_grace, metrics_host=args.metrics_host,
+        heartbeat_s=args.heartbeat, drain_grace_s=args.drain_grace, commit_interval_s=args.commit_interval,
+        metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, **kw,
     )
 

@@ -24,6 +24,11 @@ class WorkerConfig:
     heartbeat_s: float = 0.5
     drain_grace_s: float = 30.0
     revoke_flush_s: float = 1.0  # on revoke, wait this long for final replies in flight before committing
+    # The intake loop commits finished work at most this often (0: after every poll). Each commit is
+    # a write to the broker's __consumer_offsets log; at one per 50 ms poll a fleet of workers would
+    # send thousands a second. Drain and revoke commit at once whatever the interval; a crash re-runs
+    # at most this much more finished work elsewhere (the reply consumer drops it by seq).
+    commit_interval_s: float = 1.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None = no HTTP server; 0 = any free port
     send_retries: int = 3
@@ -32,7 +37,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         IntakePolicy(self.intake_mode, self.aging_period_s)  # validates both
         object.__setattr__(self, "intake_mode", IntakeMode(self.intake_mode))
-        for name in ("heartbeat_s", "drain_grace_s", "revoke_flush_s"):
+        for name in ("heartbeat_s", "drain_grace_s", "revoke_flush_s", "commit_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.prefetch_per_tier < 1:

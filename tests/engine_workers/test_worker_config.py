@@ -25,6 +25,7 @@ def test_intake_mode_given_as_text_becomes_the_enum() -> None:
     ({"heartbeat_s": -1}, "heartbeat_s"),
     ({"drain_grace_s": float("nan")}, "drain_grace_s"),
     ({"revoke_flush_s": -0.5}, "revoke_flush_s"),
+    ({"commit_interval_s": -1}, "commit_interval_s"),
     ({"prefetch_per_tier": 0}, "prefetch_per_tier"),
     ({"intake_mode": "lottery"}, "lottery"),
 ])

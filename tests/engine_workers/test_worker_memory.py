@@ -86,7 +86,8 @@ async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicL
     engine = make_engine(tiny_dir)
     prompts = [tuple(range(3 + i, 20 + 3 * i)) for i in range(6)]
     ref = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, heartbeat_s=0.1), bus, engine) as w:
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, heartbeat_s=0.1, commit_interval_s=0), bus,
+                                                        engine) as w:
         replies = Replies(bus, layout.reply_topic("test"))
         await replies.consumer.start()
         reqs = [req(f"r{i}", layout, p, tier=i % 3) for i, p in enumerate(prompts)]
@@ -106,7 +107,7 @@ async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicL
             assert 0 <= t.queue <= t.ttft <= t.e2e < 30 and t.tpot >= 0
         # every chunk carries the attempt; text offsets are contiguous
         assert all(c.attempt == 0 for c in replies.chunks)
-        await asyncio.sleep(0.2)  # the intake loop commits within a poll
+        await asyncio.sleep(0.2)  # commit_interval_s=0: the intake loop commits within a poll
         group = bus.broker.group(w.config.group)
         ends = {TopicPartition(t, p): bus.broker.topics[t].partitions[p].end
                 for t in layout.request_topics(MODEL) for p in range(2)}
@@ -145,7 +146,7 @@ async def test_cancel_frees_kv_within_a_step(tiny_dir: Path, layout: TopicLayout
 
 async def test_expired_invalid_and_undecodable(tiny_dir: Path, layout: TopicLayout) -> None:
     engine = make_engine(tiny_dir)
-    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout), bus, engine) as w:
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, engine) as w:
         replies = Replies(bus, layout.reply_topic("test"))
         await replies.consumer.start()
         dlq = bus.consumer([layout.dead_letter_topic], start_from="earliest")
@@ -222,3 +223,23 @@ async def test_drain_finishes_running_and_leaves_queue_uncommitted(tiny_dir: Pat
         committed = bus.broker.group(w.config.group).committed
         assert committed == {TopicPartition(layout1.request_topic(MODEL, 0), 0): 1}  # b stays for others
         assert w.state == "stopped"
+
+
+async def test_commits_wait_for_the_interval_and_drain_commits_at_once(tiny_dir: Path, layout: TopicLayout) -> None:
+    engine = make_engine(tiny_dir)
+    async with MemoryBus() as bus:
+        w = Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=60), bus, engine)
+        await w.start()
+        replies = Replies(bus, layout.reply_topic("test"))
+        await replies.consumer.start()
+        reqs = [req(f"r{i}", layout, max_tokens=4) for i in range(4)]
+        for r in reqs:
+            await publish(bus, layout, r)
+        await replies.wait([r.request_id for r in reqs])
+        await asyncio.sleep(0.3)  # six intake polls: none may commit inside the interval
+        group = bus.broker.group(w.config.group)
+        assert group.committed == {}
+        assert await w.drain(grace_s=5)
+        ends = {TopicPartition(t, p): bus.broker.topics[t].partitions[p].end
+                for t in layout.request_topics(MODEL) for p in range(layout.partitions)}
+        assert {tp: group.committed.get(tp, 0) for tp in ends} == ends and sum(ends.values()) == len(reqs)
