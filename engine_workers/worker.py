@@ -59,6 +59,7 @@ from engine_workers.worker_metrics import CONTENT_TYPE, WorkerMetrics
 log = logging.getLogger(__name__)
 
 POLL_MS = 50
+STOP_COMMIT_S = 5.0
 RECENT_CANCELS = 10_000
 
 
@@ -124,14 +125,23 @@ class Worker:
                  self.config.model, self.config.group, self.policy.mode.value, self.policy.aging_period_s)
 
     async def stop(self) -> None:
-        """Stop now: leave the group without committing unfinished work. Idempotent."""
+        """Stop now: commit what is finished, leave the group without committing unfinished work.
+        Idempotent. The commit is bounded by ``STOP_COMMIT_S``: a broken bus must not hold the stop."""
         if self.state == "stopped":
             return
-        self.state = "stopped"
+        was, self.state = self.state, "stopped"
         tasks, self._tasks = self._tasks, []
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if was in ("started", "draining"):
+            # Work finished since the intake loop's last periodic commit: without this a clean
+            # stop would leave up to commit_interval_s of it to be re-run by the next owner.
+            try:
+                await asyncio.wait_for(self.ledger.commit(), STOP_COMMIT_S)
+            except asyncio.TimeoutError:
+                log.warning("worker %s: final commit timed out after %gs; the next owner re-runs that work",
+                            self.config.worker_id, STOP_COMMIT_S)
         await self.replies.stop()
         for c in (self._consumer, self._control):
             if c is not None:

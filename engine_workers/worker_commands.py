@@ -35,7 +35,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-grace", type=float, default=env_default("drain-grace", 30.0),
                    help="SIGTERM: seconds to let running requests finish [LOCKGATE_DRAIN_GRACE]")
     g.add_argument("--commit-interval", type=float, default=env_default("commit-interval", 1.0),
-                   help="commit finished work at most every N s; drain and rebalance commit at once "
+                   help="commit finished work at most every N s; drain, rebalance and stop commit at once "
                         "[LOCKGATE_COMMIT_INTERVAL]")
     g.add_argument("--heartbeat", type=float, default=env_default("heartbeat", 0.5), help="status period, s [LOCKGATE_HEARTBEAT]")
     g.add_argument("--metrics-host", default=env_default("metrics-host", "127.0.0.1"), help="[LOCKGATE_METRICS_HOST]")

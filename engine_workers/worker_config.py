@@ -26,7 +26,7 @@ class WorkerConfig:
     revoke_flush_s: float = 1.0  # on revoke, wait this long for final replies in flight before committing
     # The intake loop commits finished work at most this often (0: after every poll). Each commit is
     # a write to the broker's __consumer_offsets log; at one per 50 ms poll a fleet of workers would
-    # send thousands a second. Drain and revoke commit at once whatever the interval; a crash re-runs
+    # send thousands a second. Drain, revoke and stop commit at once whatever the interval; a crash re-runs
     # at most this much more finished work elsewhere (the reply consumer drops it by seq).
     commit_interval_s: float = 1.0
     metrics_host: str = "127.0.0.1"

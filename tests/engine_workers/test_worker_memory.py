@@ -225,7 +225,9 @@ async def test_drain_finishes_running_and_leaves_queue_uncommitted(tiny_dir: Pat
         assert w.state == "stopped"
 
 
-async def test_commits_wait_for_the_interval_and_drain_commits_at_once(tiny_dir: Path, layout: TopicLayout) -> None:
+@pytest.mark.parametrize("end", ["drain", "stop"])
+async def test_commits_wait_for_the_interval_and_the_end_commits_at_once(tiny_dir: Path, layout: TopicLayout,
+                                                                        end: str) -> None:
     engine = make_engine(tiny_dir)
     async with MemoryBus() as bus:
         w = Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=60), bus, engine)
@@ -239,7 +241,10 @@ async def test_commits_wait_for_the_interval_and_drain_commits_at_once(tiny_dir:
         await asyncio.sleep(0.3)  # six intake polls: none may commit inside the interval
         group = bus.broker.group(w.config.group)
         assert group.committed == {}
-        assert await w.drain(grace_s=5)
+        if end == "drain":
+            assert await w.drain(grace_s=5)
+        else:
+            await w.stop()  # a plain stop commits what is finished too
         ends = {TopicPartition(t, p): bus.broker.topics[t].partitions[p].end
                 for t in layout.request_topics(MODEL) for p in range(layout.partitions)}
         assert {tp: group.committed.get(tp, 0) for tp in ends} == ends and sum(ends.values()) == len(reqs)
