@@ -154,3 +154,26 @@ async def test_fresh_topics_consume_and_delete_without_error_logs(kafka_bootstra
                     assert [r.value for r in got] == [b"x"]
                 await bus.delete_topics([name])
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.kafka
+async def test_sends_right_after_ensure_topics_find_every_leader_ready(kafka_bootstrap: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """``ensure_topics`` returns once every new partition's leader has taken its leadership up, so
+    the first sends are not refused (aiokafka would retry them with a WARNING each)."""
+    import asyncio
+    import logging
+    import uuid
+
+    async with connect(f"kafka://{kafka_bootstrap}") as bus:
+        names = [f"t.lead.{uuid.uuid4().hex[:8]}" for _ in range(4)]
+        try:
+            with caplog.at_level(logging.INFO):
+                for name in names:
+                    assert await bus.ensure_topics([TopicSpec(name, 6)]) == [name]
+                    metas = await asyncio.gather(*(bus.send(name, b"x", key=str(k).encode()) for k in range(24)))
+                    assert {m.partition for m in metas} == set(range(6))
+        finally:
+            await bus.delete_topics(names)
+    refused = [r.getMessage() for r in caplog.records if r.name.startswith("aiokafka") and r.levelno >= logging.WARNING]
+    assert not refused, refused[:3]
