@@ -14,7 +14,11 @@ runs (and lowest lone TTFT), the in-process baseline included. Each bus path als
 ratios (every run against the in-process run that opened its round) and their median.
 Where a bus path loses time: the engine counts the wall time inside its steps (``EngineStats.busy_s``),
 so each path's wall splits into time in steps (on shared cores, the same steps run slower) and time
-outside them (waiting for requests or replies); both are printed against in-process.
+outside them (waiting for requests or replies); both are printed against in-process. And the CPU
+each path used over its batch: the engine's threads (this process less its main thread: the torch
+thread and its OpenMP team), the main thread (the event loop of worker and client on a bus path),
+and a local broker's (``lockgate kafka start`` behind the first loopback ``kafka://`` URL; during an
+in-process run that is the broker's idle use), each against in-process.
 Prints throughput (generated tokens/s), the ratio to in-process (target >= 0.9), TTFT p50 under the
 load, and the TTFT p50 of lone requests on an idle engine (sequential, 16-token prompts, 2 tokens)
 with the part the bus path adds (target < 10 ms): under load, TTFT is mostly prefill queueing. Each run uses its own ``cache_salt`` so no run
@@ -27,11 +31,13 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
 import statistics
 import time
 import uuid
 
+from bus.bench import local_broker_pids, process_cpu_s
 from bus.messages import Finished, InferenceRequest, SamplingParams, TokenChunk, decode, encode, replies_of
 
 log = logging.getLogger(__name__)
@@ -57,7 +63,23 @@ def lone_prompts(work) -> list[tuple[int, ...]]:
     return [work[i % len(work)][0][:16] for i in range(LONE_RUNS)]
 
 
-def run_inprocess(engine, work) -> dict:
+CpuMark = tuple[float, float, float | None]  # (this process, this thread, the broker): CPU seconds
+
+
+def cpu_mark(broker: list[int] | None) -> CpuMark:
+    t = os.times()  # every thread of this process
+    return t.user + t.system, time.thread_time(), process_cpu_s(broker) if broker else None
+
+
+def cpu_used(start: CpuMark, end: CpuMark) -> dict:
+    """The batch's CPU by where it ran: ``engine_cpu_s`` (this process less its main thread),
+    ``loop_cpu_s`` (the main thread), ``broker_cpu_s`` (``None`` without a readable local broker)."""
+    proc, loop = end[0] - start[0], end[1] - start[1]
+    broker = end[2] - start[2] if start[2] is not None and end[2] is not None else None
+    return {"engine_cpu_s": proc - loop, "loop_cpu_s": loop, "broker_cpu_s": broker}
+
+
+def run_inprocess(engine, work, broker: list[int] | None = None) -> dict:
     salt = uuid.uuid4().hex
     lone, overhead = [], []
     for i, prompt in enumerate(lone_prompts(work)):
@@ -76,7 +98,7 @@ def run_inprocess(engine, work) -> dict:
     engine.add_request("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0), cache_salt=salt + "w")
     while engine.has_unfinished():
         engine.step()
-    t0, steps0, busy0 = time.monotonic(), engine.stats.steps, engine.stats.busy_s
+    t0, steps0, busy0, cpu0 = time.monotonic(), engine.stats.steps, engine.stats.busy_s, cpu_mark(broker)
     for i, (prompt, params) in enumerate(work):
         engine.add_request(f"b{i}", prompt, params, cache_salt=salt, arrival_time=t0)
     tokens, ttft = 0, []
@@ -85,13 +107,13 @@ def run_inprocess(engine, work) -> dict:
             tokens += len(out.token_ids)
             if out.finished and out.times and out.times.first_token is not None:
                 ttft.append(out.times.first_token - t0)
-    wall = time.monotonic() - t0
-    return {"path": "in-process", "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": p50(ttft),
+    wall, cpu = time.monotonic() - t0, cpu_used(cpu0, cpu_mark(broker))
+    return {"path": "in-process", "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "ttft_p50_s": p50(ttft), **cpu,
             "engine_steps": engine.stats.steps - steps0, "engine_busy_s": engine.stats.busy_s - busy0,
             "lone_ttft_p50_s": p50(lone), "lone_overhead_p50_s": p50(overhead)}
 
 
-async def run_bus(engine, work, url: str, model: str) -> dict:
+async def run_bus(engine, work, url: str, model: str, broker: list[int] | None = None) -> dict:
     from bus import BusError, TopicLayout, connect
 
     layout = TopicLayout(namespace=f"bench{uuid.uuid4().hex[:8]}", partitions=6)
@@ -101,7 +123,7 @@ async def run_bus(engine, work, url: str, model: str) -> dict:
         specs = layout.model_specs(model) + [layout.reply_spec("bench", 1)]
         await bus.ensure_topics(specs)
         try:
-            return await _measure_bus(bus, engine, work, url, model, layout, reply, salt)
+            return await _measure_bus(bus, engine, work, url, model, layout, reply, salt, broker)
         finally:
             # The namespace is this run's alone: a long-lived broker would otherwise keep ~10
             # topics per run for a week (repeated runs had left ~2,000 on the dev broker).
@@ -111,7 +133,8 @@ async def run_bus(engine, work, url: str, model: str) -> dict:
                 log.warning("could not delete this run's topics (%s): %s", layout.namespace, exc)
 
 
-async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: str, salt: str) -> dict:  # noqa: ANN001
+async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: str, salt: str,  # noqa: ANN001
+                       broker: list[int] | None) -> dict:
     from engine_workers.worker import Worker, WorkerConfig
 
     async with Worker(WorkerConfig(model, layout=layout, heartbeat_s=0.5), bus, engine):
@@ -153,12 +176,12 @@ async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: s
             overhead.append(lone[-1] - (tm.ttft - tm.queue))
         ids = {f"b{i}" for i in range(len(work))}
         first: dict[str, float] = {}
-        t0, cpu0, steps0, busy0 = time.monotonic(), time.thread_time(), engine.stats.steps, engine.stats.busy_s
+        t0, cpu0, steps0, busy0 = time.monotonic(), cpu_mark(broker), engine.stats.steps, engine.stats.busy_s
         await asyncio.gather(*(send(f"b{i}", p, sp) for i, (p, sp) in enumerate(work)))
         tokens = await collect(ids, first)
-        wall, loop_cpu = time.monotonic() - t0, time.thread_time() - cpu0
+        wall, cpu = time.monotonic() - t0, cpu_used(cpu0, cpu_mark(broker))
     # The Finished that ended `collect` left the engine after its step's busy time was counted.
-    return {"path": url, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "loop_cpu_s": loop_cpu,
+    return {"path": url, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, **cpu,
             "engine_steps": engine.stats.steps - steps0, "engine_busy_s": engine.stats.busy_s - busy0,
             "ttft_p50_s": p50([t - t0 for t in first.values()]), "lone_ttft_p50_s": p50(lone),
             "lone_overhead_p50_s": p50(overhead)}
@@ -181,11 +204,13 @@ def run(args: argparse.Namespace) -> int:
     # keeps the baseline from being measured only on a fresh machine.
     inproc: list[dict] = []
     runs: dict[str, list[dict]] = {url: [] for url in urls}
+    # One broker measured on every path: during the in-process runs its CPU is what it uses idle.
+    broker = local_broker_pids(next((u for u in urls if u.startswith("kafka://")), ""))
     for _ in range(args.repeat):
-        inproc.append(run_inprocess(engine, work))
+        inproc.append(run_inprocess(engine, work, broker))
         for url in urls:
-            runs[url].append(run_loop(run_bus(engine, work, url, args.model)))
-    inproc.append(run_inprocess(engine, work))
+            runs[url].append(run_loop(run_bus(engine, work, url, args.model, broker)))
+    inproc.append(run_inprocess(engine, work, broker))
 
     def best(rs: list[dict], label: str) -> dict:
         return dict(min(rs, key=lambda r: r["wall_s"]), path=label,
@@ -230,6 +255,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['path']} against in-process: in steps {r['engine_busy_s'] - base['engine_busy_s']:+.2f} s (the same "
               f"steps, on cores the path shares), outside steps {r['engine_wait_s'] - base['engine_wait_s']:+.2f} s "
               "(waiting on the path)")
+    for r in results:
+        print(f"CPU of {r['path']} (its fastest run): engine threads {r['engine_cpu_s']:.2f} s, main thread "
+              f"{r['loop_cpu_s']:.2f} s" + (f", broker {r['broker_cpu_s']:.2f} s" if r["broker_cpu_s"] is not None else ""))
+    for r in buses:
+        broker_delta = (f", broker {r['broker_cpu_s'] - base['broker_cpu_s']:+.2f} s"
+                        if r["broker_cpu_s"] is not None and base["broker_cpu_s"] is not None else "")
+        print(f"{r['path']} against in-process, CPU: engine threads {r['engine_cpu_s'] - base['engine_cpu_s']:+.2f} s, "
+              "main thread "
+              f"{r['loop_cpu_s'] - base['loop_cpu_s']:+.2f} s{broker_delta}")
     for r in buses:
         print(f"paired ratios of {r['path']} (each run / the in-process run of its round): "
               + ", ".join(f"{x:.3f}" for x in r["paired_ratios"]) + f"; median {r['paired_ratio_median']:.3f}")

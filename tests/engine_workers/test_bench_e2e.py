@@ -24,6 +24,8 @@ def test_bench_e2e_repeat_keeps_each_paths_fastest_run(tiny_model_dir, capsys):
     for r in (base, mem):  # the wall splits into time inside the engine's steps and time outside them
         assert 0 < r["engine_busy_s"] <= r["wall_s"]
         assert r["engine_wait_s"] == pytest.approx(r["wall_s"] - r["engine_busy_s"])
+        # and the batch's CPU by thread: the engine's threads did the steps; no broker on memory://
+        assert r["engine_cpu_s"] > 0 and r["loop_cpu_s"] >= 0 and r["broker_cpu_s"] is None
     assert base["throughput_ratio"] == 1.0
     # same tokens on both paths, so each paired ratio is the round's in-process wall over the bus wall
     assert mem["paired_ratios"] == pytest.approx([a / b for a, b in zip(base["runs_wall_s"], mem["runs_wall_s"])])
@@ -42,6 +44,18 @@ def test_bench_e2e_deletes_its_topics(tiny_model_dir, capsys):
         assert named_broker(name).topics == {}, "each run's namespace is deleted when the run ends"
     finally:
         forget_named(name)
+
+
+@pytest.mark.kafka
+def test_bench_e2e_on_kafka_counts_the_local_brokers_cpu(tiny_model_dir, kafka_bootstrap, capsys):
+    args = build_parser().parse_args(["bench", "e2e", "--model", tiny_model_dir, "--kv-cache-bytes", "16M",
+                                      "--bus", f"kafka://{kafka_bootstrap}", "--num-requests", "3", "--json"])
+    assert args.func(args) == 0
+    base, kafka = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    assert kafka["tokens"] == base["tokens"] > 0
+    # the same broker read on both paths: idle during the in-process run, serving during the Kafka one
+    assert base["broker_cpu_s"] is not None and kafka["broker_cpu_s"] is not None
+    assert base["broker_cpu_s"] >= 0 and kafka["broker_cpu_s"] > 0 and kafka["loop_cpu_s"] > 0
 
 
 def test_bench_e2e_rejects_repeat_below_one(tiny_model_dir):
