@@ -44,10 +44,16 @@ def freeze_heap() -> None:
     takes traffic. Those millions of long-lived objects are otherwise re-traversed by every full
     (gen-2) collection, a stop-the-world pause. Frozen objects are still freed by reference counting; only cycles among them are
     never collected, which is fine for start-up state that lives as long as the process."""
+    import atexit
     import gc
 
     gc.collect()
     gc.freeze()
+    # At exit, hand them back before the interpreter finalizes: frozen cycles are never freed,
+    # and torch's triton bindings (nanobind) then print ~30 lines of "leaked instances/types"
+    # after every clean shutdown of a server. Registered once however often this is called.
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
     # Objects created after start-up (10,000 connections' state) are long-lived too; with the
     # default thresholds (700, 10, 10) the young generations are collected every few hundred
     # allocations and a full collection traverses every connection (473 ms pauses at 10,000,
