@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
+    from bus.base import BusError
+
     try:
         rc = func(args)
     except KeyboardInterrupt:
@@ -115,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # user input: say what was wrong, no traceback
         print(f"lockgate: error: {exc}", file=sys.stderr)
         return 2
+    except BusError as exc:  # the bus failed (broker unreachable, ...): its message names what and where
+        if level <= logging.DEBUG:
+            logging.getLogger("lockgate").exception("bus error")
+        print(f"lockgate {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

@@ -119,3 +119,13 @@ def test_window_p99s_separate_a_stall_from_steady_windows():
     assert window_p99s([], []) == []
     with pytest.raises(ValueError, match="publish stamps"):
         window_p99s([0.0], [])
+
+
+def test_unreachable_broker_is_one_line_and_exit_1(tiny_model_dir, capsys):
+    """A server that cannot reach its bus says so in one line naming the broker, no traceback."""
+    from engine_workers.cli import main
+
+    rc = main(["edge", "--model", tiny_model_dir, "--port", "0", "--bus", "kafka://127.0.0.1:1?connect_timeout_s=0.5"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "lockgate edge: error:" in err and "127.0.0.1:1 unreachable" in err and "Traceback" not in err
