@@ -103,6 +103,8 @@ def _edge(args: argparse.Namespace) -> int:
                     loop.add_signal_handler(sig, stop.set)
                 print(f"lockgate edge on http://{config.host}:{edge.port}/ (ws /ws), bus {args.bus}", flush=True)
                 await stop.wait()
+                print(f"lockgate edge: shutting down ({len(edge.sessions)} connections to close)", file=sys.stderr,
+                      flush=True)
         finally:
             await b.stop()
 

@@ -93,3 +93,37 @@ def pytest_collection_modifyitems(config, items) -> None:
     skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def run_until_signalled(tmp_path):
+    """``run(args, ready_text, sig)``: start ``python -m engine_workers.cli *args`` (the ``lockgate``
+    command), wait (<= 120 s) for ``ready_text`` on its stdout, send ``sig``, and return its exit
+    code (<= 60 s) and its stderr. The process is killed if anything fails on the way."""
+    import signal as signals
+    import subprocess
+    import time
+
+    def run(args: list[str], ready_text: str, sig: int = signals.SIGTERM) -> tuple[int, str]:
+        err = tmp_path / "stderr.txt"
+        env = dict(os.environ, LOCKGATE_LOG_LEVEL="WARNING")
+        with open(err, "wb") as ferr:
+            proc = subprocess.Popen([sys.executable, "-m", "engine_workers.cli", *args], stdout=subprocess.PIPE,
+                                    stderr=ferr, env=env)
+            try:
+                deadline = time.monotonic() + 120
+                line = b""
+                while ready_text.encode() not in line:
+                    assert time.monotonic() < deadline and proc.poll() is None, err.read_text()
+                    line = proc.stdout.readline()
+                proc.send_signal(sig)
+                rc = proc.wait(60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                proc.stdout.close()
+        return rc, err.read_text()
+
+    return run
+

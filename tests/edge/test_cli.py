@@ -129,3 +129,10 @@ def test_unreachable_broker_is_one_line_and_exit_1(tiny_model_dir, capsys):
     err = capsys.readouterr().err
     assert rc == 1
     assert "lockgate edge: error:" in err and "127.0.0.1:1 unreachable" in err and "Traceback" not in err
+
+
+def test_edge_process_stops_on_sigterm_and_says_so(tiny_model_dir, run_until_signalled):
+    rc, err = run_until_signalled(["edge", "--model", tiny_model_dir, "--port", "0", "--bus", "memory://edge-stop"],
+                                  "lockgate edge on")
+    assert rc == 0 and "lockgate edge: shutting down (0 connections to close)" in err
+    assert "leaked" not in err and "Traceback" not in err, err[-2000:]

@@ -48,35 +48,13 @@ async def test_embedded_platform_streams_engine_output(tiny_model_dir):
     assert await asyncio.wait_for(task, 60) == 0
 
 
-def test_serve_process_stops_on_sigint_without_teardown_noise(tiny_model_dir, tmp_path):
+def test_serve_process_stops_on_sigint_without_teardown_noise(tiny_model_dir, run_until_signalled):
     """`lockgate serve` as users run it: SIGINT drains and exits 0, and stderr carries no teardown
     noise. The frozen start-up heap (freeze_heap) used to survive into interpreter finalization,
     where torch's triton bindings printed ~30 lines of "nanobind: leaked ..." on every stop."""
-    import os
     import signal
-    import subprocess
-    import sys
-    import time
 
-    err = tmp_path / "stderr.txt"
-    env = dict(os.environ, LOCKGATE_LOG_LEVEL="WARNING")
-    with open(err, "wb") as ferr:
-        proc = subprocess.Popen([sys.executable, "-m", "engine_workers.cli", "serve", "--model", tiny_model_dir,
-                                 "--port", "0", "--kv-cache-bytes", "8M", "--bus", "memory://sigint-test"],
-                                stdout=subprocess.PIPE, stderr=ferr, env=env)
-        try:
-            deadline = time.monotonic() + 120
-            line = b""
-            while b"lockgate serving" not in line:
-                assert time.monotonic() < deadline and proc.poll() is None, err.read_text()
-                line = proc.stdout.readline()
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(60) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
-    text = err.read_text()
-    assert "shutting down" in text
-    assert "leaked" not in text and "Traceback" not in text, text[-2000:]
+    rc, err = run_until_signalled(["serve", "--model", tiny_model_dir, "--port", "0", "--kv-cache-bytes", "8M",
+                                   "--bus", "memory://sigint-test"], "lockgate serving", signal.SIGINT)
+    assert rc == 0 and "shutting down" in err
+    assert "leaked" not in err and "Traceback" not in err, err[-2000:]
