@@ -121,14 +121,19 @@ def test_window_p99s_separate_a_stall_from_steady_windows():
         window_p99s([0.0], [])
 
 
-def test_unreachable_broker_is_one_line_and_exit_1(tiny_model_dir, capsys):
-    """A server that cannot reach its bus says so in one line naming the broker, no traceback."""
+@pytest.mark.parametrize("command", ["edge", "worker"])
+def test_unreachable_broker_is_one_line_and_exit_1(tiny_model_dir, tmp_path, command, capsys):
+    """A server that cannot reach its bus says so in one line naming the broker, no traceback. The
+    worker connects before it loads its model (minutes on a GPU host): given a model that does not
+    exist, the bus is still what it reports."""
     from engine_workers.cli import main
 
-    rc = main(["edge", "--model", tiny_model_dir, "--port", "0", "--bus", "kafka://127.0.0.1:1?connect_timeout_s=0.5"])
+    model = tiny_model_dir if command == "edge" else str(tmp_path / "no-such-model")
+    rc = main([command, "--model", model, "--bus", "kafka://127.0.0.1:1?connect_timeout_s=0.5"]
+              + (["--port", "0"] if command == "edge" else []))
     err = capsys.readouterr().err
     assert rc == 1
-    assert "lockgate edge: error:" in err and "127.0.0.1:1 unreachable" in err and "Traceback" not in err
+    assert f"lockgate {command}: error:" in err and "127.0.0.1:1 unreachable" in err and "Traceback" not in err
 
 
 def test_edge_process_stops_on_sigterm_and_says_so(tiny_model_dir, run_until_signalled):
