@@ -20,9 +20,21 @@ def test_parse_time_forms():
     assert parse_time_ms("2024-01-01T00:00:00Z") == 1704067200000
     assert parse_time_ms("2024-01-01T00:00:00") == 1704067200000  # naive = UTC
     assert parse_time_ms("-15m", now_ms=1_000_000) == 100_000
+    assert parse_time_ms("15m", now_ms=1_000_000) == 100_000  # "ago" without the minus argparse mistakes
+    assert parse_time_ms("1.5s", now_ms=10_000) == 8_500 and parse_time_ms("2h", now_ms=8_000_000) == 800_000
     assert parse_time_ms("now", now_ms=5) == 5
     with pytest.raises(ValueError):
         parse_time_ms("yesterday")
+    with pytest.raises(ValueError):
+        parse_time_ms("15x")
+
+
+@pytest.mark.parametrize("since", [["--since", "15m"], ["--since=-15m"]])
+def test_replay_command_line_takes_relative_times(since):
+    from engine_workers.cli import build_parser
+
+    args = build_parser().parse_args(["replay", "--topic", "t", *since])
+    assert parse_time_ms(args.since, now_ms=1_000_000) == 100_000
     assert replay_id("edge-1-a", "r1") == "edge-1-a.replay-r1"
 
 
