@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     ensure = tsub.add_parser("ensure", help="create the topics a model needs (idempotent)")
     _topic_args(ensure, "create")
     ensure.add_argument("--model", action="append", default=None, required=env_default("model", None) is None,
-                        help="model name; repeat for several (env LOCKGATE_MODEL)")
+                        help="model as `lockgate worker --model` takes it (`default`, a folder: its served name); "
+                             "repeat for several (env LOCKGATE_MODEL)")
     ensure.add_argument("--partitions", type=int, default=env_default("partitions", 6),
                         help="partitions per priority topic (env LOCKGATE_PARTITIONS)")
     ensure.add_argument("--replication", type=int, default=env_default("replication", 1),
@@ -130,7 +131,11 @@ def _on_bus(args: argparse.Namespace, action: str, use):  # noqa: ANN001, ANN202
 def _topics_ensure(args: argparse.Namespace) -> int:
     from bus import TopicLayout
 
-    models = args.model or [str(env_default("model", ""))]
+    from engine_workers.model_store import model_name
+
+    # The served name, as `lockgate worker` and `lockgate edge` derive it: `default` or a folder
+    # path would otherwise make topics that no worker reads.
+    models = [model_name(m) for m in (args.model or [str(env_default("model", ""))])]
     if args.partitions < 1 or args.replication < 1:
         raise ValueError("--partitions and --replication must be >= 1")
     layout = TopicLayout(namespace=args.namespace, partitions=args.partitions, replication=args.replication)
@@ -148,10 +153,13 @@ def _topics_delete(args: argparse.Namespace) -> int:
     from bus import TopicLayout
     from bus.base import checked_topic_names
 
+    from engine_workers.model_store import model_name
+
     layout = TopicLayout(namespace=args.namespace)
+    models = [model_name(m) for m in args.model]  # as in ensure
     shared = [layout.control_topic, layout.status_topic, layout.dead_letter_topic] if args.shared else []
     # checked before connecting: a bad name fails at once, not after the broker answers
-    names = checked_topic_names([*args.names, *(t for m in args.model for t in layout.request_topics(m)), *shared,
+    names = checked_topic_names([*args.names, *(t for m in models for t in layout.request_topics(m)), *shared,
                                  *(layout.reply_topic(o) for o in args.reply)])
     if args.prefix is not None and not args.prefix:
         raise ValueError("--prefix must not be empty (it would delete every topic)")

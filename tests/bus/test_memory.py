@@ -204,3 +204,25 @@ async def test_retained_records_are_invisible_to_the_garbage_collector() -> None
         part = bus.broker.topics["t"].partitions[0]
         stored = [*part.keys, *part.values, *part.stamps, *part.headers]
         assert len(stored) == 400 and not any(gc.is_tracked(x) for x in stored)
+
+
+def test_topics_cli_takes_the_model_as_the_worker_does(capsys) -> None:
+    """`lockgate topics ensure/delete --model default` (or a folder) means the served name the
+    worker and edge use, not the literal `default`: otherwise no worker would read those topics."""
+    from bus import TopicLayout
+    from bus.memory import forget_named, named_broker
+    from engine_workers.cli import build_parser
+    from engine_workers.model_store import DEFAULT_MODEL
+
+    name, served = "topics-cli-model", TopicLayout(namespace="ns").request_topics(DEFAULT_MODEL)
+    common = ["--bus", f"memory://{name}", "--namespace", "ns", "--model", "default"]
+    try:
+        args = build_parser().parse_args(["topics", "ensure", *common, "--partitions", "1"])
+        assert args.func(args) == 0
+        made = {line.split()[1] for line in capsys.readouterr().out.splitlines()}
+        assert set(served) <= made and not any(".default." in t for t in made)
+        args = build_parser().parse_args(["topics", "delete", *common])
+        assert args.func(args) == 0
+        assert not set(served) & set(named_broker(name).topics)
+    finally:
+        forget_named(name)
