@@ -137,9 +137,10 @@ async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: s
                        broker: list[int] | None) -> dict:
     from engine_workers.worker import Worker, WorkerConfig
 
-    async with Worker(WorkerConfig(model, layout=layout, heartbeat_s=0.5), bus, engine):
-        replies = bus.consumer([reply], start_from="latest")
-        await replies.start()
+    # The reply consumer is stopped before run_bus deletes the topics: a Kafka consumer still running
+    # then asks for its topic's metadata, and a broker with auto-create on makes the topic again.
+    async with Worker(WorkerConfig(model, layout=layout, heartbeat_s=0.5), bus, engine), \
+            bus.consumer([reply], start_from="latest") as replies:
 
         async def send(rid: str, prompt, params, cache_salt: str = salt) -> None:
             r = InferenceRequest(rid, model, prompt, params, reply, tier=1, enqueued_at=time.time(),

@@ -47,10 +47,22 @@ def test_bench_e2e_deletes_its_topics(tiny_model_dir, capsys):
 
 
 @pytest.mark.kafka
-def test_bench_e2e_on_kafka_counts_the_local_brokers_cpu(tiny_model_dir, kafka_bootstrap, capsys):
+def test_bench_e2e_on_kafka_counts_the_brokers_cpu_and_leaves_no_topic(tiny_model_dir, kafka_bootstrap, capsys):
+    import asyncio
+    import time
+
+    from bus import connect
+
+    async def bench_topics() -> set[str]:
+        async with connect(f"kafka://{kafka_bootstrap}") as bus:
+            return set(await bus.list_topics("bench"))
+
+    before = asyncio.run(bench_topics())
     args = build_parser().parse_args(["bench", "e2e", "--model", tiny_model_dir, "--kv-cache-bytes", "16M",
                                       "--bus", f"kafka://{kafka_bootstrap}", "--num-requests", "3", "--json"])
     assert args.func(args) == 0
+    time.sleep(1)  # a client still running after the delete would have had the broker re-create its topic
+    assert asyncio.run(bench_topics()) == before, "the run's topics are all gone, none made again"
     base, kafka = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
     assert kafka["tokens"] == base["tokens"] > 0
     # the same broker read on both paths: idle during the in-process run, serving during the Kafka one
