@@ -36,6 +36,7 @@ import random
 import statistics
 import time
 import uuid
+from dataclasses import dataclass
 
 from bus.bench import local_broker_pids, process_cpu_s
 from bus.messages import Finished, InferenceRequest, SamplingParams, TokenChunk, decode, encode, replies_of
@@ -63,20 +64,26 @@ def lone_prompts(work) -> list[tuple[int, ...]]:
     return [work[i % len(work)][0][:16] for i in range(LONE_RUNS)]
 
 
-CpuMark = tuple[float, float, float | None]  # (this process, this thread, the broker): CPU seconds
+@dataclass(frozen=True, slots=True)
+class CpuMark:
+    """CPU seconds so far, read at the start and at the end of a batch."""
+
+    process_s: float  # every thread of this process
+    thread_s: float  # the calling (main) thread
+    broker_s: float | None  # the local broker; None when there is none to read
 
 
 def cpu_mark(broker: list[int] | None) -> CpuMark:
-    t = os.times()  # every thread of this process
-    return t.user + t.system, time.thread_time(), process_cpu_s(broker) if broker else None
+    t = os.times()
+    return CpuMark(t.user + t.system, time.thread_time(), process_cpu_s(broker) if broker else None)
 
 
 def cpu_used(start: CpuMark, end: CpuMark) -> dict:
     """The batch's CPU by where it ran: ``engine_cpu_s`` (this process less its main thread),
     ``loop_cpu_s`` (the main thread), ``broker_cpu_s`` (``None`` without a readable local broker)."""
-    proc, loop = end[0] - start[0], end[1] - start[1]
-    broker = end[2] - start[2] if start[2] is not None and end[2] is not None else None
-    return {"engine_cpu_s": proc - loop, "loop_cpu_s": loop, "broker_cpu_s": broker}
+    loop = end.thread_s - start.thread_s
+    broker = end.broker_s - start.broker_s if start.broker_s is not None and end.broker_s is not None else None
+    return {"engine_cpu_s": end.process_s - start.process_s - loop, "loop_cpu_s": loop, "broker_cpu_s": broker}
 
 
 def run_inprocess(engine, work, broker: list[int] | None = None) -> dict:
@@ -263,8 +270,7 @@ def run(args: argparse.Namespace) -> int:
         broker_delta = (f", broker {r['broker_cpu_s'] - base['broker_cpu_s']:+.2f} s"
                         if r["broker_cpu_s"] is not None and base["broker_cpu_s"] is not None else "")
         print(f"{r['path']} against in-process, CPU: engine threads {r['engine_cpu_s'] - base['engine_cpu_s']:+.2f} s, "
-              "main thread "
-              f"{r['loop_cpu_s'] - base['loop_cpu_s']:+.2f} s{broker_delta}")
+              f"main thread {r['loop_cpu_s'] - base['loop_cpu_s']:+.2f} s{broker_delta}")
     for r in buses:
         print(f"paired ratios of {r['path']} (each run / the in-process run of its round): "
               + ", ".join(f"{x:.3f}" for x in r["paired_ratios"]) + f"; median {r['paired_ratio_median']:.3f}")

@@ -126,4 +126,3 @@ def run_until_signalled(tmp_path):
         return rc, err.read_text()
 
     return run
-
