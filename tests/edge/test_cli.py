@@ -56,8 +56,12 @@ def test_bench_edge_every_token_arrives(tmp_path, edges, client, workers):
     # the processes' CPU over the streaming phase, as a share of the machine: it was busy, and no
     # more than all of its CPUs (a little slack: the clients' windows are their own)
     assert 0 < r["cpu_busy_share"] <= 1.2 and 0 < r["edge_core_busy_share"] <= 1.2
-    # the kernel floor, measured after the run: a bare send costs something, the edge more
-    assert r["kernel_send_floor_us"] > 0 and r["edge_cpu_over_floor"] > 1
+    # the kernel floor, measured after the run, and the edge's CPU per token against it. No claim
+    # that the edge costs more than a bare send: both are timings on a shared machine, and a noisy
+    # CI host once measured a 75 us floor (0.98x) -- figures belong in the benchmark, not here.
+    assert r["kernel_send_floor_us"] > 0 and r["edge_process_cpu_us_per_token"] > 0
+    assert r["edge_cpu_over_floor"] == pytest.approx(
+        r["edge_process_cpu_us_per_token"] / r["kernel_send_floor_us"], rel=0.02, abs=0.01)
     assert r["step_write_floor_ms"] == pytest.approx(40 / edges * r["kernel_send_floor_us"] / 1000, abs=0.01)
 
 
