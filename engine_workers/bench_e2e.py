@@ -9,8 +9,9 @@ of 8-256 random token ids, 8-96 output tokens, greedy, ``ignore_eos``; all submi
   same engine, a client publishing every request at t0 and reading the reply topic. TTFT = first
   chunk received by the client - t0; the run ends when the client has every ``Finished``.
 
-In-process runs first and last (and once per ``--repeat`` round); each path keeps its fastest of its
-runs (and lowest lone TTFT), the in-process baseline included. Each bus path also gets its paired
+Each ``--repeat`` round runs in-process first, then each bus; each path keeps its fastest of its
+``--repeat`` runs (and lowest lone TTFT), the in-process baseline included: the same number of draws
+for every path, so no best-of is lower by chance alone. Each bus path also gets its paired
 ratios (every run against the in-process run that opened its round) and their median.
 Where a bus path loses time: the engine counts the wall time inside its steps (``EngineStats.busy_s``),
 so each path's wall splits into time in steps (on shared cores, the same steps run slower) and time
@@ -206,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
     from engine_workers.cli import run_loop
 
     urls = args.bus or DEFAULT_BUSES
-    # Rounds of in-process, then each bus (uvloop, as `lockgate worker` runs), and in-process once
-    # more at the end. Every path keeps its fastest run, the baseline included, so a noisy
-    # neighbour during one run can flatter no path, and the last in-process run after the buses
-    # keeps the baseline from being measured only on a fresh machine.
+    # Rounds of in-process, then each bus (uvloop, as `lockgate worker` runs). Every path keeps its
+    # fastest run, the baseline included, so a noisy neighbour during one run can flatter no path.
+    # Every path gets the same number of runs: a best-of over more draws is lower by chance alone
+    # (an extra closing in-process run, kept until 2026-12-04, leaned the ratio against the buses).
     inproc: list[dict] = []
     runs: dict[str, list[dict]] = {url: [] for url in urls}
     # One broker measured on every path: during the in-process runs its CPU is what it uses idle.
@@ -218,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
         inproc.append(run_inprocess(engine, work, broker))
         for url in urls:
             runs[url].append(run_loop(run_bus(engine, work, url, args.model, broker)))
-    inproc.append(run_inprocess(engine, work, broker))
 
     def best(rs: list[dict], label: str) -> dict:
         return dict(min(rs, key=lambda r: r["wall_s"]), path=label,
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
                     lone_overhead_p50_s=min(r["lone_overhead_p50_s"] for r in rs),
                     runs_wall_s=[r["wall_s"] for r in rs])
 
-    base = best(inproc, f"in-process (best of {len(inproc)})")
+    base = best(inproc, "in-process" if args.repeat == 1 else f"in-process (best of {args.repeat})")
     buses = [best(runs[url], url if args.repeat == 1 else f"{url} (best of {args.repeat})") for url in urls]
     for url, r in zip(urls, buses):
         # Each bus run against the in-process run that opened its round, minutes apart at most: a

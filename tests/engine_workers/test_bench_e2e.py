@@ -16,8 +16,9 @@ def test_bench_e2e_repeat_keeps_each_paths_fastest_run(tiny_model_dir, capsys):
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     base, mem = out["results"]
-    assert base["path"] == "in-process (best of 3)" and mem["path"] == "memory:// (best of 2)"
-    assert len(base["runs_wall_s"]) == 3 and len(mem["runs_wall_s"]) == 2
+    # the same number of draws on every path: a best-of over more runs would lean the ratio
+    assert base["path"] == "in-process (best of 2)" and mem["path"] == "memory:// (best of 2)"
+    assert len(base["runs_wall_s"]) == 2 and len(mem["runs_wall_s"]) == 2
     assert base["wall_s"] == min(base["runs_wall_s"]) and mem["wall_s"] == min(mem["runs_wall_s"])
     assert mem["tokens"] == base["tokens"] > 0  # the bus path delivered every token
     assert mem["engine_steps"] > 0 and mem["loop_cpu_s"] >= 0
