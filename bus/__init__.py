@@ -27,6 +27,7 @@ from bus.base import (
     StartFrom,
     TopicPartition,
     TopicSpec,
+    UnknownTopicError,
 )
 from bus.deadletter import DeadLetterer, decode_or_deadletter
 from bus.memory import MemoryBroker, MemoryBus, forget_named, named_broker
@@ -49,6 +50,7 @@ __all__ = [
     "TopicLayout",
     "TopicPartition",
     "TopicSpec",
+    "UnknownTopicError",
     "connect",
     "decode",
     "decode_or_deadletter",

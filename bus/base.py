@@ -109,6 +109,12 @@ class BusError(RuntimeError):
     """The bus could not do what was asked (broker unreachable, topic missing, ...)."""
 
 
+class UnknownTopicError(BusError):
+    """The topic does not exist: the broker answered, and has no such topic. Unlike a plain
+    :class:`BusError` (the broker could not be asked), waiting and retrying will not help unless
+    someone creates it."""
+
+
 class Consumer(abc.ABC):
     """One member of a consumer group (or a group-less reader). Use as ``async with``."""
 
@@ -197,7 +203,9 @@ class Bus(abc.ABC):
         on the dev broker that way)."""
 
     @abc.abstractmethod
-    async def partitions_for(self, topic: str) -> list[int]: ...
+    async def partitions_for(self, topic: str) -> list[int]:
+        """The topic's partition ids, never creating it. Raises :class:`UnknownTopicError` when it
+        does not exist, :class:`BusError` when the broker could not be asked."""
 
     @abc.abstractmethod
     def consumer(

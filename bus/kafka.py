@@ -41,6 +41,7 @@ from bus.base import (
     RecordMetadata,
     StartFrom,
     TopicSpec,
+    UnknownTopicError,
     check_partition_arg,
     checked_topic_names,
 )
@@ -363,7 +364,10 @@ class KafkaBus(Bus):
         self._check_started()
         parts = await self._describe(topic)
         if parts is None:
-            raise BusError(f"{self.url}: unknown topic {topic!r}")
+            # Known to be missing: the producer stops asking for it at every metadata refresh (a
+            # send to it had it tracked; aiokafka then logs an ERROR per refresh).
+            self._untrack([topic])
+            raise UnknownTopicError(f"{self.url}: unknown topic {topic!r}")
         return parts
 
     def consumer(

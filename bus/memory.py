@@ -50,6 +50,7 @@ from bus.base import (
     StartFrom,
     TopicPartition,
     TopicSpec,
+    UnknownTopicError,
     call_rebalance_callback,
     check_partition_arg,
     checked_consumer_args,
@@ -325,7 +326,7 @@ class MemoryBus(Bus):
         self._check_started()
         t = self.broker.topics.get(topic)
         if t is None:
-            raise BusError(f"{self.url}: unknown topic {topic!r}")
+            raise UnknownTopicError(f"{self.url}: unknown topic {topic!r}")
         return list(range(len(t.partitions)))
 
     def consumer(

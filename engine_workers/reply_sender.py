@@ -23,8 +23,15 @@ acknowledged only after all of its tokens are.
 
 Failure: a record is retried ``retries`` times (backoff 0.1 s doubling); then every request in it
 is forgotten here (what it still had queued too, so no later chunk leaves a gap) and
-``on_failed(key)`` is called for each: the worker leaves it uncommitted, so it runs again
+``on_failed(key, None)`` is called for each: the worker leaves it uncommitted, so it runs again
 elsewhere. While one partition's record is being retried, the topic's next round waits.
+A reply topic that does not exist is not a failure that a retry or another worker can mend: its
+requests are *undeliverable*, and ``on_failed(key, reason)`` says so (the worker dead-letters and
+commits them, so one request naming a missing topic cannot pin its partition's commits). The
+topic is checked before its first round (again over ~0.7 s before it counts as missing, as a topic
+its requester has just created may not be in every broker's metadata yet) and after a failed send
+(deleted since); nothing is ever sent to a missing topic, which on a broker with auto-create would
+create it for no reader, and on one without would wait out the request timeout.
 
 Concurrency: ``chunk``/``final``/``drop`` are synchronous and called from the event loop only.
 Memory: at most the not-yet-sent tokens of the requests in flight. ``stop`` cancels every task
@@ -34,16 +41,22 @@ Memory: at most the not-yet-sent tokens of the requests in flight. ``stop`` canc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
-from bus.base import Bus, BusError
+from bus.base import Bus, BusError, UnknownTopicError
 from bus.messages import Error, Finished, ReplyBatch, TokenChunk, encode
 from bus.partitioner import partition_for_key
 
 log = logging.getLogger(__name__)
 
 MAX_CACHED_TOPICS = 10_000  # partition counts remembered (reply topics may be per request)
+MISSING_RECHECK_S = (0.1, 0.2, 0.4)  # waits before a reply topic not found counts as missing
+
+
+class Undeliverable(Exception):
+    """The reply topic does not exist: no retry or other worker can deliver these replies."""
 
 
 class _Pending:
@@ -80,7 +93,7 @@ class _Topic:
 
 class ReplySender:
     def __init__(self, bus: Bus, worker_id: str, retries: int = 3,
-                 on_failed: Callable[[str], None] | None = None) -> None:
+                 on_failed: Callable[[str, str | None], None] | None = None) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.retries = retries
@@ -152,7 +165,12 @@ class ReplySender:
         try:
             while t.queued:
                 round_, t.queued = t.queued, {}
-                groups = self._groups(round_, await self._count(t.name))
+                try:
+                    count = await self._count(t.name)
+                except Undeliverable as exc:
+                    self._fail(t, list(round_), exc)
+                    continue
+                groups = self._groups(round_, count)
                 if len(groups) == 1:
                     await self._send_group(t, *groups[0])
                 else:
@@ -178,18 +196,33 @@ class ReplySender:
         return list(groups.items())
 
     async def _count(self, topic: str) -> int | None:
-        """The topic's partition count (cached); ``None`` when the bus does not know the topic yet
-        (a send creates it: its records are then keyed one by one, as Kafka would place them)."""
+        """The topic's partition count (cached); ``None`` when the bus could not be asked (the
+        records are then keyed one by one, as Kafka would place them). Raises
+        :class:`Undeliverable` when the topic does not exist."""
         n = self._counts.get(topic)
         if n is None:
             try:
-                n = len(await self.bus.partitions_for(topic))
+                n = len(await self._partitions(topic))
+            except Undeliverable:
+                raise
             except BusError:
                 return None
             if len(self._counts) >= MAX_CACHED_TOPICS:
                 self._counts.clear()
             self._counts[topic] = n
         return n
+
+    async def _partitions(self, topic: str) -> list[int]:
+        """``partitions_for``; a topic not found is asked for again after each of
+        ``MISSING_RECHECK_S``, then raises :class:`Undeliverable`. Other ``BusError``s propagate."""
+        for wait in (*MISSING_RECHECK_S, None):
+            try:
+                return await self.bus.partitions_for(topic)
+            except UnknownTopicError:
+                if wait is None:
+                    raise Undeliverable(f"reply topic {topic!r} does not exist") from None
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
 
     async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
         """Send one partition's record of a round; never raises (but ``CancelledError``): a
@@ -214,19 +247,27 @@ class ReplySender:
                     self._partition.pop(k, None)
                 await self._send(t.name, value, key, None)  # keyed; later rounds use the new count
         except Exception as exc:  # noqa: BLE001 - BusError after the retries, or a bug: fail these requests
-            log.error("replies of %s to %s failed: %r", [k for k, _ in items], t.name, exc,
-                      exc_info=not isinstance(exc, BusError))
-            for k, _ in items:
-                if self._keys.get(k) is t:
-                    self._forget(k)
-                    t.queued.pop(k, None)
-                    self._call(self.on_failed, k)
+            self._fail(t, [k for k, _ in items], exc)
             return
         self.replies_sent += n
         for k, p in items:
             if p.final is not None and self._keys.get(k) is t:
                 self._forget(k)
                 self._call(p.on_acked)
+
+    def _fail(self, t: _Topic, keys: list[str], exc: Exception) -> None:
+        """Forget ``keys`` (what they still have queued too) and report each to ``on_failed``."""
+        if isinstance(exc, Undeliverable):
+            log.warning("replies of %s: %s; their requests are undeliverable", keys, exc)
+            reason: str | None = str(exc)
+        else:
+            log.error("replies of %s to %s failed: %r", keys, t.name, exc, exc_info=not isinstance(exc, BusError))
+            reason = None
+        for k in keys:
+            if self._keys.get(k) is t:
+                self._forget(k)
+                t.queued.pop(k, None)
+                self._call(self.on_failed, k, reason)
 
     @staticmethod
     def _call(cb: Callable | None, *args: object) -> None:
@@ -246,6 +287,10 @@ class ReplySender:
                 self.records_sent += 1
                 return
             except BusError:
+                # Deleted since its count was cached? Then no retry can deliver (and the count goes).
+                self._counts.pop(topic, None)
+                with contextlib.suppress(BusError):  # the broker unreachable: retry as before
+                    await self._partitions(topic)  # raises Undeliverable when it is gone
                 if attempt == self.retries:
                     raise
                 await asyncio.sleep(backoff)

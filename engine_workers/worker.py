@@ -15,7 +15,8 @@ which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward
 * **replies** — the engine's per-step outputs become one ``TokenChunk`` per request per step (more
   coalesced when the bus lags) and a final ``Finished`` to ``reply_to``, in order, all of a step's
   replies for one partition of a reply topic in one record (:class:`ReplySender`: one task per
-  reply topic with something to send, never blocking the engine).
+  reply topic with something to send, never blocking the engine). A request whose reply topic does
+  not exist is aborted and dead-lettered (``reply topic ... does not exist``), then committed.
 * **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
   commits its low watermark. Revoked partitions: their requests are aborted and forgotten (the new
   owner re-runs them from the committed offset). Jobs, offsets, commits and rebalance are kept by
@@ -41,7 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Set
 
-from bus.base import Bus, BusError, TopicPartition
+from bus.base import Bus, BusError, Record, TopicPartition
 from bus.deadletter import DeadLetterer, send_dead_letter
 from bus.messages import (Cancel, DecodeError, Error, ErrorCode, Finished, FinishReason, InferenceRequest, Timings,
                           Usage, WorkerStatus, decode, encode)
@@ -91,6 +92,7 @@ class Worker:
         self._consumer = None
         self._control = None
         self._tasks: list[asyncio.Task] = []
+        self._dead_letters: set[asyncio.Task] = set()  # undeliverable requests being dead-lettered
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
         self.state = "new"  # new -> started -> draining -> stopped
@@ -134,6 +136,10 @@ class Worker:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._dead_letters:  # a dead letter in flight finishes its offset once acknowledged
+            await asyncio.wait(self._dead_letters, timeout=STOP_COMMIT_S)
+            for t in list(self._dead_letters):
+                t.cancel()
         if was in ("started", "draining"):
             # Work finished since the intake loop's last periodic commit: without this a clean
             # stop would leave up to commit_interval_s of it to be re-run by the next owner.
@@ -382,15 +388,46 @@ class Worker:
         job.closing = True
         self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, lambda: self.ledger.answered(job))
 
-    def _on_send_failed(self, eid: str) -> None:
+    def _on_send_failed(self, eid: str, undeliverable: str | None) -> None:
+        """ReplySender's ``on_failed``. The bus failed (``undeliverable`` None): the request stays
+        in flight, never committed here, and runs again after a restart or rebalance. Its reply
+        topic does not exist: no other worker could answer it either, so it is dead-lettered and
+        its offset finished once the dead letter is acknowledged (else one such request would
+        pin its partition's commits, and every restart would re-run all after it)."""
         job = self.ledger.get(eid)
-        if job is not None:  # left in flight: never committed here, re-run after a restart/rebalance
+        if job is None:
+            return
+        job.lost = True  # publish nothing more of it
+        if job.admitted:
+            self.aengine.abort(job.eid)
+        else:
+            self.ledger.forget(job)
+        if undeliverable is None:
             log.error("worker %s: replies of %s could not be sent; leaving it uncommitted", self.config.worker_id, eid)
-            job.lost = True
-            if job.admitted:
-                self.aengine.abort(job.eid)
-            else:
-                self.ledger.forget(job)
+            return
+        task = asyncio.get_running_loop().create_task(self._dead_letter(job, undeliverable), name=f"dlq-{eid}")
+        self._dead_letters.add(task)
+        task.add_done_callback(self._dead_letters.discard)
+
+    async def _dead_letter(self, job: Job, reason: str) -> None:
+        """Publish ``job``'s request to the dead-letter topic (its provenance in the headers), then
+        finish its offset. A failure leaves it uncommitted, as a failed reply does."""
+        if job.tp is None:
+            return
+        r = job.req
+        # The request re-encoded (the record's bytes are not kept); its timestamp is the request's
+        # arrival, which is its enqueued_at (the record's own stamp differs by the publish latency).
+        rec = Record(job.tp.topic, job.tp.partition, job.offset, r.request_id.encode(), encode(r), int(job.arrival * 1000))
+        try:
+            await send_dead_letter(self.bus, self.config.layout, rec, reason)
+        except BusError as exc:
+            log.error("worker %s: dead letter of %s failed (%s); leaving it uncommitted", self.config.worker_id,
+                      job.eid, exc)
+            return
+        self.metrics.dead_letters.inc()
+        # Safe even if the partition was revoked and came back since: the only record at this
+        # offset is this same request, whose reply topic is missing wherever it runs.
+        self.offsets.finish(job.tp, job.offset)
 
     # -- cancel, rebalance ------------------------------------------------------------------------
 

@@ -77,7 +77,7 @@ class WorkerMetrics:
                                registry=r)
         self.errors = Counter("lockgate:request_errors", "Requests answered with an Error.", ["model", "code"],
                               registry=r)
-        self.dead_letters = Counter("lockgate:dead_letters", "Undecodable records sent to the DLQ.", registry=r)
+        self.dead_letters = Counter("lockgate:dead_letters", "Records sent to the dead-letter topic: undecodable, or naming a reply topic that does not exist.", registry=r)
         self.iteration_tokens = Histogram("lockgate:iteration_tokens_total", "Tokens per engine step.", m,
                                           buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.iteration_seqs = Histogram("lockgate:iteration_seqs", "Sequences per engine step.", m,

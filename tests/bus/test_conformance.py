@@ -8,7 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from bus import Bus, BusError, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, decode, decode_or_deadletter, encode
+from bus import (Bus, BusError, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, UnknownTopicError, decode,
+                 decode_or_deadletter, encode)
 from bus.deadletter import parse_dead_letter
 from bus.partitioner import partition_for_key
 from bus.messages import (
@@ -272,7 +273,7 @@ async def test_delete_topics(bus: Bus, name: str) -> None:
     while True:
         try:
             await bus.partitions_for(a)
-        except BusError:
+        except UnknownTopicError:
             if await bus.list_topics(name) == [b]:
                 break
         assert time.monotonic() < deadline, f"{a} still listed or with partitions after delete_topics"

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bus import BusError, TopicSpec, connect
+from bus import BusError, TopicSpec, UnknownTopicError, connect
 from bus import kafka_local
 
 
@@ -41,7 +41,7 @@ async def test_impossible_replication_is_a_clear_error(kafka_bootstrap: str) -> 
     async with connect(f"kafka://{kafka_bootstrap}") as bus:
         with pytest.raises(BusError, match="cannot create topic .*InvalidReplicationFactor"):
             await bus.ensure_topics([TopicSpec("t.too-many-replicas", 1, replication=99)])
-        with pytest.raises(BusError, match="unknown topic"):
+        with pytest.raises(UnknownTopicError, match="unknown topic"):
             await bus.partitions_for("t.never-created-by-anyone")
 
 

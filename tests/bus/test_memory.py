@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from bus import BusError, MemoryBus, TopicPartition, TopicSpec, connect, forget_named
+from bus import BusError, MemoryBus, TopicPartition, TopicSpec, UnknownTopicError, connect, forget_named
 from bus.partitioner import partition_for_key
 
 
@@ -97,7 +97,7 @@ async def test_default_partitions_and_keyed_placement() -> None:
         meta = await bus.send("t", b"x", key=b"request-42")
         assert await bus.partitions_for("t") == [0, 1, 2, 3, 4]
         assert meta.partition == partition_for_key(b"request-42", 5)
-        with pytest.raises(BusError, match="unknown topic"):
+        with pytest.raises(UnknownTopicError, match="unknown topic"):
             await bus.partitions_for("missing")
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bus import BusError, TopicSpec, connect
+from bus import BusError, TopicSpec, UnknownTopicError, connect
 from bus.base import Record
 from bus.memory import MemoryBus
 from bus.messages import Error, Finished, ReplyBatch, TokenChunk, Usage, decode, replies_of
@@ -107,8 +107,8 @@ async def test_drop_forgets_queued_replies_and_never_acks(bus: MemoryBus) -> Non
 
 async def test_a_failed_record_fails_each_request_in_it_and_leaves_no_gap(bus: MemoryBus,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    failed: list[str] = []
-    sender = ReplySender(bus, "w", retries=1, on_failed=failed.append)
+    failed: list[tuple[str, str | None]] = []
+    sender = ReplySender(bus, "w", retries=1, on_failed=lambda k, why: failed.append((k, why)))
     real_send = bus.send
     calls = 0
 
@@ -124,7 +124,8 @@ async def test_a_failed_record_fails_each_request_in_it_and_leaves_no_gap(bus: M
     await asyncio.sleep(0.01)  # the round is in flight (retrying); more tokens queue meanwhile
     sender.chunk(same[0], TOPIC, same[0], 0, 1, (2,), "y", 1)
     await asyncio.sleep(0.3)
-    assert sorted(failed) == sorted(same) and calls == 2  # one record, tried 1 + retries times
+    # one record, tried 1 + retries times; the topic exists, so not undeliverable: a bus failure
+    assert sorted(failed) == sorted((rid, None) for rid in same) and calls == 2
     assert len(sender) == 0
     monkeypatch.setattr(bus, "send", real_send)
     await settle(sender)
@@ -132,15 +133,66 @@ async def test_a_failed_record_fails_each_request_in_it_and_leaves_no_gap(bus: M
     await sender.stop()
 
 
-async def test_unknown_topic_falls_back_to_one_keyed_record_per_request(bus: MemoryBus) -> None:
+async def test_partition_count_unreadable_falls_back_to_one_keyed_record_per_request(
+        bus: MemoryBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def unreadable(topic: str) -> list[int]:
+        raise BusError("metadata timed out")  # the broker could not be asked: not "missing"
+
+    monkeypatch.setattr(bus, "partitions_for", unreadable)
     sender = ReplySender(bus, "w")
-    topic = "lockgate.reply.new"  # not created: the first send creates it
     for rid in ("a", "b", "c"):
-        sender.chunk(rid, topic, rid, 0, 0, (1,), "x", 0)
-        sender.final(rid, topic, rid, Error(rid, "expired", "late"), lambda: None)
+        sender.chunk(rid, TOPIC, rid, 0, 0, (1,), "x", 0)
+        sender.final(rid, TOPIC, rid, Error(rid, "expired", "late"), lambda: None)
     await settle(sender)
-    recs = await records(bus, topic)
+    recs = await records(bus, TOPIC)
     assert len(recs) == 3 and all(r.key == decode(r.value).chunks[0].request_id.encode() for r in recs)
+    assert all(r.partition == partition_for_key(r.key, 3) for r in recs)  # where Kafka would key them
+    await sender.stop()
+
+
+async def test_missing_reply_topic_is_undeliverable_and_nothing_is_sent(bus: MemoryBus) -> None:
+    """A reply topic nobody created: each request is reported undeliverable (once, with a reason
+    naming the topic), nothing is sent (which would create the topic for no reader), and requests
+    to an existing topic in the meantime are not held up."""
+    failed: list[tuple[str, str | None]] = []
+    acked: list[str] = []
+    sender = ReplySender(bus, "w", on_failed=lambda k, why: failed.append((k, why)))
+    gone = "lockgate.reply.gone"
+    for rid in ("a", "b"):
+        sender.chunk(rid, gone, rid, 0, 0, (1,), "x", 0)
+    sender.chunk("ok", TOPIC, "ok", 0, 0, (1,), "x", 0)
+    sender.final("ok", TOPIC, "ok", fin("ok", 1), lambda: acked.append("ok"))
+    await asyncio.sleep(0.1)
+    assert acked == ["ok"] and failed == []  # the missing topic is still being checked again
+    await settle(sender)
+    assert sorted(failed) == [(rid, f"reply topic {gone!r} does not exist") for rid in ("a", "b")]
+    assert len(sender) == 0
+    with pytest.raises(UnknownTopicError):
+        await bus.partitions_for(gone)  # not created by a send
+    await sender.stop()
+
+
+async def test_reply_topic_deleted_after_first_use_is_undeliverable(bus: MemoryBus,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count was cached, then the requester's topic went away and sends fail: the failure is
+    checked against the topic at once (no waiting out every retry) and reported undeliverable."""
+    failed: list[tuple[str, str | None]] = []
+    sender = ReplySender(bus, "w", retries=5, on_failed=lambda k, why: failed.append((k, why)))
+    sender.chunk("a", TOPIC, "a", 0, 0, (1,), "x", 0)
+    await settle(sender)
+    assert sender.records_sent == 1
+    calls = 0
+
+    async def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal calls
+        calls += 1
+        raise BusError("unknown topic or partition")
+
+    await bus.delete_topics([TOPIC])
+    monkeypatch.setattr(bus, "send", broken)
+    sender.chunk("a", TOPIC, "a", 0, 1, (2,), "y", 1)
+    await settle(sender)
+    assert failed == [("a", f"reply topic {TOPIC!r} does not exist")] and calls == 1
     await sender.stop()
 
 

@@ -4,6 +4,7 @@ and error replies. Every loop is bounded in count and time."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import random
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bus import TopicLayout, connect
-from bus.messages import Cancel, Error, Finished, InferenceRequest, SamplingParams, encode
+from bus.messages import Cancel, Error, Finished, InferenceRequest, SamplingParams, decode, encode
 from bus.partitioner import partition_for_key
 from engine_workers.worker import Worker, WorkerConfig
 from tests.engine_workers.test_worker_memory import MODEL, Replies, make_engine, publish, req, tiny_dir  # noqa: F401
@@ -298,3 +299,39 @@ async def test_cancel_expired_invalid_on_kafka(kafka_bootstrap: str, tiny_dir: P
             assert isinstance(f["ok"], Finished) and f["ok"].num_tokens == 5
             assert engine.kv.num_free_blocks == total
             print(f"cancel took effect after {f['long'].num_tokens} tokens, {w.aengine.snapshot.steps - steps} steps")
+
+
+async def test_missing_reply_topic_on_kafka_is_dead_lettered_never_created(kafka_bootstrap: str, tiny_dir: Path) -> None:
+    """A request whose reply topic does not exist: dead-lettered with the reason, nothing sent to
+    that topic (on this broker, which auto-creates topics, a send would have created it), and its
+    offset committed with the others: the group, joined again, reads nothing before a marker
+    published after the worker stopped."""
+    from bus.deadletter import parse_dead_letter
+
+    layout = new_layout(partitions=1)
+    gone = layout.reply_topic("gone")
+    async with connect(kafka_url(kafka_bootstrap)) as bus:
+        await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
+        async with Worker(WorkerConfig(MODEL, layout=layout), bus, make_engine(tiny_dir)) as w:
+            replies = Replies(bus, layout.reply_topic("test"))
+            await replies.consumer.start()
+            await publish(bus, layout, req("before", layout, max_tokens=4))
+            await publish(bus, layout, dataclasses.replace(req("orphan", layout, max_tokens=50), reply_to=gone))
+            await publish(bus, layout, req("after", layout, max_tokens=4))
+            await replies.wait(["before", "after"], 30)
+            async with bus.consumer([layout.dead_letter_topic], start_from="earliest") as dlq:
+                dead: list = []
+                deadline = time.monotonic() + 15
+                while not dead and time.monotonic() < deadline:
+                    dead = await dlq.getmany(timeout_ms=500)
+            assert [parse_dead_letter(r).reason for r in dead] == [f"reply topic {gone!r} does not exist"]
+            assert "orphan" not in replies.final
+            group = w.config.group
+        assert gone not in await bus.list_topics(layout.namespace)
+        await publish(bus, layout, req("marker", layout))
+        seen: list[str] = []
+        async with bus.consumer(layout.request_topics(MODEL), group_id=group, start_from="earliest") as again:
+            deadline = time.monotonic() + 20
+            while "marker" not in seen and time.monotonic() < deadline:
+                seen += [decode(r.value).request_id for r in await again.getmany(timeout_ms=500)]
+        assert seen == ["marker"], "everything before the marker was committed, the orphan included"

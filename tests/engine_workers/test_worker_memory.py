@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import urllib.request
@@ -170,6 +171,45 @@ async def test_expired_invalid_and_undecodable(tiny_dir: Path, layout: TopicLayo
         await asyncio.sleep(0.2)
         group = bus.broker.group(w.config.group)
         assert sum(group.committed.values()) == 6  # committed past every record, junk included
+
+
+async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path, layout: TopicLayout) -> None:
+    """A request naming a reply topic that does not exist can be answered by no worker: it is
+    aborted, dead-lettered with the reason, and its offset committed (left in flight, it pinned its
+    partition's commits: every later request there would run again after any restart). The
+    requests around it are served."""
+    from bus.deadletter import parse_dead_letter
+
+    engine = make_engine(tiny_dir)
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, engine) as w:
+        replies = Replies(bus, layout.reply_topic("test"))
+        await replies.consumer.start()
+        dlq = bus.consumer([layout.dead_letter_topic], start_from="earliest")
+        await dlq.start()
+        gone = layout.reply_topic("gone")
+        await publish(bus, layout, req("before", layout, max_tokens=4))
+        await publish(bus, layout, dataclasses.replace(req("orphan", layout, max_tokens=200), reply_to=gone))
+        await publish(bus, layout, req("after", layout, max_tokens=4))
+        await replies.wait(["before", "after"], 20)
+        dead: list = []
+        deadline = time.monotonic() + 10
+        while not dead and time.monotonic() < deadline:
+            dead = await dlq.getmany(timeout_ms=200)
+        assert len(dead) == 1, "one dead letter: the orphan"
+        letter = parse_dead_letter(dead[0])
+        assert letter.reason == f"reply topic {gone!r} does not exist"
+        assert letter.source_topic == layout.request_topic(MODEL, 1)
+        orphan = decode(letter.value)
+        assert isinstance(orphan, InferenceRequest) and orphan.request_id == "orphan" and orphan.reply_to == gone
+        assert "orphan" not in replies.final
+        deadline = time.monotonic() + 5  # aborted (it asked for 200 tokens): the engine lets it go
+        while (w.ledger.in_engine or w.aengine.snapshot.running) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert w.ledger.in_engine == 0 and w.aengine.snapshot.running == 0
+        await asyncio.sleep(0.2)
+        group = bus.broker.group(w.config.group)
+        assert sum(group.committed.values()) == 3  # committed past all three, the orphan included
+        assert "lockgate:dead_letters_total 1.0" in w.render_metrics().decode()
 
 
 async def test_heartbeat_health_and_metrics(tiny_dir: Path, layout: TopicLayout) -> None:
