@@ -1,4 +1,5 @@
-"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure|delete|list``, ``lockgate bench bus``.
+"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure|delete|list``, ``lockgate dlq``,
+``lockgate bench bus``.
 
 Imports nothing heavy at module level (aiokafka loads inside the commands). Every flag has its
 ``LOCKGATE_<FLAG>`` environment twin through :func:`engine_workers.cli.env_default`.
@@ -59,6 +60,18 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     listing.add_argument("--prefix", default="", help="only names that start with PREFIX")
     listing.set_defaults(func=_topics_list)
 
+    dlq = sub.add_parser("dlq", help="list the dead letters: undecodable records, requests whose reply topic is missing")
+    _bus_args(dlq)
+    dlq.add_argument("--namespace", default=env_default("namespace", "lockgate"),
+                     help="topic name prefix (env LOCKGATE_NAMESPACE)")
+    dlq.add_argument("--since", default="1d",
+                     help="dead-lettered at or after: ms since the epoch, ISO 8601 (naive = UTC), now, or 15m / 2h / "
+                          "1d ago (default 1d)")
+    dlq.add_argument("--until", default="now", help="and at or before (same forms; default now)")
+    dlq.add_argument("--limit", type=int, default=100, help="at most this many, oldest first (default 100)")
+    dlq.add_argument("--json", action="store_true", help="one JSON object per dead letter instead of a line")
+    dlq.set_defaults(func=_dlq)
+
     b = bench.add_parser("bus", help="produce->consume latency p50/p99 and records/s: memory bus vs --bus")
     b.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),
                    help="bus compared with memory:// (env LOCKGATE_BUS); memory:// alone measures just that")
@@ -108,9 +121,9 @@ def _kafka(args: argparse.Namespace) -> int:
     return 0
 
 
-def _on_bus(args: argparse.Namespace, action: str, use):  # noqa: ANN001, ANN202
+def _on_bus(args: argparse.Namespace, command: str, use):  # noqa: ANN001, ANN202
     """``await use(bus)`` on a bus connected to ``--bus``; ``None`` after printing why when the bus
-    fails (``BusError``), so each ``topics`` action exits 1 with one line instead of a traceback."""
+    fails (``BusError``), so each action exits 1 with one line instead of a traceback."""
     import asyncio
 
     from bus import BusError, connect
@@ -124,7 +137,7 @@ def _on_bus(args: argparse.Namespace, action: str, use):  # noqa: ANN001, ANN202
     try:
         return asyncio.run(run())
     except BusError as exc:
-        print(f"lockgate topics {action}: {exc}", file=sys.stderr)
+        print(f"{command}: {exc}", file=sys.stderr)
         return None
 
 
@@ -141,7 +154,7 @@ def _topics_ensure(args: argparse.Namespace) -> int:
     layout = TopicLayout(namespace=args.namespace, partitions=args.partitions, replication=args.replication)
     specs = {s.name: s for m in models for s in layout.model_specs(m)}
     specs.update({s.name: s for s in (layout.reply_spec(o) for o in args.reply)})
-    created = _on_bus(args, "ensure", lambda bus: bus.ensure_topics(specs.values()))
+    created = _on_bus(args, "lockgate topics ensure", lambda bus: bus.ensure_topics(specs.values()))
     if created is None:
         return 1
     for name in sorted(specs):
@@ -171,7 +184,7 @@ def _topics_delete(args: argparse.Namespace) -> int:
             names.extend(t for t in await bus.list_topics(args.prefix) if t not in names)
         return await bus.delete_topics(names)
 
-    deleted = _on_bus(args, "delete", delete)
+    deleted = _on_bus(args, "lockgate topics delete", delete)
     if deleted is None:
         return 1
     for name in names:
@@ -180,7 +193,7 @@ def _topics_delete(args: argparse.Namespace) -> int:
 
 
 def _topics_list(args: argparse.Namespace) -> int:
-    names = _on_bus(args, "list", lambda bus: bus.list_topics(args.prefix))
+    names = _on_bus(args, "lockgate topics list", lambda bus: bus.list_topics(args.prefix))
     if names is None:
         return 1
     try:
@@ -188,6 +201,46 @@ def _topics_list(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `| head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
+
+
+def _dlq(args: argparse.Namespace) -> int:
+    from datetime import datetime, timezone
+
+    from bus import TopicLayout
+    from bus.deadletter import read_dead_letters
+    from bus.messages import DecodeError, InferenceRequest, decode
+    from producers.replay import parse_time_ms  # the time forms `lockgate replay` takes
+
+    since, until = parse_time_ms(args.since), parse_time_ms(args.until)
+    if until < since:
+        raise ValueError(f"--until ({args.until}) is before --since ({args.since})")
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    layout = TopicLayout(namespace=args.namespace)
+    got = _on_bus(args, "lockgate dlq", lambda bus: read_dead_letters(bus, layout, since, until, limit=args.limit))
+    if got is None:
+        return 1
+    letters, foreign = got
+    for dl in letters:
+        try:
+            msg = decode(dl.value)
+        except DecodeError:
+            msg = None
+        req = msg if isinstance(msg, InferenceRequest) else None
+        at = datetime.fromtimestamp(dl.dead_at_ms / 1000, timezone.utc).isoformat(timespec="milliseconds")
+        source = f"{dl.source_topic}[{dl.source_partition}]@{dl.source_offset}"
+        if args.json:
+            print(json.dumps({"dead_at": at, "source": source, "reason": dl.reason,
+                              "request_id": req.request_id if req else None, "reply_to": req.reply_to if req else None,
+                              "key": dl.key.decode("utf-8", "replace") if dl.key is not None else None,
+                              "bytes": len(dl.value)}))
+        else:
+            what = f"request {req.request_id} (reply_to {req.reply_to})" if req else f"{len(dl.value)} bytes"
+            print(f"{at}  {source}  {what}: {dl.reason}")
+    print(f"{len(letters)} dead letter{'s' * (len(letters) != 1)} in {layout.dead_letter_topic} "
+          f"({'limit reached' if len(letters) == args.limit else 'all in the window'})"
+          + (f"; {foreign} other records there (no dlq.* headers)" if foreign else ""), file=sys.stderr)
     return 0
 
 

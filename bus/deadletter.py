@@ -1,5 +1,8 @@
 """Dead letters: records that cannot be decoded go to the layout's DLQ topic, consumption continues.
 
+(Workers also dead-letter requests whose reply topic does not exist; ``read_dead_letters`` reads
+them back for ``lockgate dlq``.)
+
 A dead letter keeps the original key and value bytes untouched and adds headers (values UTF-8):
 
 =========================  =====================================================
@@ -18,10 +21,11 @@ a record whose dead letter was lost; a failure to publish raises :class:`~bus.ba
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
-from bus.base import Bus, Record, RecordMetadata
+from bus.base import Bus, Record, RecordMetadata, UnknownTopicError
 from bus.messages import DecodeError, Message, decode
 from bus.topics import TopicLayout
 
@@ -45,6 +49,7 @@ class DeadLetter:
     reason: str
     key: bytes | None
     value: bytes
+    dead_at_ms: int = 0  # the dead letter's own timestamp: when it was dead-lettered
 
 
 def dead_letter_headers(record: Record, reason: str) -> tuple[tuple[str, bytes], ...]:
@@ -77,7 +82,50 @@ def parse_dead_letter(record: Record) -> DeadLetter:
         reason=h[H_REASON].decode("utf-8", "replace"),
         key=record.key,
         value=record.value,
+        dead_at_ms=record.timestamp_ms,
     )
+
+
+async def read_dead_letters(bus: Bus, layout: TopicLayout, since_ms: int, until_ms: int, *, limit: int = 1000,
+                            idle_s: float = 2.0) -> tuple[list[DeadLetter], int]:
+    """The namespace's dead letters written in ``[since_ms, until_ms]``, oldest first, at most
+    ``limit``; and how many records of the topic were not dead letters (no provenance headers).
+    ``([], 0)`` when the dead-letter topic does not exist (nothing was ever dead-lettered: it is
+    not created by looking). Reads with a group-less consumer from ``since_ms``; stops once every
+    partition is past ``until_ms``, after ``limit`` letters, or when nothing came for ``idle_s``
+    (caught up). Cancellation: the consumer is stopped."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    try:
+        await bus.partitions_for(layout.dead_letter_topic)
+    except UnknownTopicError:
+        return [], 0
+    consumer = bus.consumer([layout.dead_letter_topic], start_from=since_ms)
+    out: list[DeadLetter] = []
+    foreign = 0
+    passed: set = set()
+    loop = asyncio.get_running_loop()
+    await consumer.start()
+    try:
+        last = loop.time()
+        while loop.time() - last < idle_s and len(out) < limit:
+            records = await consumer.getmany(timeout_ms=200, max_records=limit - len(out))
+            if records:
+                last = loop.time()
+            for rec in records:
+                if rec.timestamp_ms > until_ms:
+                    passed.add(rec.tp)
+                elif rec.timestamp_ms >= since_ms:
+                    try:
+                        out.append(parse_dead_letter(rec))
+                    except ValueError:
+                        foreign += 1
+            assigned = consumer.assignment()
+            if assigned and passed >= assigned:
+                break
+    finally:
+        await consumer.stop()
+    return out[:limit], foreign
 
 
 async def decode_or_deadletter(bus: Bus, layout: TopicLayout, record: Record) -> Message | None:

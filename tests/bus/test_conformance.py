@@ -10,7 +10,7 @@ import pytest
 
 from bus import (Bus, BusError, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, UnknownTopicError, decode,
                  decode_or_deadletter, encode)
-from bus.deadletter import parse_dead_letter
+from bus.deadletter import parse_dead_letter, read_dead_letters, send_dead_letter
 from bus.partitioner import partition_for_key
 from bus.messages import (
     Cancel,
@@ -309,6 +309,32 @@ async def test_malformed_records_go_to_dead_letter_topic(bus: Bus, name: str) ->
     ]
     assert "not JSON" in dead[0].reason
     assert "schema version 99" in dead[1].reason
+
+
+async def test_read_dead_letters_window_limit_and_missing_topic(bus: Bus, name: str) -> None:
+    """``read_dead_letters`` (what ``lockgate dlq`` prints): nothing, and no topic made, where
+    nothing was dead-lettered; then the letters of a time window, oldest first, up to a limit, with
+    records that are not dead letters counted apart."""
+    layout = TopicLayout(namespace=name)
+    assert await read_dead_letters(bus, layout, 0, 2**62, idle_s=0.5) == ([], 0)
+    with pytest.raises(UnknownTopicError):
+        await bus.partitions_for(layout.dead_letter_topic)  # looking did not create it
+    await bus.ensure_topics([TopicSpec(layout.dead_letter_topic, 1)])  # as a worker's start does
+    src = Record(layout.request_topic("m", 1), 0, 7, b"k", b"junk", 1)
+    await send_dead_letter(bus, layout, src, "old")
+    await asyncio.sleep(0.05)
+    mark = int(time.time() * 1000)
+    await asyncio.sleep(0.05)
+    for i in range(3):
+        await send_dead_letter(bus, layout, Record(src.topic, 0, 8 + i, b"k", b"junk", 1), f"new {i}")
+    await bus.send(layout.dead_letter_topic, b"not a dead letter")
+    letters, foreign = await read_dead_letters(bus, layout, mark, 2**62, idle_s=1.0)
+    assert [(d.reason, d.source_offset) for d in letters] == [("new 0", 8), ("new 1", 9), ("new 2", 10)]
+    assert foreign == 1 and all(d.dead_at_ms >= mark for d in letters)
+    letters, _ = await read_dead_letters(bus, layout, 0, 2**62, limit=2, idle_s=1.0)
+    assert [d.reason for d in letters] == ["old", "new 0"]
+    with pytest.raises(ValueError, match="limit"):
+        await read_dead_letters(bus, layout, 0, 1, limit=0)
 
 
 async def test_groupless_replay_from_earliest_timestamp_latest(bus: Bus, name: str) -> None:

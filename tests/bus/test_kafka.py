@@ -177,3 +177,52 @@ async def test_sends_right_after_ensure_topics_find_every_leader_ready(kafka_boo
             await bus.delete_topics(names)
     refused = [r.getMessage() for r in caplog.records if r.name.startswith("aiokafka") and r.levelno >= logging.WARNING]
     assert not refused, refused[:3]
+
+
+@pytest.mark.kafka
+def test_dlq_cli_lists_what_was_dead_lettered(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lockgate dlq`: a line per dead letter (the request and its reply topic when the value is a
+    request, else its size), the count on stderr; --json; nothing (and no topic made) in a namespace
+    that never dead-lettered anything; a bad --since named."""
+    import asyncio
+    import json
+    import uuid
+
+    from bus import Record, TopicLayout
+    from bus.deadletter import send_dead_letter
+    from bus.messages import InferenceRequest, SamplingParams, encode
+    from engine_workers.cli import build_parser, main
+
+    layout = TopicLayout(namespace=f"t-dlq-{uuid.uuid4().hex[:8]}")
+    url = f"kafka://{kafka_bootstrap}"
+    src = layout.request_topic("m", 1)
+    orphan = InferenceRequest("r-1", "m", (1, 2), SamplingParams(), layout.reply_topic("gone"))
+
+    async def topics(prefix: str) -> list[str]:
+        async with connect(url) as bus:
+            return await bus.list_topics(prefix)
+
+    async def letters() -> None:
+        async with connect(url) as bus:
+            await bus.ensure_topics(layout.model_specs("m"))  # as a worker does: the DLQ with them
+            await send_dead_letter(bus, layout, Record(src, 0, 3, b"junk", b"{not json", 1), "not JSON")
+            await send_dead_letter(bus, layout, Record(src, 0, 4, b"r-1", encode(orphan), 1),
+                                   f"reply topic {orphan.reply_to!r} does not exist")
+
+    args = build_parser().parse_args(["dlq", "--bus", url, "--namespace", layout.namespace])
+    assert args.func(args) == 0
+    assert capsys.readouterr().err.startswith(f"0 dead letters in {layout.dead_letter_topic}")
+    assert not asyncio.run(topics(layout.namespace)), "looking made no topic"
+    asyncio.run(letters())
+    assert args.func(args) == 0
+    cap = capsys.readouterr()
+    lines = cap.out.splitlines()
+    assert len(lines) == 2 and f"{src}[0]@3  9 bytes: not JSON" in lines[0]
+    assert f"{src}[0]@4  request r-1 (reply_to {orphan.reply_to}): reply topic" in lines[1]
+    assert cap.err.startswith(f"2 dead letters in {layout.dead_letter_topic} (all in the window)")
+    args = build_parser().parse_args(["dlq", "--bus", url, "--namespace", layout.namespace, "--json", "--limit", "1"])
+    assert args.func(args) == 0
+    cap = capsys.readouterr()
+    assert [json.loads(x)["reason"] for x in cap.out.splitlines()] == ["not JSON"] and "limit reached" in cap.err
+    assert main(["dlq", "--bus", url, "--since", "yesterday-ish"]) == 2
+    assert "not a time: 'yesterday-ish'" in capsys.readouterr().err
