@@ -4,17 +4,24 @@
 ``@pytest.mark.kafka``. It uses ``LOCKGATE_TEST_KAFKA`` (``host:port``, exported by ``make test``)
 when set, else starts the local broker itself (``lockgate kafka start``, jars cached under
 ``~/.cache/lockgate/kafka``). When no broker can be had the test fails, never skips. At the end of
-the session it deletes the topics the session created (tests use unique namespaces), so a
-long-lived local broker does not collect thousands of test topics.
+the session it deletes the topics the session created with a test's name (``TEST_TOPIC``: every
+test names its topics ``t`` + ``.``, ``-`` or a hex digit, from a uuid), so a long-lived local
+broker does not collect thousands of test topics. Only those: the broker may be shared with a
+platform or a benchmark that made topics meanwhile (a teardown that deleted every new topic once
+took a concurrent ``lockgate bench e2e`` run's topics away mid-run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 
 import pytest
+
+
+TEST_TOPIC = re.compile(r"t[.\-0-9a-f]")
 
 
 async def _with_bus(addr: str, use):  # noqa: ANN001, ANN202
@@ -42,7 +49,7 @@ def kafka_bootstrap():
     before = _topics(addr)
     yield addr
     try:  # best effort: a broker that went away must not turn passed tests into errors
-        created = sorted(_topics(addr) - before)
+        created = sorted(t for t in _topics(addr) - before if TEST_TOPIC.match(t))
         if created:
             _delete_topics(addr, created)
     except Exception as exc:  # noqa: BLE001
