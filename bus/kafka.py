@@ -14,6 +14,8 @@
 * Broker unreachable: :meth:`KafkaBus.start` retries with exponential backoff (0.1 s doubling to 2
   s) and raises :class:`BusError` naming the bootstrap address once ``connect_timeout_s`` (default
   15) has passed; every start attempt is itself bounded by what is left, so it never hangs.
+  Broker gone after start: each client's metadata refresh backs off and aiokafka's repeated log
+  lines are limited (:mod:`bus.kafka_outage`); sends wait and retry as aiokafka does.
 
 Every aiokafka error that reaches a caller is re-raised as :class:`BusError`. Cancellation: a
 cancelled ``getmany`` loses nothing (aiokafka hands records over only when it returns); a cancelled
@@ -45,6 +47,7 @@ from bus.base import (
     check_partition_arg,
     checked_topic_names,
 )
+from bus.kafka_outage import limit_repeated_logs, throttle_metadata_refresh
 from bus.kafka_consumer import KafkaConsumer
 from bus.topics import validate_topic
 
@@ -139,6 +142,7 @@ class KafkaBus(Bus):
     async def start(self) -> None:
         if self._producer is not None:
             return
+        limit_repeated_logs()  # a broker outage made aiokafka repeat its ERRORs ~50 times a second
 
         async def start_producer() -> AIOKafkaProducer:
             p = AIOKafkaProducer(
@@ -149,6 +153,7 @@ class KafkaBus(Bus):
                 linger_ms=self.linger_ms,
                 request_timeout_ms=self.request_timeout_ms,
             )
+            throttle_metadata_refresh(p.client)  # its sender spun on refreshes while no broker answered
             try:
                 await p.start()
             except BaseException:
@@ -159,6 +164,7 @@ class KafkaBus(Bus):
         async def start_admin() -> AIOKafkaAdminClient:
             a = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=self.client_id,
                                     request_timeout_ms=self.request_timeout_ms)
+            throttle_metadata_refresh(a._client)
             try:
                 await a.start()
             except BaseException:

@@ -31,6 +31,7 @@ from bus.base import (
     call_rebalance_callback,
     checked_consumer_args,
 )
+from bus.kafka_outage import throttle_metadata_refresh
 
 if TYPE_CHECKING:
     from bus.kafka import KafkaBus
@@ -123,6 +124,7 @@ class KafkaConsumer(Consumer):
             fetch_max_wait_ms=b.fetch_max_wait_ms,
             retry_backoff_ms=100,
         )
+        throttle_metadata_refresh(consumer._client)
         self._consumer = consumer
         try:
             if self.group_id is not None:
