@@ -202,9 +202,7 @@ class ReplySender:
         n = self._counts.get(topic)
         if n is None:
             try:
-                n = len(await self._partitions(topic))
-            except Undeliverable:
-                raise
+                n = len(await self._partitions(topic))  # Undeliverable (not a BusError) propagates
             except BusError:
                 return None
             if len(self._counts) >= MAX_CACHED_TOPICS:
