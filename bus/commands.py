@@ -239,7 +239,7 @@ def _dlq(args: argparse.Namespace) -> int:
             what = f"request {req.request_id} (reply_to {req.reply_to})" if req else f"{len(dl.value)} bytes"
             print(f"{at}  {source}  {what}: {dl.reason}")
     print(f"{len(letters)} dead letter{'s' * (len(letters) != 1)} in {layout.dead_letter_topic} "
-          f"({'limit reached' if len(letters) == args.limit else 'all in the window'})"
+          f"({'limit reached' if len(letters) + foreign >= args.limit else 'all in the window'})"
           + (f"; {foreign} other records there (no dlq.* headers)" if foreign else ""), file=sys.stderr)
     return 0
 

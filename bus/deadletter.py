@@ -21,13 +21,13 @@ a record whose dead letter was lost; a failure to publish raises :class:`~bus.ba
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
 from bus.base import Bus, Record, RecordMetadata, UnknownTopicError
 from bus.messages import DecodeError, Message, decode
 from bus.topics import TopicLayout
+from bus.window import read_time_window
 
 log = logging.getLogger(__name__)
 
@@ -91,41 +91,21 @@ async def read_dead_letters(bus: Bus, layout: TopicLayout, since_ms: int, until_
     """The namespace's dead letters written in ``[since_ms, until_ms]``, oldest first, at most
     ``limit``; and how many records of the topic were not dead letters (no provenance headers).
     ``([], 0)`` when the dead-letter topic does not exist (nothing was ever dead-lettered: it is
-    not created by looking). Reads with a group-less consumer from ``since_ms``; stops once every
-    partition is past ``until_ms``, after ``limit`` letters, or when nothing came for ``idle_s``
-    (caught up). Cancellation: the consumer is stopped."""
+    not created by looking). How the window is read: :func:`bus.window.read_time_window`."""
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     try:
         await bus.partitions_for(layout.dead_letter_topic)
     except UnknownTopicError:
         return [], 0
-    consumer = bus.consumer([layout.dead_letter_topic], start_from=since_ms)
     out: list[DeadLetter] = []
     foreign = 0
-    passed: set = set()
-    loop = asyncio.get_running_loop()
-    await consumer.start()
-    try:
-        last = loop.time()
-        while loop.time() - last < idle_s and len(out) < limit:
-            records = await consumer.getmany(timeout_ms=200, max_records=limit - len(out))
-            if records:
-                last = loop.time()
-            for rec in records:
-                if rec.timestamp_ms > until_ms:
-                    passed.add(rec.tp)
-                elif rec.timestamp_ms >= since_ms:
-                    try:
-                        out.append(parse_dead_letter(rec))
-                    except ValueError:
-                        foreign += 1
-            assigned = consumer.assignment()
-            if assigned and passed >= assigned:
-                break
-    finally:
-        await consumer.stop()
-    return out[:limit], foreign
+    for rec in await read_time_window(bus, [layout.dead_letter_topic], since_ms, until_ms, limit=limit, idle_s=idle_s):
+        try:
+            out.append(parse_dead_letter(rec))
+        except ValueError:
+            foreign += 1
+    return out, foreign
 
 
 async def decode_or_deadletter(bus: Bus, layout: TopicLayout, record: Record) -> Message | None:

@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from bus.base import Bus, TopicSpec
 from bus.messages import DecodeError, InferenceRequest, decode, encode
 from bus.topics import TopicLayout
+from bus.window import read_time_window
 from producers.collector import Reply, ReplyCollector
 from producers.stats import RequestTiming, Summary
 
@@ -98,41 +99,22 @@ class ReplayConfig:
 async def read_window(bus: Bus, topics: tuple[str, ...], since_ms: int, until_ms: int, *, idle_s: float = 2.0,
                       max_records: int = 100_000) -> tuple[list[Recorded], int]:
     """Recorded requests with since <= timestamp <= until, in timestamp order, and the number of
-    records skipped as not decodable / not requests."""
-    consumer = bus.consumer(list(topics), group_id=None, start_from=since_ms)
+    records skipped as not decodable / not requests (of at most ``max_records`` read;
+    :func:`bus.window.read_time_window`)."""
     out: list[Recorded] = []
     skipped = 0
-    passed: set = set()
-    loop = asyncio.get_running_loop()
-    await consumer.start()
-    try:
-        last = loop.time()
-        while loop.time() - last < idle_s and len(out) < max_records:
-            records = await consumer.getmany(timeout_ms=200, max_records=2048)
-            if records:
-                last = loop.time()
-            for rec in records:
-                if rec.timestamp_ms > until_ms:
-                    passed.add(rec.tp)
-                    continue
-                if rec.timestamp_ms < since_ms:
-                    continue
-                try:
-                    msg = decode(rec.value)
-                except DecodeError:
-                    skipped += 1
-                    continue
-                if not isinstance(msg, InferenceRequest):
-                    skipped += 1
-                    continue
-                out.append(Recorded(msg, rec.topic, rec.timestamp_ms))
-            assigned = consumer.assignment()
-            if assigned and passed >= assigned:
-                break
-    finally:
-        await consumer.stop()
+    for rec in await read_time_window(bus, topics, since_ms, until_ms, limit=max_records, idle_s=idle_s):
+        try:
+            msg = decode(rec.value)
+        except DecodeError:
+            skipped += 1
+            continue
+        if not isinstance(msg, InferenceRequest):
+            skipped += 1
+            continue
+        out.append(Recorded(msg, rec.topic, rec.timestamp_ms))
     out.sort(key=lambda r: (r.timestamp_ms, r.request.request_id))
-    return out[:max_records], skipped
+    return out, skipped
 
 
 async def read_originals(bus: Bus, recorded: list[Recorded], since_ms: int, timeout_s: float) -> dict[str, Reply]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -145,13 +146,20 @@ async def test_cancel_frees_kv_within_a_step(tiny_dir: Path, layout: TopicLayout
         assert replies.final["after"].num_tokens == 3
 
 
-async def test_expired_invalid_and_undecodable(tiny_dir: Path, layout: TopicLayout) -> None:
+@contextlib.asynccontextmanager
+async def serving_with_dlq(tiny_dir: Path, layout: TopicLayout):
+    """A worker committing after every poll on a fresh memory bus, a reader of the ``test`` reply
+    topic and one of the dead-letter topic: yields (bus, worker, replies, dlq)."""
     engine = make_engine(tiny_dir)
     async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, engine) as w:
         replies = Replies(bus, layout.reply_topic("test"))
         await replies.consumer.start()
-        dlq = bus.consumer([layout.dead_letter_topic], start_from="earliest")
-        await dlq.start()
+        async with bus.consumer([layout.dead_letter_topic], start_from="earliest") as dlq:
+            yield bus, w, replies, dlq
+
+
+async def test_expired_invalid_and_undecodable(tiny_dir: Path, layout: TopicLayout) -> None:
+    async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, dlq):
         await bus.send(layout.request_topic(MODEL, 1), b"{not json", key=b"junk")
         await publish(bus, layout, req("late", layout, deadline=time.time() - 1))
         await publish(bus, layout, req("long", layout, prompt=tuple(3 + i % 400 for i in range(600))))
@@ -180,12 +188,7 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
     requests around it are served."""
     from bus.deadletter import parse_dead_letter
 
-    engine = make_engine(tiny_dir)
-    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, engine) as w:
-        replies = Replies(bus, layout.reply_topic("test"))
-        await replies.consumer.start()
-        dlq = bus.consumer([layout.dead_letter_topic], start_from="earliest")
-        await dlq.start()
+    async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, dlq):
         gone = layout.reply_topic("gone")
         await publish(bus, layout, req("before", layout, max_tokens=4))
         await publish(bus, layout, dataclasses.replace(req("orphan", layout, max_tokens=200), reply_to=gone))
