@@ -200,7 +200,7 @@ class BatchJob:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._cancel_in_flight()
-            await self.collector.stop()
+            await self.collector.retire()  # the job's reply topic, unless a request may still answer
 
     async def _cancel_in_flight(self) -> None:
         ids, self.in_flight = list(self.in_flight), set()

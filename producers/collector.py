@@ -14,6 +14,12 @@ collector. ``start()`` creates the one reader task; ``stop()`` cancels it, stops
 cancels every future still pending (awaiters get ``CancelledError``). Replies for ids nobody
 expects (earlier runs, other producers) are counted in ``unknown`` and dropped. Memory is bounded
 by the number of expected requests (``max_pending``; ``expect`` raises beyond it).
+
+The topic is the producer's own, one per run or job: :meth:`ReplyCollector.retire` stops the
+collector and deletes the topic when every request it waited for was answered (else a long-lived
+cluster keeps one 6-partition topic per batch job, replay and benchmark run, for ever; Kafka has
+no topic expiry). A request given up on (timeout, cancel) may still be answered: its topic stays,
+since a worker finding a reply topic gone dead-letters the request (``docs/worker.md``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bus.base import Bus, StartFrom
+from bus.base import Bus, BusError, StartFrom
 from bus.messages import DecodeError, Error, Finished, TokenChunk, decode, replies_of
 
 log = logging.getLogger(__name__)
@@ -98,6 +104,7 @@ class ReplyCollector:
         self.unknown = 0
         self.undecodable = 0
         self.duplicates = 0
+        self.abandoned = 0  # requests given up on before their final reply: they may still answer
         self._task: asyncio.Task | None = None
         self._consumer = None
 
@@ -119,7 +126,24 @@ class ReplyCollector:
             self._consumer = None
         for p in self.pending.values():
             p.future.cancel()
+        self.abandoned += len(self.pending)
         self.pending.clear()
+
+    async def retire(self) -> bool:
+        """:meth:`stop`, then delete the reply topic unless a request was given up on (it may still
+        be answered there). True when deleted. A failed delete is logged, never raised: the run's
+        own outcome matters more than its clean-up."""
+        await self.stop()  # the consumer first: a running one would have the broker re-create the topic
+        if self.abandoned:
+            log.info("kept reply topic %s: %d requests given up on may still be answered there",
+                     self.topic, self.abandoned)
+            return False
+        try:
+            await self.bus.delete_topics([self.topic])
+        except BusError as exc:
+            log.warning("could not delete reply topic %s: %s", self.topic, exc)
+            return False
+        return True
 
     async def __aenter__(self) -> "ReplyCollector":
         await self.start()
@@ -143,6 +167,7 @@ class ReplyCollector:
         p = self.pending.pop(request_id, None)
         if p is not None and not p.future.done():
             p.future.cancel()
+            self.abandoned += 1
 
     def progress(self, request_id: str) -> int:
         """Tokens received so far for a pending request (0 if unknown)."""

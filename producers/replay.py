@@ -276,5 +276,5 @@ async def _run(cfg: ReplayConfig, source: Bus, target: Bus) -> dict:
         for t in [*tasks, originals_task]:
             t.cancel()
         await asyncio.gather(*tasks, originals_task, return_exceptions=True)
-        await col.stop()
+        await col.retire()  # this run's reply topic, unless a request may still answer
     return report(cfg, run, len(recorded), skipped, compare(outcomes, originals), time.monotonic() - t0)

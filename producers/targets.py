@@ -165,7 +165,7 @@ class BusTarget:
 
     async def stop(self) -> None:
         if self.collector is not None:
-            await self.collector.stop()
+            await self.collector.retire()  # this run's reply topic, unless a request may still answer
 
     async def run_one(self, p: Prompt) -> RequestTiming:
         assert self.collector is not None

@@ -122,5 +122,7 @@ async def test_batch_killed_midway_then_resumed(kafka_bootstrap, tiny_model, lay
             assert summary["skipped"] == partial and summary["total"] == 50
             assert "50/50" in stderr.decode()  # progress bar reached the end
             check_output(out)
+            # the job is complete, every request answered: its reply topic is deleted
+            assert await b.list_topics(f"{layout.namespace}.reply.job-") == []
     finally:
         await b.stop()

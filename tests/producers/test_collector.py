@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from bus import MemoryBus
 from bus.messages import Error, Finished, TokenChunk, Usage, encode
 from producers.collector import ReplyCollector
@@ -39,3 +41,33 @@ async def test_collector_dedupes_rerun_and_keeps_order():
         assert late.cancelled()
     finally:
         await bus.stop()
+
+
+async def test_retire_deletes_the_topic_only_when_nothing_may_still_answer():
+    """A run's reply topic goes when every request it waited for was answered; a request given up
+    on (timeout, cancel) may still be answered there, so then the topic stays."""
+    from bus import TopicSpec, UnknownTopicError
+
+    async with MemoryBus() as bus:
+        await bus.ensure_topics([TopicSpec("r.done", 2), TopicSpec("r.open", 2)])
+        done = ReplyCollector(bus, "r.done")
+        await done.start()
+        fut = done.expect("a")
+        await bus.send("r.done", encode(Finished("a", 0, "length", 1, Usage(1, 1))), key=b"a")
+        await asyncio.wait_for(fut, 5)
+        assert await done.retire() is True and done.abandoned == 0
+        with pytest.raises(UnknownTopicError):
+            await bus.partitions_for("r.done")
+
+        given_up = ReplyCollector(bus, "r.open")
+        await given_up.start()
+        given_up.expect("slow")
+        given_up.forget("slow")  # a timeout: its reply may still come
+        assert await given_up.retire() is False and given_up.abandoned == 1
+        assert await bus.partitions_for("r.open") == [0, 1]
+
+        waiting = ReplyCollector(bus, "r.open")
+        await waiting.start()
+        waiting.expect("never")  # still pending when the run stops (a cancelled batch)
+        assert await waiting.retire() is False and waiting.abandoned == 1
+        assert await bus.partitions_for("r.open") == [0, 1]

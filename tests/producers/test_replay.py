@@ -76,5 +76,8 @@ async def test_replay_reruns_everything_and_greedy_matches(kafka_bootstrap, tiny
             assert rep["latency"]["ttft_ms"]["count"] == n and rep["latency"]["e2e_ms"]["p99"] > 0
             assert set(rep["latency_by_tier"]) == {"p0", "p1", "p2"}
             assert time.monotonic() - t0 < 60
+            # every replayed request was answered: the run's own reply topic is gone, the recorded one stays
+            assert await b.list_topics(f"{layout.namespace}.reply.replay-") == []
+            assert await b.list_topics(f"{layout.namespace}.reply.") == [rec_topic]
     finally:
         await b.stop()
