@@ -17,6 +17,7 @@ import asyncio
 import os
 import re
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -54,6 +55,44 @@ def kafka_bootstrap():
             _delete_topics(addr, created)
     except Exception as exc:  # noqa: BLE001
         print(f"\nkafka_bootstrap: could not delete this session's topics: {exc!r}", file=sys.stderr)
+
+
+@dataclass(frozen=True, slots=True)
+class PrivateBroker:
+    """A broker of one test's own (``private_kafka``): stopping it touches no other test."""
+
+    bootstrap: str
+    port: int
+
+    async def stop(self) -> None:
+        """A clean stop (SIGTERM: the broker shuts down as in a restart or rolling upgrade)."""
+        from bus import kafka_local
+
+        await asyncio.to_thread(kafka_local.stop, 1, self.port, kafka_local.DEFAULT_DIR)
+
+    async def start(self) -> None:
+        from bus import kafka_local
+
+        await asyncio.to_thread(kafka_local.start, 1, self.port, kafka_local.DEFAULT_DIR)
+
+
+PRIVATE_KAFKA_PORT = 19392  # its controller on +100; the session broker's 9092/9192 stay apart
+
+
+@pytest.fixture
+def private_kafka(kafka_bootstrap):  # noqa: ANN001, ANN201 - after the session broker (its jars fetched)
+    """A fresh single-node broker for fault tests, on ``PRIVATE_KAFKA_PORT`` (data under the jar
+    cache, removed afterwards). ~5 s to start on the 2-core box."""
+    import shutil
+
+    from bus import kafka_local
+
+    info = kafka_local.start(1, PRIVATE_KAFKA_PORT, kafka_local.DEFAULT_DIR, fresh=True)
+    try:
+        yield PrivateBroker(info.bootstrap, PRIVATE_KAFKA_PORT)
+    finally:
+        kafka_local.stop(1, PRIVATE_KAFKA_PORT, kafka_local.DEFAULT_DIR)
+        shutil.rmtree(info.directory, ignore_errors=True)
 
 
 def _broker_address() -> str:

@@ -338,19 +338,14 @@ async def test_missing_reply_topic_on_kafka_is_dead_lettered_never_created(kafka
         assert seen == ["marker"], "everything before the marker was committed, the orphan included"
 
 
-OUTAGE_PORT = 19392  # a broker of this test's own (its controller on +100): stopping it touches no other test
-
-
-async def test_broker_restart_mid_generation_streams_exact(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch,
+async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_dir: Path,  # noqa: ANN001
+                                                          monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A clean stop of the only broker while a worker streams, then a restart: every stream is
     exact and complete (the replies waited, none lost, none repeated). Meanwhile the clients
     retried their metadata with a backoff (aiokafka alone re-asked ~5,000 times a second for as long
     as the broker was down, with two ERROR lines each) and the repeated lines were limited."""
-    import shutil
-
     import aiokafka.client
-    from bus import kafka_local
 
     refreshes = {"failed": 0}
     real = aiokafka.client.AIOKafkaClient._metadata_update
@@ -361,49 +356,43 @@ async def test_broker_restart_mid_generation_streams_exact(tiny_dir: Path, monke
         return ok
 
     monkeypatch.setattr(aiokafka.client.AIOKafkaClient, "_metadata_update", counted)
-    info = await asyncio.to_thread(kafka_local.start, 1, OUTAGE_PORT, kafka_local.DEFAULT_DIR, fresh=True)
-    bootstrap = f"127.0.0.1:{OUTAGE_PORT}"
-    try:
-        engine = make_engine(tiny_dir)
-        prompts, params = seeded_work(11, 8, (120, 160))
-        ref = engine.generate(prompts, params)
-        step = engine.step
+    engine = make_engine(tiny_dir)
+    prompts, params = seeded_work(11, 8, (120, 160))
+    ref = engine.generate(prompts, params)
+    step = engine.step
 
-        def slow_step():  # noqa: ANN202 - the streams must outlast the outage
-            time.sleep(0.01)
-            return step()
+    def slow_step():  # noqa: ANN202 - the streams must outlast the outage
+        time.sleep(0.01)
+        return step()
 
-        engine.step = slow_step
-        layout = new_layout(partitions=2)
-        async with connect(kafka_url(bootstrap)) as bus:
-            await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
-            async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine):
-                replies = Replies(bus, layout.reply_topic("test"))
-                await replies.consumer.start()
-                reqs = [InferenceRequest(f"o{i}", MODEL, p, sp, layout.reply_topic("test"), enqueued_at=time.time())
-                        for i, (p, sp) in enumerate(zip(prompts, params))]
-                for r in reqs:
-                    await publish(bus, layout, r)
-                deadline = time.monotonic() + 30
-                while not replies.chunks:
-                    assert time.monotonic() < deadline, "no tokens before the outage"
-                    await replies.poll(50)
-                caplog.clear()
-                await asyncio.to_thread(kafka_local.stop, 1, OUTAGE_PORT, kafka_local.DEFAULT_DIR)
-                before, outage_s = refreshes["failed"], 4.0
-                await asyncio.sleep(outage_s)
-                failed = refreshes["failed"] - before
-                aiokafka_errors = [r for r in caplog.records if r.name.startswith("aiokafka") and r.levelno >= logging.ERROR]
-                await asyncio.to_thread(kafka_local.start, 1, OUTAGE_PORT, kafka_local.DEFAULT_DIR)
-                assert sum(len(v) for v in replies.tokens.values()) < sum(len(e.token_ids) for e in ref), \
-                    "the outage fell inside the generation"
-                await replies.wait([r.request_id for r in reqs], 90)
-        for r in reqs:
-            assert isinstance(replies.final[r.request_id], Finished), replies.final[r.request_id]
-        assert_exact_streams(replies, reqs, ref)
-        # ~8 failed refreshes per client in 4 s with the backoff (0.1 s doubling to 1 s), a few clients
-        assert 0 < failed < 100, f"{failed} failed metadata refreshes in {outage_s}s"
-        assert len(aiokafka_errors) < 40, [r.getMessage() for r in aiokafka_errors][:10]
-    finally:
-        await asyncio.to_thread(kafka_local.stop, 1, OUTAGE_PORT, kafka_local.DEFAULT_DIR)
-        shutil.rmtree(info.directory, ignore_errors=True)
+    engine.step = slow_step
+    layout = new_layout(partitions=2)
+    async with connect(kafka_url(private_kafka.bootstrap)) as bus:
+        await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
+        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine):
+            replies = Replies(bus, layout.reply_topic("test"))
+            await replies.consumer.start()
+            reqs = [InferenceRequest(f"o{i}", MODEL, p, sp, layout.reply_topic("test"), enqueued_at=time.time())
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+            for r in reqs:
+                await publish(bus, layout, r)
+            deadline = time.monotonic() + 30
+            while not replies.chunks:
+                assert time.monotonic() < deadline, "no tokens before the outage"
+                await replies.poll(50)
+            caplog.clear()
+            await private_kafka.stop()
+            before, outage_s = refreshes["failed"], 4.0
+            await asyncio.sleep(outage_s)
+            failed = refreshes["failed"] - before
+            aiokafka_errors = [r for r in caplog.records if r.name.startswith("aiokafka") and r.levelno >= logging.ERROR]
+            await private_kafka.start()
+            assert sum(len(v) for v in replies.tokens.values()) < sum(len(e.token_ids) for e in ref), \
+                "the outage fell inside the generation"
+            await replies.wait([r.request_id for r in reqs], 90)
+    for r in reqs:
+        assert isinstance(replies.final[r.request_id], Finished), replies.final[r.request_id]
+    assert_exact_streams(replies, reqs, ref)
+    # ~8 failed refreshes per client in 4 s with the backoff (0.1 s doubling to 1 s), a few clients
+    assert 0 < failed < 100, f"{failed} failed metadata refreshes in {outage_s}s"
+    assert len(aiokafka_errors) < 40, [r.getMessage() for r in aiokafka_errors][:10]
