@@ -63,6 +63,7 @@ class Job:
     started: bool = False  # first output seen (its KV is in the engine's free-block count)
     closing: bool = False  # final reply queued
     lost: bool = False  # partition revoked: publish nothing more
+    expiring: bool = False  # aborted in the engine at its deadline: its final reply is Error(expired)
 
 
 class RequestLedger:
@@ -143,6 +144,12 @@ class RequestLedger:
     def busy(self) -> bool:
         """Something is running or has its final reply in flight."""
         return any(j.admitted or j.closing for j in self._jobs.values())
+
+    def overdue(self, now: float) -> list[Job]:
+        """Admitted jobs whose deadline (wall clock) is past ``now`` and that are not already
+        ending (expiring, final reply queued, or their partition lost)."""
+        return [j for j in self._jobs.values() if j.admitted and not (j.expiring or j.closing or j.lost)
+                and j.req.deadline is not None and j.req.deadline <= now]
 
     def engine_waiting(self) -> int:
         return sum(1 for j in self._jobs.values() if j.admitted and not j.started)

@@ -5,7 +5,8 @@ which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward
 
 * **intake** — a consumer in group ``<ns>.workers.<model>`` reads the model's three priority topics.
   Records are decoded (undecodable -> dead letter), checked (wrong model -> ``invalid_request``,
-  past deadline -> ``expired``, cancelled earlier -> ``abort``) and queued in the
+  past deadline -> ``expired``, cancelled earlier -> ``abort``; a running request past its
+  deadline is aborted -> ``expired``) and queued in the
   :class:`IntakeQueue`. A tier's partitions are paused while the intake holds
   ``prefetch_per_tier + free sequence slots`` of that tier, so the worker holds a few requests
   per tier beyond what it can run (enough to choose by priority, never a hoard).
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 50
 STOP_COMMIT_S = 5.0
 RECENT_CANCELS = 10_000
+EXPIRY_CHECK_S = 0.25  # how often running requests are checked against their deadlines
 
 
 class Worker:
@@ -93,6 +95,7 @@ class Worker:
         self._control = None
         self._tasks: list[asyncio.Task] = []
         self._dead_letters: set[asyncio.Task] = set()  # undeliverable requests being dead-lettered
+        self._next_expiry_check = 0.0
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
         self.state = "new"  # new -> started -> draining -> stopped
@@ -353,10 +356,28 @@ class Worker:
                                    out.text_offset, out.logprobs)
             if out.finished:
                 self.ledger.left_engine(job)
-                self._finish(job, out)
+                if job.expiring:
+                    self._reply_error(job, ErrorCode.EXPIRED, f"deadline passed while running; stopped after "
+                                      f"{out.num_output_tokens} tokens")
+                else:
+                    self._finish(job, out)
         self.metrics.observe_tokens(prompt, generated)
+        self._expire_running()
         self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
         self._admit()
+
+    def _expire_running(self) -> None:
+        """Abort admitted requests past their deadline (checked at most every ``EXPIRY_CHECK_S``,
+        from the step callback). A live edge cancels a stream at its deadline itself; this bounds
+        the work of a requester that died without cancelling (an edge crash): its requests would
+        otherwise run to ``max_tokens`` for nobody."""
+        now = time.time()
+        if now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + EXPIRY_CHECK_S
+        for job in self.ledger.overdue(now):
+            job.expiring = True
+            self.aengine.abort(job.eid)  # frees its KV before the next step; the final output follows
 
     def _finish(self, job: Job, out: RequestOutput) -> None:
         t, n = out.times, out.num_output_tokens

@@ -147,10 +147,11 @@ async def test_cancel_frees_kv_within_a_step(tiny_dir: Path, layout: TopicLayout
 
 
 @contextlib.asynccontextmanager
-async def serving_with_dlq(tiny_dir: Path, layout: TopicLayout):
-    """A worker committing after every poll on a fresh memory bus, a reader of the ``test`` reply
-    topic and one of the dead-letter topic: yields (bus, worker, replies, dlq)."""
-    engine = make_engine(tiny_dir)
+async def serving_with_dlq(tiny_dir: Path, layout: TopicLayout, engine: Engine | None = None):
+    """A worker (on ``engine``, else a fresh one) committing after every poll on a fresh memory
+    bus, a reader of the ``test`` reply topic and one of the dead-letter topic: yields (bus,
+    worker, replies, dlq)."""
+    engine = engine or make_engine(tiny_dir)
     async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, engine) as w:
         replies = Replies(bus, layout.reply_topic("test"))
         await replies.consumer.start()
@@ -179,6 +180,33 @@ async def test_expired_invalid_and_undecodable(tiny_dir: Path, layout: TopicLayo
         await asyncio.sleep(0.2)
         group = bus.broker.group(w.config.group)
         assert sum(group.committed.values()) == 6  # committed past every record, junk included
+
+
+async def test_running_request_past_its_deadline_is_stopped(tiny_dir: Path, layout: TopicLayout) -> None:
+    """A request still running at its deadline is aborted and answered Error(expired) after the
+    tokens it had (a requester that died without a Cancel, e.g. a crashed edge, would otherwise
+    keep a sequence busy to max_tokens); its KV is freed; one without a deadline runs to the end."""
+    engine = make_engine(tiny_dir)
+    step = engine.step
+
+    def slow_step():  # noqa: ANN202 - 300 tokens take ~3 s, the deadline is 0.5 s away
+        time.sleep(0.01)
+        return step()
+
+    engine.step = slow_step
+    async with serving_with_dlq(tiny_dir, layout, engine) as (bus, w, replies, _):
+        await publish(bus, layout, req("late", layout, max_tokens=300, deadline=time.time() + 0.5))
+        await publish(bus, layout, req("free", layout, max_tokens=60))
+        await replies.wait(["late", "free"], 20)
+        late, free = replies.final["late"], replies.final["free"]
+        assert isinstance(late, Error) and late.code == "expired" and "while running" in late.message, late
+        got = len(replies.stream("late"))
+        assert 0 < got < 300 and f"after {got} tokens" in late.message
+        assert isinstance(free, Finished) and free.num_tokens == 60
+        deadline = time.monotonic() + 5
+        while engine.kv.num_free_blocks != engine.kv.num_blocks and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks and w.ledger.in_engine == 0
 
 
 async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path, layout: TopicLayout) -> None:
