@@ -189,15 +189,15 @@ async def test_running_request_past_its_deadline_is_stopped(tiny_dir: Path, layo
     engine = make_engine(tiny_dir)
     step = engine.step
 
-    def slow_step():  # noqa: ANN202 - 300 tokens take ~3 s, the deadline is 0.5 s away
-        time.sleep(0.01)
+    def slow_step():  # noqa: ANN202 - 300 tokens take >= 6 s, the deadline is 1 s away
+        time.sleep(0.02)
         return step()
 
     engine.step = slow_step
     async with serving_with_dlq(tiny_dir, layout, engine) as (bus, w, replies, _):
-        await publish(bus, layout, req("late", layout, max_tokens=300, deadline=time.time() + 0.5))
+        await publish(bus, layout, req("late", layout, max_tokens=300, deadline=time.time() + 1.0))
         await publish(bus, layout, req("free", layout, max_tokens=60))
-        await replies.wait(["late", "free"], 20)
+        await replies.wait(["late", "free"], 30)
         late, free = replies.final["late"], replies.final["free"]
         assert isinstance(late, Error) and late.code == "expired" and "while running" in late.message, late
         got = len(replies.stream("late"))
