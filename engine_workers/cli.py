@@ -77,8 +77,30 @@ def env_default(name: str, default: object) -> object:
     return raw
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` shows each flag's default, as it applies now (a ``LOCKGATE_*`` variable set in
+    the environment is the default): unless the help text already names one, or there is none to
+    show (``None``, a switch that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, False, argparse.SUPPRESS)
+                or "default" in text.lower() or isinstance(action, argparse._HelpAction)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the CLI, subcommands included (``add_subparsers`` makes its parsers of its
+    parent's class), formats help with :class:`_DefaultsHelp`."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsHelp)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lockgate", description="lockgate LLM inference platform")
+    parser = _Parser(prog="lockgate", description="lockgate LLM inference platform")
     parser.add_argument("--log-level", default=env_default("log-level", "INFO"), help="logging level (env LOCKGATE_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench_parser = sub.add_parser("bench", help="benchmarks (print measured figures)")

@@ -32,3 +32,21 @@ def test_intake_mode_given_as_text_becomes_the_enum() -> None:
 def test_bad_settings_are_refused_naming_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         WorkerConfig("m", **kwargs)
+
+
+def test_help_shows_each_default_as_it_applies(monkeypatch, capsys) -> None:  # noqa: ANN001
+    """`lockgate worker --help` names every flag's default, and a LOCKGATE_* variable is that default."""
+    import pytest
+
+    from engine_workers.cli import build_parser
+
+    def help_text() -> str:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["worker", "--help"])
+        return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+    text = help_text()
+    assert "[LOCKGATE_COMMIT_INTERVAL] (default: 1.0)" in text and "(default: aging)" in text
+    assert "--no-prefix-caching disable automatic prefix caching [LOCKGATE_NO_PREFIX_CACHING] --threads" in text
+    monkeypatch.setenv("LOCKGATE_COMMIT_INTERVAL", "2.5")
+    assert "[LOCKGATE_COMMIT_INTERVAL] (default: 2.5)" in help_text()
