@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-weight-prepack", action="store_true", default=env_default("no-weight-prepack", False),
                    help="CPU float32: keep linears on F.linear instead of oneDNN with weights packed once [LOCKGATE_NO_WEIGHT_PREPACK]")
     g.add_argument("--no-cpu-kernels", action="store_true", default=env_default("no-cpu-kernels", False),
-                   help="CPU float32: decode attention through gather + SDPA instead of the engine's own "
-                        "paged kernel [LOCKGATE_NO_CPU_KERNELS]")
+                   help="CPU float32: none of the engine's C++ kernels (paged decode and causal prefill "
+                        "attention, fused add + RMSNorm and SiLU gating, the small-batch linear): torch ops and "
+                        "oneDNN instead [LOCKGATE_NO_CPU_KERNELS]")
 
 
 def _bytes(text: str) -> int:
