@@ -59,6 +59,8 @@ def p50(xs: list[float]) -> float:
 
 
 LONE_RUNS = 9  # sequential single requests on an idle engine: the bus's own added latency
+TARGET_RATIO = 0.9  # the issue's targets for the bus path against in-process
+TARGET_PATH_MS = 10.0
 
 
 def lone_prompts(work) -> list[tuple[int, ...]]:
@@ -196,6 +198,15 @@ async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: s
             "lone_overhead_p50_s": p50(overhead)}
 
 
+def _target_checks(r: dict) -> list[tuple[str, float, str, float, bool]]:
+    """(name, measured, op, target, met) for a bus path's result: the ratio to in-process (best-of
+    and paired median) >= TARGET_RATIO, the path's added lone latency < TARGET_PATH_MS."""
+    ratio, paired, path = r["throughput_ratio"], r["paired_ratio_median"], r["added_overhead_p50_ms"]
+    return [("throughput_ratio", ratio, ">=", TARGET_RATIO, ratio >= TARGET_RATIO),
+            ("paired_ratio_median", paired, ">=", TARGET_RATIO, paired >= TARGET_RATIO),
+            ("path_ms", path, "<", TARGET_PATH_MS, path < TARGET_PATH_MS)]
+
+
 def run(args: argparse.Namespace) -> int:
     from engine_workers.commands import engine_config_from_args
     from engine_workers.engine import Engine
@@ -243,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         # What the path adds to a lone request's TTFT, net of that request's own prefill time: the
         # difference of two p50 TTFTs above mixes in the step-time noise of a shared CPU.
         r["added_overhead_p50_ms"] = (r["lone_overhead_p50_s"] - base["lone_overhead_p50_s"]) * 1000
+    for r in buses:
+        r["targets_met"] = {name: met for name, _, _, _, met in _target_checks(r)}
     if args.json:
         print(json.dumps({"num_requests": len(work), "results": results}))
         return 0
@@ -274,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
     for r in buses:
         print(f"paired ratios of {r['path']} (each run / the in-process run of its round): "
               + ", ".join(f"{x:.3f}" for x in r["paired_ratios"]) + f"; median {r['paired_ratio_median']:.3f}")
+    for r in buses:
+        print(f"targets of {r['path']}: " + ", ".join(
+            f"{name} {value:.3f} {op} {goal:g}: {'met' if met else 'MISSED'}" for name, value, op, goal, met in
+            _target_checks(r)))
     print(f"TTFT = under the full load (all requests at t0); lone TTFT = p50 of {LONE_RUNS} sequential single "
           "requests on an idle engine; path ms = lone TTFT minus that request's own scheduled->first-token time "
           "(p50): what the bus path adds, free of step-time noise")
