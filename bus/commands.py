@@ -210,7 +210,7 @@ def _dlq(args: argparse.Namespace) -> int:
     from bus import TopicLayout
     from bus.deadletter import read_dead_letters
     from bus.messages import DecodeError, InferenceRequest, decode
-    from producers.replay import parse_time_ms  # the time forms `lockgate replay` takes
+    from bus.window import parse_time_ms  # the time forms `lockgate replay` takes
 
     since, until = parse_time_ms(args.since), parse_time_ms(args.until)
     if until < since:

@@ -102,7 +102,8 @@ def _replay(args: argparse.Namespace) -> int:
     import asyncio
 
     from bus.topics import TopicLayout
-    from producers.replay import ReplayConfig, parse_time_ms, run_replay
+    from bus.window import parse_time_ms
+    from producers.replay import ReplayConfig, run_replay
 
     cfg = ReplayConfig(bus_url=args.bus, topics=tuple(args.topic), since_ms=parse_time_ms(args.since),
                        until_ms=parse_time_ms(args.until), speed=args.speed, target_bus_url=args.target_bus,

@@ -23,7 +23,6 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 
 from bus.base import Bus, TopicSpec
 from bus.messages import DecodeError, InferenceRequest, decode, encode
@@ -35,29 +34,6 @@ from producers.stats import RequestTiming, Summary
 log = logging.getLogger(__name__)
 
 REPLAY_MARK = ".replay-"
-
-
-def parse_time_ms(text: str, now_ms: int | None = None) -> int:
-    """``1718000000000`` (ms) | ISO 8601 (naive = UTC) | ``now`` | ``15m`` / ``2h`` / ``30s`` / ``1d``
-    ago, with or without a leading ``-`` (on a command line ``--since 15m`` or ``--since=-15m``:
-    argparse takes a bare ``-15m`` for an option)."""
-    t = str(text).strip()
-    now = int(time.time() * 1000) if now_ms is None else now_ms
-    if t == "now":
-        return now
-    if t.lstrip("-").isdigit() and not t.startswith("-"):
-        return int(t)
-    ago = t[1:] if t.startswith("-") else t
-    if ago[-1:] in ("s", "m", "h", "d") and ago[:-1].replace(".", "", 1).isdigit():
-        mult = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}[ago[-1]]
-        return now - int(float(ago[:-1]) * mult)
-    try:
-        dt = datetime.fromisoformat(t.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"not a time: {text!r} (use ms since the epoch, ISO 8601, 'now' or 15m for 15 minutes ago)") from None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    return int(dt.timestamp() * 1000)
 
 
 def replay_id(original: str, run: str) -> str:

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from bus import (Bus, BusError, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, UnknownTopicError, decode,
+from bus import (Bus, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, UnknownTopicError, decode,
                  decode_or_deadletter, encode)
 from bus.deadletter import parse_dead_letter, read_dead_letters, send_dead_letter
 from bus.partitioner import partition_for_key

@@ -11,7 +11,8 @@ import pytest
 import bus as busmod
 from bus.messages import InferenceRequest, SamplingParams, encode
 from producers.collector import ReplyCollector
-from producers.replay import ReplayConfig, parse_time_ms, replay_id, run_replay
+from bus.window import parse_time_ms
+from producers.replay import ReplayConfig, replay_id, run_replay
 from tests.producers.conftest import serving
 
 
