@@ -31,7 +31,9 @@ commits them, so one request naming a missing topic cannot pin its partition's c
 topic is checked before its first round (again over ~0.7 s before it counts as missing, as a topic
 its requester has just created may not be in every broker's metadata yet) and after a failed send
 (deleted since); nothing is ever sent to a missing topic, which on a broker with auto-create would
-create it for no reader, and on one without would wait out the request timeout.
+create it for no reader, and on one without would wait out the request timeout. A topic found
+missing is remembered for ``MISSING_TTL_S``: the worker's intake asks :meth:`still_missing` and
+dead-letters further requests naming it before they run.
 
 Concurrency: ``chunk``/``final``/``drop`` are synchronous and called from the event loop only.
 Memory: at most the not-yet-sent tokens of the requests in flight. ``stop`` cancels every task
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 
 MAX_CACHED_TOPICS = 10_000  # partition counts remembered (reply topics may be per request)
 MISSING_RECHECK_S = (0.1, 0.2, 0.4)  # waits before a reply topic not found counts as missing
+MISSING_TTL_S = 2.0  # how long a topic found missing is remembered (``still_missing``)
 
 
 class Undeliverable(Exception):
@@ -103,6 +106,7 @@ class ReplySender:
         self._closing: set[str] = set()  # keys whose final is queued: no more chunks
         self._partition: dict[str, int] = {}  # request key -> its partition (murmur2 in Python: once)
         self._counts: dict[str, int] = {}  # topic -> partition count
+        self._missing: dict[str, float] = {}  # topic -> when (loop time) it was found missing
         self._tasks: set[asyncio.Task] = set()
         self.records_sent = 0
         self.replies_sent = 0  # chunks and finals inside those records
@@ -218,9 +222,32 @@ class ReplySender:
                 return await self.bus.partitions_for(topic)
             except UnknownTopicError:
                 if wait is None:
+                    if len(self._missing) >= MAX_CACHED_TOPICS:
+                        self._missing.clear()
+                    self._missing[topic] = asyncio.get_running_loop().time()
                     raise Undeliverable(f"reply topic {topic!r} does not exist") from None
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")
+
+    async def still_missing(self, topic: str) -> bool:
+        """True when ``topic`` was found missing in the last ``MISSING_TTL_S`` and the bus still
+        does not know it (asked once more, so a topic created since is never taken for missing).
+        For the intake: a flood of requests naming a missing reply topic is dead-lettered before
+        it runs, at the cost of one metadata request each, instead of a prefill each."""
+        found = self._missing.get(topic)
+        if found is None:
+            return False
+        if asyncio.get_running_loop().time() - found > MISSING_TTL_S:
+            del self._missing[topic]
+            return False
+        try:
+            await self.bus.partitions_for(topic)
+        except UnknownTopicError:
+            return True
+        except BusError:
+            return False  # could not ask: let it run, the reply rounds check again
+        del self._missing[topic]
+        return False
 
     async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
         """Send one partition's record of a round; never raises (but ``CancelledError``): a

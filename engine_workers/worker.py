@@ -272,6 +272,10 @@ class Worker:
         if msg is not None and not isinstance(msg, InferenceRequest):
             await send_dead_letter(self.bus, self.config.layout, rec, f"expected a request, got {type(msg).__name__}")
             msg = None
+        if msg is not None and await self.replies.still_missing(msg.reply_to):
+            # its reply topic was found missing a moment ago (and still is): no run can be answered
+            await send_dead_letter(self.bus, self.config.layout, rec, f"reply topic {msg.reply_to!r} does not exist")
+            msg = None
         if msg is None:
             self.metrics.dead_letters.inc()
             self.offsets.finish(tp, rec.offset)

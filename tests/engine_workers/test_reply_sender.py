@@ -247,3 +247,24 @@ async def test_a_raising_callback_does_not_stop_the_others(bus: MemoryBus) -> No
     await settle(sender)
     assert any(m.request_id == "d" for r in await records(bus) for m in replies_of(decode(r.value)))
     await sender.stop()
+
+
+async def test_a_topic_found_missing_is_remembered_briefly_and_checked_again(bus: MemoryBus,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine_workers.reply_sender as rs
+
+    sender = ReplySender(bus, "w", on_failed=lambda k, why: None)
+    gone = "lockgate.reply.gone"
+    assert await sender.still_missing(gone) is False  # never looked at: nothing known
+    sender.chunk("a", gone, "a", 0, 0, (1,), "x", 0)
+    await settle(sender)
+    assert await sender.still_missing(gone) is True  # found missing, and still is
+    monkeypatch.setattr(rs, "MISSING_TTL_S", 0.05)
+    await asyncio.sleep(0.1)
+    assert await sender.still_missing(gone) is False  # remembered only briefly
+    monkeypatch.setattr(rs, "MISSING_TTL_S", 2.0)
+    sender.chunk("b", gone, "b", 0, 0, (1,), "x", 0)
+    await settle(sender)
+    await bus.ensure_topics([TopicSpec(gone, 1)])
+    assert await sender.still_missing(gone) is False  # created since: asked again, never taken for missing
+    await sender.stop()

@@ -243,6 +243,45 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
         assert "lockgate:dead_letters_total 1.0" in w.render_metrics().decode()
 
 
+async def test_more_requests_to_a_missing_reply_topic_are_dead_lettered_before_they_run(
+        tiny_dir: Path, layout: TopicLayout) -> None:
+    """Once a reply topic was found missing, further requests naming it (a misdirected flood) are
+    dead-lettered at intake and never reach the engine; a request sent after the topic was
+    created runs and is answered (the memory of a missing topic is checked against the bus)."""
+    from bus import TopicSpec
+    from bus.deadletter import parse_dead_letter
+
+    async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, dlq):
+        submitted: list[str] = []
+        submit = w.aengine.submit
+
+        def recording(eid, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            submitted.append(eid.split("#")[0])
+            return submit(eid, *args, **kwargs)
+
+        w.aengine.submit = recording
+        gone = layout.reply_topic("gone")
+        await publish(bus, layout, dataclasses.replace(req("o0", layout, max_tokens=50), reply_to=gone))
+        dead: list = []
+        deadline = time.monotonic() + 10
+        while not dead and time.monotonic() < deadline:
+            dead += await dlq.getmany(timeout_ms=100)
+        assert submitted == ["o0"] and len(dead) == 1  # the first one ran until its first reply round
+        for i in (1, 2, 3):
+            await publish(bus, layout, dataclasses.replace(req(f"o{i}", layout, max_tokens=50), reply_to=gone))
+        deadline = time.monotonic() + 10
+        while len(dead) < 4 and time.monotonic() < deadline:
+            dead += await dlq.getmany(timeout_ms=100)
+        assert sorted(decode(parse_dead_letter(r).value).request_id for r in dead) == ["o0", "o1", "o2", "o3"]
+        assert submitted == ["o0"], "the others never reached the engine"
+        await bus.ensure_topics([TopicSpec(gone, 1)])  # the requester made its topic after all
+        late = Replies(bus, gone)
+        await late.consumer.start()
+        await publish(bus, layout, dataclasses.replace(req("o4", layout, max_tokens=5), reply_to=gone))
+        await late.wait(["o4"], 10)
+        assert isinstance(late.final["o4"], Finished) and submitted == ["o0", "o4"]
+
+
 async def test_heartbeat_health_and_metrics(tiny_dir: Path, layout: TopicLayout) -> None:
     engine = make_engine(tiny_dir)
     cfg = WorkerConfig(MODEL, layout=layout, heartbeat_s=0.05, metrics_port=0)
