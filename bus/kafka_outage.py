@@ -56,7 +56,9 @@ class MetadataBackoff:
         """Seconds to wait at ``now`` before refreshing (0 after a success)."""
         if not self.failures:
             return 0.0
-        wait = min(self.max_s, self.start_s * 2 ** (self.failures - 1))
+        # the exponent capped: an outage of hours counts thousands of failures, and 0.1 * 2**1100
+        # overflows a float (the refresh task would die with the error)
+        wait = min(self.max_s, self.start_s * 2 ** min(self.failures - 1, 30))
         return max(0.0, self.failed_at + wait - now)
 
     def record(self, ok: bool, now: float) -> None:

@@ -22,6 +22,9 @@ def test_backoff_doubles_to_its_cap_and_a_success_resets_it() -> None:
     assert waits == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
     assert b.delay(50.0 + 0.25) == pytest.approx(0.75)  # the wait runs from the failure
     assert b.delay(52.0) == 0.0
+    for _ in range(5000):  # an outage of hours: the wait stays at its cap, no overflow
+        b.record(False, now=60.0)
+    assert b.delay(60.0) == 1.0
     b.record(True, now=53.0)
     assert b.delay(53.0) == 0.0 and b.failures == 0
     with pytest.raises(ValueError, match="start_s"):
