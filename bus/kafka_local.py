@@ -164,7 +164,13 @@ logger.raftserver.level = INFO
 
 
 def _kafka_uuid() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    """A Kafka-style cluster id (22 characters of URL-safe base64). Never one that starts with '-',
+    as Kafka's own ``Uuid.randomUuid`` avoids: a command line takes it for an option (1 in 64 of
+    them did, and formatting a fresh cluster failed: "--cluster-id/-t: expected one argument")."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not text.startswith("-"):
+            return text
 
 
 def _java(libs: Path, node_dir: Path) -> list[str]:
@@ -190,7 +196,8 @@ def _prepare(libs: Path, cdir: Path, nodes: int, port: int) -> None:
         (nd / "log4j2.properties").write_text(_log4j2_properties(nd))
         if (nd / "data" / "meta.properties").is_file():
             continue
-        cmd = [*_java(libs, nd), "kafka.tools.StorageTool", "format", "-t", cluster_id,
+        # `--cluster-id=ID`, one token: an id written by an older version may start with '-'
+        cmd = [*_java(libs, nd), "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
                "-c", str(nd / "server.properties"), "--ignore-formatted"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:

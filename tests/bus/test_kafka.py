@@ -228,3 +228,20 @@ def test_dlq_cli_lists_what_was_dead_lettered(kafka_bootstrap: str, capsys: pyte
     assert [json.loads(x)["reason"] for x in cap.out.splitlines()] == ["not JSON"] and "limit reached" in cap.err
     assert main(["dlq", "--bus", url, "--since", "yesterday-ish"]) == 2
     assert "not a time: 'yesterday-ish'" in capsys.readouterr().err
+
+
+def test_cluster_ids_never_look_like_options() -> None:
+    """A fresh local cluster's id is never taken for a command-line option (1 in 64 random ids
+    started with '-', and formatting the cluster then failed)."""
+    assert not any(kafka_local._kafka_uuid().startswith("-") for _ in range(5000))
+
+
+@pytest.mark.kafka
+def test_storage_with_a_dash_cluster_id_formats(kafka_bootstrap: str, tmp_path) -> None:  # noqa: ANN001
+    """A cluster id written before that fix (starting with '-') still formats: it is passed as one
+    `--cluster-id=ID` token. (The jars are the session broker's.)"""
+    cdir = tmp_path / "cluster"
+    cdir.mkdir()
+    (cdir / "cluster.id").write_text("-" + kafka_local._kafka_uuid()[1:] + "\n")
+    kafka_local._prepare(kafka_local.DEFAULT_DIR / "libs", cdir, 1, 19592)
+    assert (cdir / "node-0" / "data" / "meta.properties").is_file()
