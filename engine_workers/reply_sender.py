@@ -62,6 +62,12 @@ class Undeliverable(Exception):
     """The reply topic does not exist: no retry or other worker can deliver these replies."""
 
 
+def missing_topic_reason(topic: str) -> str:
+    """Why a request naming ``topic`` is undeliverable: the text of its dead letter's ``dlq.reason``
+    (the same whether the reply rounds or the worker's intake found the topic missing)."""
+    return f"reply topic {topic!r} does not exist"
+
+
 class _Pending:
     """One request's replies queued for the next round."""
 
@@ -225,7 +231,7 @@ class ReplySender:
                     if len(self._missing) >= MAX_CACHED_TOPICS:
                         self._missing.clear()
                     self._missing[topic] = asyncio.get_running_loop().time()
-                    raise Undeliverable(f"reply topic {topic!r} does not exist") from None
+                    raise Undeliverable(missing_topic_reason(topic)) from None
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 

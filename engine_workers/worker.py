@@ -54,7 +54,7 @@ from engine_workers.health import HealthServer
 from engine_workers.intake import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
 from engine_workers.ledger import Job, RequestLedger
 from engine_workers.offsets import OffsetTracker
-from engine_workers.reply_sender import ReplySender
+from engine_workers.reply_sender import ReplySender, missing_topic_reason
 from engine_workers.worker_config import WorkerConfig
 from engine_workers.worker_metrics import CONTENT_TYPE, WorkerMetrics
 
@@ -274,7 +274,7 @@ class Worker:
             msg = None
         if msg is not None and await self.replies.still_missing(msg.reply_to):
             # its reply topic was found missing a moment ago (and still is): no run can be answered
-            await send_dead_letter(self.bus, self.config.layout, rec, f"reply topic {msg.reply_to!r} does not exist")
+            await send_dead_letter(self.bus, self.config.layout, rec, missing_topic_reason(msg.reply_to))
             msg = None
         if msg is None:
             self.metrics.dead_letters.inc()
