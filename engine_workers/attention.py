@@ -119,12 +119,13 @@ def split_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS,
 def build_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
     dtype: torch.dtype = torch.float32, decode_kernel: Callable | None = None,
-    prefill_kernel: Callable | None = None,
+    prefill_kernel: Callable | None = None, max_decode_groups: int = MAX_DECODE_GROUPS,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """``chunks``: per sequence ``(num_computed_before, num_new, block_ids)`` in batch order;
     ``dtype``: the model's (for the masks); ``decode_kernel``: attend decode rows with it (one
     group, no mask: the kernel reads each sequence's own length) instead of gather + SDPA;
-    ``prefill_kernel``: attend prefill chunks with it (no masks: it is causal by construction).
+    ``prefill_kernel``: attend prefill chunks with it (no masks: it is causal by construction);
+    ``max_decode_groups``: at most this many gather + SDPA decode groups (see split_by_length).
 
     Returns the metadata and the positions tensor ``[T]``.
     """
@@ -158,7 +159,8 @@ def build_metadata(
     groups: list[DecodeGroup] = []
     if dec:
         nblk = [-(-ctx // block_size) for _, ctx, _ in dec]
-        for members in [list(range(len(dec)))] if decode_kernel else split_by_length(nblk):
+        for members in ([list(range(len(dec)))] if decode_kernel or max_decode_groups == 1
+                        else split_by_length(nblk, max_groups=max_decode_groups)):
             width = max(nblk[i] for i in members)
             table = torch.tensor([dec[i][2][: nblk[i]] + [0] * (width - nblk[i]) for i in members], dtype=torch.long)
             ctx = torch.tensor([dec[i][1] for i in members])

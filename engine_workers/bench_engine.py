@@ -2,8 +2,9 @@
 
 (a) HF ``generate()`` in padded static batches of 8 (left padding; a batch runs until its longest
     request is done), (b) transformers' own continuous batching (its ``ContinuousBatchingManager``,
-    per-request ``max_new_tokens``), (c) lockgate. All fp32 on this machine's CPU (or the configured
-    device), EOS ignored so every engine produces exactly the requested tokens.
+    per-request ``max_new_tokens``), (c) lockgate. Every engine runs on the engine's device in its
+    dtype (fp32 on a CPU, bf16 on CUDA by default), EOS ignored so every engine produces exactly the
+    requested tokens.
 
 Printed: output tokens/s of each and the ratios; lockgate's share of the machine's roofline (fp32
 GEMM FLOP/s measured in the same run vs the model FLOPs lockgate actually executed per second);
@@ -72,10 +73,18 @@ def measure_gemm_flops(dtype=torch.float32, n: int = 1024, seconds: float = 1.5)
     return out
 
 
-def _hf_model(path):
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work: a timer read before that would stop early on CUDA."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_model(path, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # The same device and dtype as lockgate's engine: a GPU engine against HF on the CPU (as this
+    # bench ran until 2026-12-04 on CUDA, never tried there) would compare hardware, not engines.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -84,15 +93,18 @@ def run_hf_static(model, wl: Workload, batch: int = 8) -> float:
     from transformers import GenerationConfig
 
     pad = 0
+    device = model.device
+    _sync(device)
     start = time.perf_counter()
     for i in range(0, len(wl.prompts), batch):
         prompts, outs = wl.prompts[i : i + batch], wl.outputs[i : i + batch]
         width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         cfg = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=None, pad_token_id=pad)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, generation_config=cfg)
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -121,10 +133,12 @@ def run_hf_continuous(model, wl: Workload) -> float:
 def run_lockgate(engine, wl: Workload) -> tuple[float, int]:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.outputs]
     computed0 = engine.stats.computed_tokens
+    _sync(engine.device)
     start = time.perf_counter()
     # A fresh prefix-cache salt per run: an earlier round's cached prompts must not make a later
     # round cheaper (the HF engines have no cache to reuse).
     done = engine.generate(wl.prompts, params, cache_salt=uuid.uuid4().hex)
+    _sync(engine.device)
     elapsed = time.perf_counter() - start
     assert [len(d.token_ids) for d in done] == wl.outputs
     if any(d.num_cached_tokens for d in done):
@@ -174,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
     results: dict = {"model": str(engine.loaded.path), "device": str(engine.device), "dtype": str(engine.dtype),
                      "threads": torch.get_num_threads(), "requests": len(wl.prompts), "output_tokens": wl.output_tokens,
                      "prompt_tokens": sum(map(len, wl.prompts)), "repeat": args.repeat}
-    hf = None if args.skip_hf else _hf_model(engine.loaded.path)
+    hf = None if args.skip_hf else _hf_model(engine.loaded.path, engine.device, engine.dtype)
     warm = make_workload(spec.vocab_size, 4, args.seed + 1, (8, 32), (4, 8))
     run_lockgate(engine, warm)  # warm-ups: first calls of either engine pay one-time costs
     if hf is not None:

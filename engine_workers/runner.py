@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import logging
 
-import torch
+import contextlib
 
-from engine_workers.attention import build_metadata
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine_workers.attention import MAX_DECODE_GROUPS, build_metadata
 from engine_workers.loader import LoadedModel
 from engine_workers.llama import ModelSpec
 
 log = logging.getLogger(__name__)
+
+_SDPA_NO_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -72,6 +77,17 @@ class ModelRunner:
         ]
         # CPU float32: attention on the engine's own kernels where they build (cpu_kernels.py)
         self.decode_kernel = self.prefill_kernel = None
+        # Decode groups trade launches for padding. A CPU is compute-bound: padded keys cost FLOPs,
+        # so sequences are grouped by length. A GPU step of a small model is launch-bound (the host
+        # issues ~20 kernels per layer and the device waits): one padded group per step. Measured
+        # on an H200, SmolLM2-135M shape, bf16: one group 3.57 s vs four 6.32 s for the same
+        # workload (scripts/gpu/probe.sh, docs/gpu.md).
+        self.max_decode_groups = MAX_DECODE_GROUPS if device.type == "cpu" else 1
+        # cuDNN's SDPA plans each new shape (tens of ms the first time it sees a batch size, a
+        # padded width or a prefill length) and a serving batch keeps making new shapes: the first
+        # pass over the workload above took 20.3 s with it and 3.9 s without it (same probe). The
+        # flash and memory-efficient kernels need no plan.
+        self.sdpa_backends = _SDPA_NO_CUDNN if device.type == "cuda" else None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
             from engine_workers import cpu_kernels as kernels
 
@@ -96,7 +112,8 @@ class ModelRunner:
             if samples:
                 logit_rows.append(len(ids) - 1)
         meta, positions = build_metadata(meta_in, self.block_size, self.device, self.kv_caches[0][0].dtype,
-                                         self.decode_kernel, self.prefill_kernel)
+                                         self.decode_kernel, self.prefill_kernel, self.max_decode_groups)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta, rows)
+        with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
+            return self.model(input_ids, positions, self.kv_caches, meta, rows)

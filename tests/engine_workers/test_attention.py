@@ -29,11 +29,11 @@ def dense_reference(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     return outs
 
 
-@pytest.mark.parametrize("kernel", [False, True])
-def test_mixed_batch_matches_dense_attention(kernel):
+@pytest.mark.parametrize("kernel, groups", [(False, 4), (False, 1), (True, 4)])
+def test_mixed_batch_matches_dense_attention(kernel, groups):
     """One step of decodes (short and long contexts), a chunk starting its sequence and a chunk
     continuing one, blocks scattered in the cache: each row equals dense causal attention, through
-    SDPA and through the CPU kernels (decode and prefill)."""
+    SDPA in length groups (CPU), SDPA in one padded group (CUDA's policy) and the CPU kernels."""
     fn = cpu_kernels.paged_decode() if kernel else None
     pf = cpu_kernels.prefill_attention() if kernel else None
     if kernel and (fn is None or pf is None):
@@ -59,8 +59,11 @@ def test_mixed_batch_matches_dense_attention(kernel):
         seqs.append((q, k, v))
         chunks.append((before, total - before, blocks))
         new_q.append(q[before:]); new_k.append(k[before:]); new_v.append(v[before:])
-    meta, positions = build_metadata(chunks, BS, torch.device("cpu"), decode_kernel=fn, prefill_kernel=pf)
+    meta, positions = build_metadata(chunks, BS, torch.device("cpu"), decode_kernel=fn, prefill_kernel=pf,
+                                     max_decode_groups=groups)
     assert all(c.mask is None for c in meta.prefill) == kernel  # the kernel needs no masks
+    if kernel or groups == 1:
+        assert len(meta.decode) == 1  # every decode row in one call
     assert positions.tolist() == [p for total, before in plan for p in range(before, total)]
     out = paged_attention(torch.cat(new_q), torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, meta, D**-0.5)
     want = torch.cat(dense_reference(seqs, [before for _, before in plan])).reshape(-1, HQ * D)
@@ -172,6 +175,22 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir):
     assert on.runner.model.norm.fused is not None and off.runner.model.norm.fused is None
     reqs = workload(on.loaded.spec.vocab_size, 10, seed=11, max_prompt=150, max_new=30)
     assert run_together(on, reqs) == run_together(off, reqs)
+
+
+def test_cuda_attention_policy_gives_the_same_output(tiny_model_dir):
+    """What the runner does on CUDA (one padded decode group, SDPA without cuDNN: runner.py says
+    why) run here on the CPU's SDPA: the same tokens as length groups with every SDPA backend."""
+    from engine_workers.config import EngineConfig
+    from engine_workers.engine import Engine
+    from engine_workers.runner import _SDPA_NO_CUDNN
+    from tests.engine_workers.test_engine_hf_parity import run_together, workload
+
+    grouped = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
+    assert grouped.runner.max_decode_groups > 1 and grouped.runner.sdpa_backends is None
+    cuda_like = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
+    cuda_like.runner.max_decode_groups, cuda_like.runner.sdpa_backends = 1, _SDPA_NO_CUDNN
+    reqs = workload(grouped.loaded.spec.vocab_size, 10, seed=12, max_prompt=150, max_new=30)
+    assert run_together(cuda_like, reqs) == run_together(grouped, reqs)
 
 
 def test_flag_and_env_turn_the_kernel_off(monkeypatch):
