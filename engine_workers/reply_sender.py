@@ -32,8 +32,9 @@ topic is checked before its first round (again over ~0.7 s before it counts as m
 its requester has just created may not be in every broker's metadata yet) and after a failed send
 (deleted since); nothing is ever sent to a missing topic, which on a broker with auto-create would
 create it for no reader, and on one without would wait out the request timeout. A topic found
-missing is remembered for ``MISSING_TTL_S``: the worker's intake asks :meth:`still_missing` and
-dead-letters further requests naming it before they run.
+missing is remembered for ``MISSING_TTL_S``. The worker's intake asks :meth:`verify` before the
+first request naming a topic runs (engine_workers/reply_gate.py), so a request to a missing topic
+is dead-lettered without a prefill; the rounds' own checks catch a topic deleted later.
 
 Concurrency: ``chunk``/``final``/``drop`` are synchronous and called from the event loop only.
 Memory: at most the not-yet-sent tokens of the requests in flight. ``stop`` cancels every task
@@ -113,6 +114,7 @@ class ReplySender:
         self._partition: dict[str, int] = {}  # request key -> its partition (murmur2 in Python: once)
         self._counts: dict[str, int] = {}  # topic -> partition count
         self._missing: dict[str, float] = {}  # topic -> when (loop time) it was found missing
+        self._verifying: dict[str, asyncio.Task] = {}  # topic -> its check in progress (verify)
         self._tasks: set[asyncio.Task] = set()
         self.records_sent = 0
         self.replies_sent = 0  # chunks and finals inside those records
@@ -215,10 +217,13 @@ class ReplySender:
                 n = len(await self._partitions(topic))  # Undeliverable (not a BusError) propagates
             except BusError:
                 return None
-            if len(self._counts) >= MAX_CACHED_TOPICS:
-                self._counts.clear()
-            self._counts[topic] = n
+            self._remember_count(topic, n)
         return n
+
+    def _remember_count(self, topic: str, n: int) -> None:
+        if len(self._counts) >= MAX_CACHED_TOPICS:
+            self._counts.clear()
+        self._counts[topic] = n
 
     async def _partitions(self, topic: str) -> list[int]:
         """``partitions_for``; a topic not found is asked for again after each of
@@ -235,6 +240,42 @@ class ReplySender:
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
+    def known(self, topic: str) -> bool:
+        """True when ``topic``'s partition count is cached: it existed when last asked."""
+        return topic in self._counts
+
+    async def verify(self, topic: str) -> str | None:
+        """Check that ``topic`` exists before a request naming it runs: ``None`` when it does (its
+        partition count is then cached for the reply rounds) or when the bus could not be asked
+        (the rounds check again); the dead letter's reason when it does not, after the rechecks of
+        ``MISSING_RECHECK_S`` (or one check while it is remembered missing). Concurrent calls for
+        one topic share one check. Cancelling a caller does not cancel the shared check;
+        :meth:`stop` does."""
+        if topic in self._counts:
+            return None
+        task = self._verifying.get(topic)
+        if task is None:
+            task = self._verifying[topic] = asyncio.get_running_loop().create_task(self._verify(topic),
+                                                                                   name=f"verify-{topic}")
+            self._tasks.add(task)
+
+            def done(t: asyncio.Task) -> None:
+                self._tasks.discard(t)
+                if self._verifying.get(topic) is t:
+                    del self._verifying[topic]
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _verify(self, topic: str) -> str | None:
+        if await self.still_missing(topic):
+            return missing_topic_reason(topic)
+        try:
+            await self._count(topic)
+        except Undeliverable as exc:
+            return str(exc)
+        return None
+
     async def still_missing(self, topic: str) -> bool:
         """True when ``topic`` was found missing in the last ``MISSING_TTL_S`` and the bus still
         does not know it (asked once more, so a topic created since is never taken for missing).
@@ -247,12 +288,13 @@ class ReplySender:
             del self._missing[topic]
             return False
         try:
-            await self.bus.partitions_for(topic)
+            parts = await self.bus.partitions_for(topic)
         except UnknownTopicError:
             return True
         except BusError:
             return False  # could not ask: let it run, the reply rounds check again
         del self._missing[topic]
+        self._remember_count(topic, len(parts))
         return False
 
     async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
@@ -344,3 +386,4 @@ class ReplySender:
         self._keys.clear()
         self._closing.clear()
         self._partition.clear()
+        self._verifying.clear()

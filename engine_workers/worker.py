@@ -16,8 +16,10 @@ which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward
 * **replies** — the engine's per-step outputs become one ``TokenChunk`` per request per step (more
   coalesced when the bus lags) and a final ``Finished`` to ``reply_to``, in order, all of a step's
   replies for one partition of a reply topic in one record (:class:`ReplySender`: one task per
-  reply topic with something to send, never blocking the engine). A request whose reply topic does
-  not exist is aborted and dead-lettered (``reply topic ... does not exist``), then committed.
+  reply topic with something to send, never blocking the engine). A request runs only once its
+  reply topic is known to exist (one check per new topic, :class:`ReplyGate`); one naming a missing
+  topic is dead-lettered (``reply topic ... does not exist``) and committed without running, and
+  one whose topic is deleted while it runs is aborted and dead-lettered the same way.
 * **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
   commits its low watermark. Revoked partitions: their requests are aborted and forgotten (the new
   owner re-runs them from the committed offset). Jobs, offsets, commits and rebalance are kept by
@@ -43,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Set
 
-from bus.base import Bus, BusError, Record, TopicPartition
+from bus.base import Bus, BusError, TopicPartition
 from bus.deadletter import DeadLetterer, send_dead_letter
 from bus.messages import (Cancel, DecodeError, Error, ErrorCode, Finished, FinishReason, InferenceRequest, Timings,
                           Usage, WorkerStatus, decode, encode)
@@ -54,7 +56,8 @@ from engine_workers.health import HealthServer
 from engine_workers.intake import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
 from engine_workers.ledger import Job, RequestLedger
 from engine_workers.offsets import OffsetTracker
-from engine_workers.reply_sender import ReplySender, missing_topic_reason
+from engine_workers.reply_gate import ReplyGate
+from engine_workers.reply_sender import ReplySender
 from engine_workers.worker_config import WorkerConfig
 from engine_workers.worker_metrics import CONTENT_TYPE, WorkerMetrics
 
@@ -94,7 +97,8 @@ class Worker:
         self._consumer = None
         self._control = None
         self._tasks: list[asyncio.Task] = []
-        self._dead_letters: set[asyncio.Task] = set()  # undeliverable requests being dead-lettered
+        self._gate = ReplyGate(bus, config.layout, config.worker_id, self.replies, self.ledger, self._accept,
+                               self.metrics.dead_letters.inc)
         self._next_expiry_check = 0.0
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
@@ -139,10 +143,7 @@ class Worker:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._dead_letters:  # a dead letter in flight finishes its offset once acknowledged
-            await asyncio.wait(self._dead_letters, timeout=STOP_COMMIT_S)
-            for t in list(self._dead_letters):
-                t.cancel()
+        await self._gate.stop(STOP_COMMIT_S)  # a dead letter acknowledged finishes its offset: before the commit
         if was in ("started", "draining"):
             # Work finished since the intake loop's last periodic commit: without this a clean
             # stop would leave up to commit_interval_s of it to be re-run by the next owner.
@@ -272,10 +273,6 @@ class Worker:
         if msg is not None and not isinstance(msg, InferenceRequest):
             await send_dead_letter(self.bus, self.config.layout, rec, f"expected a request, got {type(msg).__name__}")
             msg = None
-        if msg is not None and await self.replies.still_missing(msg.reply_to):
-            # its reply topic was found missing a moment ago (and still is): no run can be answered
-            await send_dead_letter(self.bus, self.config.layout, rec, missing_topic_reason(msg.reply_to))
-            msg = None
         if msg is None:
             self.metrics.dead_letters.inc()
             self.offsets.finish(tp, rec.offset)
@@ -286,6 +283,16 @@ class Worker:
         job = Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
                   -(-(len(msg.prompt_token_ids) + 1) // bs))
         self.ledger.add(job)
+        self._gate.submit(job)  # -> _accept once its reply topic is known to exist
+
+    def _accept(self, job: Job, held: bool) -> None:
+        """A request whose reply topic exists: answered at once (wrong model, cancelled earlier,
+        past its deadline) or queued in the intake. Called from ``_on_record`` (the intake loop
+        admits after the whole fetch, so a fetch's requests are chosen among by priority) or,
+        ``held``, by the gate after the first check of its reply topic (admitted from here)."""
+        if self.state != "started":
+            return  # draining or stopped: stays uncommitted for the next owner
+        msg, now = job.req, time.time()
         if safe_name(msg.model) != safe_name(self.config.model):
             self._reply_error(job, ErrorCode.INVALID_REQUEST, f"model {msg.model!r} is not served here ({self.config.model!r})")
         elif msg.request_id in self._cancelled:
@@ -293,7 +300,9 @@ class Worker:
         elif msg.deadline is not None and msg.deadline <= now:
             self._reply_error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
         else:
-            job.pending = self.intake.push(msg.request_id, msg.tier, arrival, msg.deadline, job)
+            job.pending = self.intake.push(msg.request_id, msg.tier, job.arrival, msg.deadline, job)
+            if held:
+                self._admit()
 
     # -- admission --------------------------------------------------------------------------------
 
@@ -430,29 +439,7 @@ class Worker:
         if undeliverable is None:
             log.error("worker %s: replies of %s could not be sent; leaving it uncommitted", self.config.worker_id, eid)
             return
-        task = asyncio.get_running_loop().create_task(self._dead_letter(job, undeliverable), name=f"dlq-{eid}")
-        self._dead_letters.add(task)
-        task.add_done_callback(self._dead_letters.discard)
-
-    async def _dead_letter(self, job: Job, reason: str) -> None:
-        """Publish ``job``'s request to the dead-letter topic (its provenance in the headers), then
-        finish its offset. A failure leaves it uncommitted, as a failed reply does."""
-        if job.tp is None:
-            return
-        r = job.req
-        # The request re-encoded (the record's bytes are not kept); its timestamp is the request's
-        # arrival, which is its enqueued_at (the record's own stamp differs by the publish latency).
-        rec = Record(job.tp.topic, job.tp.partition, job.offset, r.request_id.encode(), encode(r), int(job.arrival * 1000))
-        try:
-            await send_dead_letter(self.bus, self.config.layout, rec, reason)
-        except BusError as exc:
-            log.error("worker %s: dead letter of %s failed (%s); leaving it uncommitted", self.config.worker_id,
-                      job.eid, exc)
-            return
-        self.metrics.dead_letters.inc()
-        # Safe even if the partition was revoked and came back since: the only record at this
-        # offset is this same request, whose reply topic is missing wherever it runs.
-        self.offsets.finish(job.tp, job.offset)
+        self._gate.dead_letter(job, undeliverable)
 
     # -- cancel, rebalance ------------------------------------------------------------------------
 

@@ -268,3 +268,36 @@ async def test_a_topic_found_missing_is_remembered_briefly_and_checked_again(bus
     await bus.ensure_topics([TopicSpec(gone, 1)])
     assert await sender.still_missing(gone) is False  # created since: asked again, never taken for missing
     await sender.stop()
+
+
+async def test_verify_checks_a_topic_once_and_shares_the_check(bus: MemoryBus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``verify`` (the worker's gate before a request runs): an existing topic -> None, cached (no
+    second metadata request); a missing one -> the dead letter's reason after the rechecks; callers
+    at the same time share one check; a topic created later verifies."""
+    import engine_workers.reply_sender as rs
+
+    monkeypatch.setattr(rs, "MISSING_RECHECK_S", (0.01, 0.01))
+    asked: list[str] = []
+    real = bus.partitions_for
+
+    async def counting(topic: str) -> list[int]:
+        asked.append(topic)
+        return await real(topic)
+
+    monkeypatch.setattr(bus, "partitions_for", counting)
+    sender = ReplySender(bus, "w")
+    assert not sender.known(TOPIC)
+    assert await asyncio.gather(*(sender.verify(TOPIC) for _ in range(5))) == [None] * 5
+    assert sender.known(TOPIC) and asked == [TOPIC]  # one check for five callers
+    assert await sender.verify(TOPIC) is None and asked == [TOPIC]  # cached
+    gone = "lockgate.reply.gone"
+    reasons = await asyncio.gather(*(sender.verify(gone) for _ in range(3)))
+    assert reasons == [rs.missing_topic_reason(gone)] * 3 and asked.count(gone) == 3  # first check + 2 rechecks
+    assert not sender.known(gone)
+    assert await sender.verify(gone) == rs.missing_topic_reason(gone) and asked.count(gone) == 4  # remembered: one check
+    await bus.ensure_topics([TopicSpec(gone, 2)])
+    assert await sender.verify(gone) is None and sender.known(gone)
+    sender.chunk("a", gone, "a", 0, 0, (1,), "x", 0)  # the rounds use the cached count
+    await settle(sender)
+    assert asked.count(gone) == 5  # one check found it created, and gave its count
+    await sender.stop()

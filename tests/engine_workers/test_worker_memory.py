@@ -211,9 +211,9 @@ async def test_running_request_past_its_deadline_is_stopped(tiny_dir: Path, layo
 
 async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path, layout: TopicLayout) -> None:
     """A request naming a reply topic that does not exist can be answered by no worker: it is
-    aborted, dead-lettered with the reason, and its offset committed (left in flight, it pinned its
-    partition's commits: every later request there would run again after any restart). The
-    requests around it are served."""
+    dead-lettered with the reason (before it runs: the worker checks a new reply topic first) and
+    its offset committed (left in flight, it pinned its partition's commits: every later request
+    there would run again after any restart). The requests around it are served."""
     from bus.deadletter import parse_dead_letter
 
     async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, dlq):
@@ -233,7 +233,7 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
         orphan = decode(letter.value)
         assert isinstance(orphan, InferenceRequest) and orphan.request_id == "orphan" and orphan.reply_to == gone
         assert "orphan" not in replies.final
-        deadline = time.monotonic() + 5  # aborted (it asked for 200 tokens): the engine lets it go
+        deadline = time.monotonic() + 5
         while (w.ledger.in_engine or w.aengine.snapshot.running) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         assert w.ledger.in_engine == 0 and w.aengine.snapshot.running == 0
@@ -243,9 +243,9 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
         assert "lockgate:dead_letters_total 1.0" in w.render_metrics().decode()
 
 
-async def test_more_requests_to_a_missing_reply_topic_are_dead_lettered_before_they_run(
+async def test_requests_to_a_missing_reply_topic_are_dead_lettered_before_they_run(
         tiny_dir: Path, layout: TopicLayout) -> None:
-    """Once a reply topic was found missing, further requests naming it (a misdirected flood) are
+    """Requests naming a missing reply topic (the first one, and a misdirected flood after it) are
     dead-lettered at intake and never reach the engine; a request sent after the topic was
     created runs and is answered (the memory of a missing topic is checked against the bus)."""
     from bus import TopicSpec
@@ -266,20 +266,49 @@ async def test_more_requests_to_a_missing_reply_topic_are_dead_lettered_before_t
         deadline = time.monotonic() + 10
         while not dead and time.monotonic() < deadline:
             dead += await dlq.getmany(timeout_ms=100)
-        assert submitted == ["o0"] and len(dead) == 1  # the first one ran until its first reply round
+        assert submitted == [] and len(dead) == 1  # the first one too: its topic is checked before it runs
         for i in (1, 2, 3):
             await publish(bus, layout, dataclasses.replace(req(f"o{i}", layout, max_tokens=50), reply_to=gone))
         deadline = time.monotonic() + 10
         while len(dead) < 4 and time.monotonic() < deadline:
             dead += await dlq.getmany(timeout_ms=100)
         assert sorted(decode(parse_dead_letter(r).value).request_id for r in dead) == ["o0", "o1", "o2", "o3"]
-        assert submitted == ["o0"], "the others never reached the engine"
+        assert submitted == [], "none reached the engine"
         await bus.ensure_topics([TopicSpec(gone, 1)])  # the requester made its topic after all
         late = Replies(bus, gone)
         await late.consumer.start()
         await publish(bus, layout, dataclasses.replace(req("o4", layout, max_tokens=5), reply_to=gone))
         await late.wait(["o4"], 10)
-        assert isinstance(late.final["o4"], Finished) and submitted == ["o0", "o4"]
+        assert isinstance(late.final["o4"], Finished) and submitted == ["o4"]
+
+
+async def test_a_request_held_for_its_reply_topic_check_can_be_cancelled(tiny_dir: Path, layout: TopicLayout,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first request naming a reply topic waits for the topic's check; a Cancel arriving
+    meanwhile answers it ``abort`` without running it, and the next request to that topic (now
+    known) runs without a check."""
+    async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, _):
+        real, asked = bus.partitions_for, []
+
+        async def slow(topic: str) -> list[int]:
+            asked.append(topic)
+            await asyncio.sleep(0.5)
+            return await real(topic)
+
+        monkeypatch.setattr(bus, "partitions_for", slow)
+        steps = w.aengine.snapshot.steps
+        await publish(bus, layout, req("held", layout, max_tokens=50))
+        deadline = time.monotonic() + 5
+        while not len(w._gate) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(w._gate) == 1 and w.ledger.in_engine == 0  # held, not queued
+        w.cancel("held")
+        await replies.wait(["held"], 10)
+        assert isinstance(replies.final["held"], Finished) and replies.final["held"].num_tokens == 0
+        assert w.aengine.snapshot.steps == steps  # never ran
+        await publish(bus, layout, req("next", layout, max_tokens=3))
+        await replies.wait(["next"], 10)
+        assert replies.final["next"].num_tokens == 3 and asked == [layout.reply_topic("test")]
 
 
 async def test_heartbeat_health_and_metrics(tiny_dir: Path, layout: TopicLayout) -> None:
