@@ -47,8 +47,8 @@ from collections.abc import Set
 
 from bus.base import Bus, BusError, TopicPartition
 from bus.deadletter import DeadLetterer, send_dead_letter
-from bus.messages import (Cancel, DecodeError, Error, ErrorCode, Finished, FinishReason, InferenceRequest, Timings,
-                          Usage, WorkerStatus, decode, encode)
+from bus.messages import (Error, ErrorCode, Finished, FinishReason, InferenceRequest, Timings, Usage,
+                          WorkerStatus)
 from bus.topics import safe_name
 from engine_workers.async_engine import AsyncEngine
 from engine_workers.engine import Engine, RequestOutput
@@ -59,6 +59,7 @@ from engine_workers.offsets import OffsetTracker
 from engine_workers.reply_gate import ReplyGate
 from engine_workers.reply_sender import ReplySender
 from engine_workers.worker_config import WorkerConfig
+from engine_workers.worker_loops import heartbeat, read_cancels
 from engine_workers.worker_metrics import CONTENT_TYPE, WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,11 @@ class Worker:
             await self.stop()
             raise
         self.state = "started"
-        for name, coro in (("intake", self._intake_loop()), ("control", self._control_loop()),
-                           ("heartbeat", self._heartbeat_loop())):
+        cfg = self.config
+        for name, coro in (("intake", self._intake_loop()),
+                           ("control", read_cancels(self._control, self.cancel, cfg.worker_id)),
+                           ("heartbeat", heartbeat(self.bus, cfg.layout.status_topic, cfg.worker_id, self.status,
+                                                   cfg.heartbeat_s, before=self._observe))):
             self._tasks.append(asyncio.create_task(coro, name=f"{self.config.worker_id}-{name}"))
         log.info("worker %s serving %s (group %s, intake %s, aging period %gs)", self.config.worker_id,
                  self.config.model, self.config.group, self.policy.mode.value, self.policy.aging_period_s)
@@ -216,7 +220,7 @@ class Worker:
         return self.state == "started" and self.live() and bool(self._consumer and self._consumer.assignment())
 
     def render_metrics(self) -> bytes:
-        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
+        self._observe()
         return self.metrics.render()
 
     # -- intake -----------------------------------------------------------------------------------
@@ -376,7 +380,7 @@ class Worker:
                     self._finish(job, out)
         self.metrics.observe_tokens(prompt, generated)
         self._expire_running()
-        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
+        self._observe()
         self._admit()
 
     def _expire_running(self) -> None:
@@ -459,24 +463,6 @@ class Worker:
                 n += 1
         return n
 
-    async def _control_loop(self) -> None:
-        assert self._control is not None
-        while True:
-            try:
-                records = await self._control.getmany(timeout_ms=500)
-            except BusError as exc:
-                log.warning("worker %s: control fetch failed (%s)", self.config.worker_id, exc)
-                await asyncio.sleep(0.5)
-                continue
-            for rec in records:
-                try:
-                    msg = decode(rec.value)
-                except DecodeError as exc:
-                    log.warning("ignoring undecodable control record %s@%d: %s", rec.topic, rec.offset, exc)
-                    continue
-                if isinstance(msg, Cancel):
-                    self.cancel(msg.request_id)
-
     def _release(self, lost: Set[TopicPartition]) -> None:
         """The ledger's ``on_lost`` (rebalance moved ``lost`` away): drop their queued requests,
         abort the admitted ones and publish nothing more for them; the new owner re-runs them."""
@@ -514,13 +500,6 @@ class Worker:
             snap.tokens_per_s, self.state == "draining",
         )
 
-    async def _heartbeat_loop(self) -> None:
-        topic = self.config.layout.status_topic
-        key = self.config.worker_id.encode()
-        while True:
-            self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
-            try:
-                await self.bus.send(topic, encode(self.status()), key=key)
-            except BusError as exc:
-                log.warning("worker %s: heartbeat failed (%s)", self.config.worker_id, exc)
-            await asyncio.sleep(self.config.heartbeat_s)
+    def _observe(self) -> None:
+        """Refresh the gauges (queue depth and running per tier, KV usage) from current state."""
+        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
