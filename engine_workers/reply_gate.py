@@ -62,7 +62,14 @@ class ReplyGate:
         self._own(self._held, self._check(job), f"reply-check-{job.eid}")
 
     async def _check(self, job: Job) -> None:
-        reason = await self.replies.verify(job.req.reply_to)
+        try:
+            reason = await self.replies.verify(job.req.reply_to)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug or an unexpected bus error must not hold the request forever
+            log.exception("worker %s: checking reply topic %r failed; letting %s run", self.worker_id,
+                          job.req.reply_to, job.eid)
+            reason = None
         if job.lost:
             return  # its partition was revoked meanwhile: the new owner has it
         if reason is None:

@@ -387,3 +387,19 @@ async def test_commits_wait_for_the_interval_and_the_end_commits_at_once(tiny_di
         ends = {TopicPartition(t, p): bus.broker.topics[t].partitions[p].end
                 for t in layout.request_topics(MODEL) for p in range(layout.partitions)}
         assert {tp: group.committed.get(tp, 0) for tp in ends} == ends and sum(ends.values()) == len(reqs)
+
+
+async def test_a_failing_reply_topic_check_lets_the_request_run(tiny_dir: Path, layout: TopicLayout,
+                                                                monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """An unexpected error while checking a reply topic is logged and the request runs (the reply
+    rounds check the topic again), never held for good."""
+    async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, _):
+        async def broken(topic: str) -> str | None:
+            raise RuntimeError("metadata parser bug")
+
+        monkeypatch.setattr(w.replies, "verify", broken)
+        with caplog.at_level(logging.ERROR, logger="engine_workers.reply_gate"):
+            await publish(bus, layout, req("r", layout, max_tokens=3))
+            await replies.wait(["r"], 10)
+        assert replies.final["r"].num_tokens == 3
+        assert any("metadata parser bug" in (r.exc_text or "") for r in caplog.records)
