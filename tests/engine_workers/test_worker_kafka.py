@@ -22,7 +22,8 @@ from bus import TopicLayout, connect
 from bus.messages import Cancel, Error, Finished, InferenceRequest, SamplingParams, decode, encode
 from bus.partitioner import partition_for_key
 from engine_workers.worker import Worker, WorkerConfig
-from tests.engine_workers.test_worker_memory import MODEL, Replies, make_engine, publish, req, tiny_dir  # noqa: F401
+from tests.engine_workers.test_worker_memory import (MODEL, Replies, make_engine, publish, record_submissions,  # noqa: F401
+                                                     req, tiny_dir)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(150)]
 LOCKGATE = str(Path(sys.executable).with_name("lockgate"))
@@ -303,10 +304,10 @@ async def test_cancel_expired_invalid_on_kafka(kafka_bootstrap: str, tiny_dir: P
 
 
 async def test_missing_reply_topic_on_kafka_is_dead_lettered_never_created(kafka_bootstrap: str, tiny_dir: Path) -> None:
-    """A request whose reply topic does not exist: dead-lettered with the reason, nothing sent to
-    that topic (on this broker, which auto-creates topics, a send would have created it), and its
-    offset committed with the others: the group, joined again, reads nothing before a marker
-    published after the worker stopped."""
+    """A request whose reply topic does not exist: dead-lettered with the reason without running
+    (its topic is checked first), nothing sent to that topic (on this broker, which auto-creates
+    topics, a send would have created it), and its offset committed with the others: the group,
+    joined again, reads nothing before a marker published after the worker stopped."""
     from bus.deadletter import parse_dead_letter
 
     layout = new_layout(partitions=1)
@@ -316,6 +317,7 @@ async def test_missing_reply_topic_on_kafka_is_dead_lettered_never_created(kafka
         async with Worker(WorkerConfig(MODEL, layout=layout), bus, make_engine(tiny_dir)) as w:
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
+            submitted = record_submissions(w)
             await publish(bus, layout, req("before", layout, max_tokens=4))
             await publish(bus, layout, dataclasses.replace(req("orphan", layout, max_tokens=50), reply_to=gone))
             await publish(bus, layout, req("after", layout, max_tokens=4))
@@ -327,6 +329,7 @@ async def test_missing_reply_topic_on_kafka_is_dead_lettered_never_created(kafka
                     dead = await dlq.getmany(timeout_ms=500)
             assert [parse_dead_letter(r).reason for r in dead] == [f"reply topic {gone!r} does not exist"]
             assert "orphan" not in replies.final
+            assert sorted(submitted) == ["after", "before"], "the orphan never reached the engine"
             group = w.config.group
         assert gone not in await bus.list_topics(layout.namespace)
         await publish(bus, layout, req("marker", layout))

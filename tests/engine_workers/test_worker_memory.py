@@ -146,6 +146,19 @@ async def test_cancel_frees_kv_within_a_step(tiny_dir: Path, layout: TopicLayout
         assert replies.final["after"].num_tokens == 3
 
 
+def record_submissions(w: Worker) -> list[str]:
+    """The request ids ``w`` hands to its engine from now on, in order (a list kept up to date)."""
+    submitted: list[str] = []
+    submit = w.aengine.submit
+
+    def recording(eid, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        submitted.append(eid.split("#")[0])
+        return submit(eid, *args, **kwargs)
+
+    w.aengine.submit = recording
+    return submitted
+
+
 @contextlib.asynccontextmanager
 async def serving_with_dlq(tiny_dir: Path, layout: TopicLayout, engine: Engine | None = None):
     """A worker (on ``engine``, else a fresh one) committing after every poll on a fresh memory
@@ -252,14 +265,7 @@ async def test_requests_to_a_missing_reply_topic_are_dead_lettered_before_they_r
     from bus.deadletter import parse_dead_letter
 
     async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, dlq):
-        submitted: list[str] = []
-        submit = w.aengine.submit
-
-        def recording(eid, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            submitted.append(eid.split("#")[0])
-            return submit(eid, *args, **kwargs)
-
-        w.aengine.submit = recording
+        submitted = record_submissions(w)
         gone = layout.reply_topic("gone")
         await publish(bus, layout, dataclasses.replace(req("o0", layout, max_tokens=50), reply_to=gone))
         dead: list = []
