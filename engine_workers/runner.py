@@ -6,9 +6,8 @@ runs the whole mixed prefill+decode batch (no per-sequence loop over the model).
 
 from __future__ import annotations
 
-import logging
-
 import contextlib
+import logging
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
