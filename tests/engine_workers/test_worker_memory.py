@@ -120,7 +120,18 @@ async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicL
 
 
 async def test_cancel_frees_kv_within_a_step(tiny_dir: Path, layout: TopicLayout) -> None:
+    """A Cancel aborts a running request within a step or two of reaching the worker and frees its
+    KV, and answers a queued one without running it. Each step takes >= 20 ms here (a sleep, which
+    releases the GIL): the tiny model's own steps take ~1 ms, so on a busy host the event loop could
+    wait out several of them for the GIL before it read the Cancel (CI once counted 7)."""
     engine = make_engine(tiny_dir, max_num_seqs=1)
+    step = engine.step
+
+    def paced_step():  # noqa: ANN202
+        time.sleep(0.02)
+        return step()
+
+    engine.step = paced_step
     total = engine.kv.num_blocks
     async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout), bus, engine) as w:
         replies = Replies(bus, layout.reply_topic("test"))
