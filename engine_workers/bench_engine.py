@@ -73,7 +73,7 @@ def measure_gemm_flops(dtype=torch.float32, n: int = 1024, seconds: float = 1.5)
     return out
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work: a timer read before that would stop early on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -94,7 +94,7 @@ def run_hf_static(model, wl: Workload, batch: int = 8) -> float:
 
     pad = 0
     device = model.device
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     for i in range(0, len(wl.prompts), batch):
         prompts, outs = wl.prompts[i : i + batch], wl.outputs[i : i + batch]
@@ -104,7 +104,7 @@ def run_hf_static(model, wl: Workload, batch: int = 8) -> float:
         cfg = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=None, pad_token_id=pad)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, generation_config=cfg)
-    _sync(device)
+    sync_device(device)
     return time.perf_counter() - start
 
 
@@ -133,12 +133,12 @@ def run_hf_continuous(model, wl: Workload) -> float:
 def run_lockgate(engine, wl: Workload) -> tuple[float, int]:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.outputs]
     computed0 = engine.stats.computed_tokens
-    _sync(engine.device)
+    sync_device(engine.device)
     start = time.perf_counter()
     # A fresh prefix-cache salt per run: an earlier round's cached prompts must not make a later
     # round cheaper (the HF engines have no cache to reuse).
     done = engine.generate(wl.prompts, params, cache_salt=uuid.uuid4().hex)
-    _sync(engine.device)
+    sync_device(engine.device)
     elapsed = time.perf_counter() - start
     assert [len(d.token_ids) for d in done] == wl.outputs
     if any(d.num_cached_tokens for d in done):

@@ -23,7 +23,7 @@ import uuid
 import torch
 
 from bus.messages import SamplingParams
-from engine_workers.bench_engine import make_workload
+from engine_workers.bench_engine import make_workload, sync_device
 from engine_workers.config import EngineConfig
 from engine_workers.engine import Engine
 
@@ -31,8 +31,7 @@ DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a dry run of the script its
 
 
 def _sync() -> None:
-    if DEV == "cuda":
-        torch.cuda.synchronize()
+    sync_device(torch.device(DEV))
 
 
 def speed(model: str, variant: str, profile_out: str | None) -> None:

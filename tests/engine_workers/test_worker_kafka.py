@@ -143,10 +143,7 @@ async def test_sigterm_busy_worker_finishes_running_and_hands_over_the_rest(kafk
         for r in reqs:
             await publish(bus, layout, r)
         # SIGTERM the first worker seen streaming, while it holds requests it has not started
-        deadline = time.monotonic() + 60
-        while not replies.chunks:
-            assert time.monotonic() < deadline, "no worker streamed anything"
-            await replies.poll(20)
+        await replies.wait_streaming(60, "no worker streamed anything", poll_ms=20)
         victim = replies.chunks[0].worker_id
         procs[victim].send_signal(signal.SIGTERM)
         started = {c.request_id for c in replies.chunks if c.worker_id == victim}
@@ -379,10 +376,7 @@ async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_d
                     for i, (p, sp) in enumerate(zip(prompts, params))]
             for r in reqs:
                 await publish(bus, layout, r)
-            deadline = time.monotonic() + 30
-            while not replies.chunks:
-                assert time.monotonic() < deadline, "no tokens before the outage"
-                await replies.poll(50)
+            await replies.wait_streaming(30, "no tokens before the outage")
             caplog.clear()
             await private_kafka.stop()
             before, outage_s = refreshes["failed"], 4.0

@@ -65,6 +65,13 @@ class Replies:
             assert time.monotonic() < deadline, f"missing replies: {set(ids) - set(self.final)}"
             await self.poll(100)
 
+    async def wait_streaming(self, timeout: float, why: str, poll_ms: int = 50) -> None:
+        """Wait until some token chunk has arrived; ``why`` is the failure message."""
+        deadline = time.monotonic() + timeout
+        while not self.chunks:
+            assert time.monotonic() < deadline, why
+            await self.poll(poll_ms)
+
     async def poll(self, timeout_ms: int) -> None:
         for rec in await self.consumer.getmany(timeout_ms=timeout_ms):
             for msg in replies_of(decode(rec.value)):
