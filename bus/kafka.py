@@ -2,7 +2,8 @@
 
 * One shared ``AIOKafkaProducer`` per bus: idempotent, ``acks="all"``, ``linger_ms`` 0 by default:
   aiokafka keeps one produce request in flight per partition, so records arriving meanwhile batch
-  on their own; a 1-2 ms linger measured +1-2 ms p50 on loopback at 1,000 records/s (docs/bus.md).
+  on their own, and a linger only adds its own length to every record's latency (docs/bus.md,
+  Semantics; figures in docs/benchmarks.md, Bus).
   Set ``?linger_ms=N`` for bulk producers. Keys are caller bytes (request ids), so aiokafka's default
   partitioner (murmur2, like the Java client and the memory bus) keeps a request's records on one
   partition, in order.
@@ -32,7 +33,12 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, UnknownTopicOrPartitionError, for_code
+from aiokafka.errors import (
+    KafkaError,
+    TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
 from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.protocol.offset import OffsetRequest
 
@@ -47,8 +53,8 @@ from bus.base import (
     check_partition_arg,
     checked_topic_names,
 )
-from bus.kafka_outage import limit_repeated_logs, throttle_metadata_refresh
 from bus.kafka_consumer import KafkaConsumer
+from bus.kafka_outage import limit_repeated_logs, throttle_metadata_refresh
 from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
@@ -142,7 +148,7 @@ class KafkaBus(Bus):
     async def start(self) -> None:
         if self._producer is not None:
             return
-        limit_repeated_logs()  # a broker outage made aiokafka repeat its ERRORs ~50 times a second
+        limit_repeated_logs()  # during a broker outage aiokafka repeats its ERRORs many times a second
 
         async def start_producer() -> AIOKafkaProducer:
             p = AIOKafkaProducer(
@@ -286,8 +292,8 @@ class KafkaBus(Bus):
 
     async def _topic_metadata(self, topic: str) -> dict[str, Any] | None:
         """Metadata of ``topic`` alone, never auto-creating it. aiokafka's ``list_topics`` asks for
-        every topic of the cluster (a broker that had served thousands of benchmark and test topics
-        answered with ~1 MB that took ~1 s of pure-Python decoding per call), and its
+        every topic of the cluster (its answer grows with every topic the broker ever served, all
+        of it decoded in pure Python per call; docs/bus.md, Topics), and its
         ``describe_topics`` sends ``allow_auto_topic_creation=True``, which would create the topic on
         a broker with ``auto.create.topics.enable``. So one MetadataRequest names the topic and says
         no; it goes through the admin client's request path (``_send_request``, a private method of

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka import TopicPartition as KTP
@@ -33,8 +33,25 @@ from bus.base import (
 )
 from bus.kafka_outage import throttle_metadata_refresh
 
-if TYPE_CHECKING:
-    from bus.kafka import KafkaBus
+
+class KafkaBus(Protocol):
+    """What a consumer needs of its bus (``bus.kafka.KafkaBus`` implements it): the connection
+    settings, topic creation, the started check every call makes, and being forgotten when it stops."""
+
+    bootstrap: str
+    client_id: str
+    connect_timeout_s: float
+    request_timeout_ms: int
+    session_timeout_ms: int
+    heartbeat_interval_ms: int
+    fetch_max_wait_ms: int
+    assignment_timeout_s: float
+
+    async def _ensure_exists(self, topic: str) -> list[int]: ...
+
+    def _check_started(self) -> None: ...
+
+    def _forget(self, consumer: KafkaConsumer) -> None: ...
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ CONTROLLER_PORT_OFFSET = 100
 # The local broker shares a small machine with the engine it feeds, so its flags buy low CPU, not
 # peak throughput: C1-only JIT (C2 compiling Kafka's hot paths burned seconds of CPU during a
 # benchmark's first minute) and the serial collector (no concurrent GC threads; the heap is small
-# and pauses are a few ms). Measured over one `lockgate bench e2e --bus kafka://... --repeat 2`:
-# broker CPU 6.7 s with G1 + tiered C2, 3.5 s with these (docs/bus.md). LOCKGATE_KAFKA_JVM_FLAGS
+# and pauses are short). Together they cut the broker's CPU over a `lockgate bench e2e`
+# run (figures in docs/bus.md, A real broker locally and in CI). LOCKGATE_KAFKA_JVM_FLAGS
 # replaces the whole list.
 JVM_FLAGS = [
     "-Xms256m", "-Xmx512m",

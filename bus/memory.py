@@ -171,7 +171,7 @@ class MemoryConsumer(Consumer):
             self._positions[tp] = offset if offset is not None else self._reset_position(tp)
         self._wake()
 
-    async def _notify_assigned(self, gen: int) -> None:
+    async def _notify_assigned(self) -> None:
         """Rebalance phase 3."""
         await call_rebalance_callback(self._on_assigned, set(self._positions), "on_assigned", log)
 

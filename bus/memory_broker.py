@@ -8,15 +8,28 @@ one event loop at a time.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from bus.base import RecordMetadata, TopicPartition, TopicSpec
 from bus.memory_log import PartitionLog, TopicLog
 from bus.partitioner import partition_for_key
 from bus.topics import validate_topic
 
-if TYPE_CHECKING:
-    from bus.memory import MemoryConsumer
+
+class MemoryConsumer(Protocol):
+    """What the broker needs of a consumer in one of its groups (``bus.memory.MemoryConsumer``
+    implements it): its subscription, the rebalance steps, and a wake-up when records arrive."""
+
+    topics: frozenset[str]
+
+    async def _revoke(self) -> None: ...
+
+    def _set_assignment(self, tps: frozenset[TopicPartition], committed: Mapping[TopicPartition, int]) -> None: ...
+
+    async def _notify_assigned(self) -> None: ...
+
+    def _wake(self) -> None: ...
 
 DEFAULT_MAX_RECORDS_PER_PARTITION = 100_000
 PARTITION_CACHE_SIZE = 65_536  # (key, partitions) -> partition memo entries per broker
@@ -50,7 +63,7 @@ class _Group:
         for member in self.members:
             member._set_assignment(self.assignment.get(member, frozenset()), self.committed)
         for member in list(self.members):
-            await member._notify_assigned(gen)
+            await member._notify_assigned()
             if self.generation != gen:
                 return
 
@@ -130,13 +143,15 @@ class MemoryBroker:
         elif n == 1:
             p = 0
         elif key is not None:
-            p = self._partition_cache.get((key, n))
-            if p is None:
+            cached = self._partition_cache.get((key, n))
+            if cached is None:
                 # A key is usually sent many times (one request id: one record per token), and the
-                # pure-Python murmur2 costs ~4 us: memoise, bounded by clearing.
+                # pure-Python murmur2 is dear on a per-token path: memoise, bounded by clearing
+                # (figure in docs/benchmarks.md, Edge).
                 if len(self._partition_cache) >= PARTITION_CACHE_SIZE:
                     self._partition_cache.clear()
-                p = self._partition_cache[(key, n)] = partition_for_key(key, n)
+                cached = self._partition_cache[(key, n)] = partition_for_key(key, n)
+            p = cached
         else:
             p = next(t.rr) % n
         part = t.partitions[p]

@@ -19,8 +19,9 @@ class PartitionLog:
 
     Why columns and not a list of :class:`Record`: a retained ``Record`` is a GC-tracked object,
     and a partition holds up to 100,000 of them. Each one counted toward the young generation's
-    threshold and was traversed and promoted by the collector, a 20-25 ms pause in the edge
-    benchmark's streaming phase at 15-50k records/s (`lockgate bench edge`, edge_gc_pause_ms_max).
+    threshold and was traversed and promoted by the collector: young-generation pauses that grew
+    with the log and showed up in the edge's streaming latency (figures in docs/benchmarks.md,
+    Edge; `lockgate bench edge` reports them as edge_gc_pause_ms_max).
     bytes, ints and the shared empty-headers tuple are not tracked, so a retained record costs
     the collector nothing; readers get fresh ``Record`` objects, which die young.
 

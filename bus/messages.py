@@ -11,13 +11,13 @@ consumers turn that into a dead-letter record and keep consuming.
 from __future__ import annotations
 
 import math
-import types
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Union
+from typing import Any
 
 import orjson
+
+from bus.codec import DecodeError, build
 
 SCHEMA_VERSION = 1
 
@@ -46,10 +46,6 @@ class ErrorCode:
     UNAUTHORIZED = "unauthorized"
     INTERNAL = "internal"
     CANCELLED = "cancelled"
-
-
-class DecodeError(ValueError):
-    """Raised for bytes that are not a valid lockgate message; the text says why."""
 
 
 def _check_int(name: str, value: int, lo: int | None = None, hi: int | None = None) -> None:
@@ -270,7 +266,7 @@ class ReplyBatch:
     errors: tuple[Error, ...] = ()
 
 
-Message = Union[InferenceRequest, TokenChunk, Finished, Error, Cancel, WorkerStatus, ReplyBatch]
+Message = InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch
 
 _TYPE_NAMES: dict[type, str] = {
     InferenceRequest: "request",
@@ -310,7 +306,7 @@ def decode(data: bytes | bytearray | memoryview | str) -> Message:
     if cls is None:
         raise DecodeError(f"unknown message type {kind!r}")
     try:
-        return _build(cls, obj, kind)
+        return build(cls, obj, kind)
     except DecodeError:
         raise
     except (ValueError, TypeError) as exc:
@@ -322,7 +318,7 @@ def replies_of(msg: Message) -> tuple[Message, ...]:
     finished, then its errors; any other message alone. Every reply-topic consumer goes through
     this, so it reads batched and single records alike."""
     if msg.__class__ is ReplyBatch:
-        return msg.chunks + msg.finished + msg.errors  # type: ignore[union-attr,operator]
+        return msg.chunks + msg.finished + msg.errors
     return (msg,)
 
 
@@ -332,113 +328,3 @@ def decode_as(cls: type, data: bytes) -> Any:
     if not isinstance(msg, cls):
         raise DecodeError(f"expected {_TYPE_NAMES[cls]}, got {_TYPE_NAMES[type(msg)]}")
     return msg
-
-
-# --- generic, strict dict -> dataclass conversion -------------------------------------------------
-# Converters are compiled once per type (typing introspection is slow); a record then costs one
-# closure call per field. Paths for error messages are built only when something is wrong.
-
-Converter = typing.Callable[[Any, str], Any]
-_CONVERTERS: dict[Any, Converter] = {}
-
-
-def _build(cls: type, obj: Any, path: str) -> Any:
-    return _converter(cls)(obj, path)
-
-
-def _converter(tp: Any) -> Converter:
-    conv = _CONVERTERS.get(tp)
-    if conv is None:
-        conv = _CONVERTERS[tp] = _compile(tp)
-    return conv
-
-
-def _compile(tp: Any) -> Converter:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        nullable = type(None) in args
-        inner = _converter(next(a for a in args if a is not type(None)))
-
-        def union(value: Any, path: str) -> Any:
-            if value is None:
-                if nullable:
-                    return None
-                raise DecodeError(f"{path}: must not be null")
-            return inner(value, path)
-
-        return union
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            item = _converter(args[0])
-            exact = args[0] if args[0] in (int, str) else None  # token ids, stop strings: check in bulk
-
-            def var_tuple(value: Any, path: str) -> Any:
-                if not isinstance(value, list):
-                    raise DecodeError(f"{path}: expected a list, got {type(value).__name__}")
-                if exact is not None and all(v.__class__ is exact for v in value):
-                    return tuple(value)
-                return tuple([item(v, f"{path}[{i}]") for i, v in enumerate(value)])
-
-            return var_tuple
-        items = [_converter(a) for a in args]
-
-        def fixed_tuple(value: Any, path: str) -> Any:
-            if not isinstance(value, list):
-                raise DecodeError(f"{path}: expected a list, got {type(value).__name__}")
-            if len(items) != len(value):
-                raise DecodeError(f"{path}: expected {len(items)} items, got {len(value)}")
-            return tuple([c(v, f"{path}[{i}]") for i, (c, v) in enumerate(zip(items, value))])
-
-        return fixed_tuple
-    if tp is Any:
-        return lambda value, path: value
-    if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
-        return _compile_dataclass(tp)
-    if tp is float:
-        def number(value: Any, path: str) -> float:
-            if value.__class__ is float:
-                return value
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise DecodeError(f"{path}: expected a number, got {type(value).__name__}")
-            return float(value)
-
-        return number
-    if tp is int:
-        def integer(value: Any, path: str) -> int:
-            if value.__class__ is not int:
-                raise DecodeError(f"{path}: expected an integer, got {type(value).__name__}")
-            return value
-
-        return integer
-    if tp in (str, bool):
-        def exact_type(value: Any, path: str) -> Any:
-            if value.__class__ is not tp:
-                raise DecodeError(f"{path}: expected {tp.__name__}, got {type(value).__name__}")
-            return value
-
-        return exact_type
-    raise TypeError(f"unsupported field type {tp!r}")
-
-
-def _compile_dataclass(cls: type) -> Converter:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields(cls)]
-    known = frozenset(names)
-    plan: list[tuple[str, Converter]] = []
-    _CONVERTERS[cls] = lambda value, path: build(value, path)  # recursion guard for self-reference
-
-    def build(obj: Any, path: str) -> Any:
-        if obj.__class__ is not dict:
-            raise DecodeError(f"{path}: expected an object, got {type(obj).__name__}")
-        if not known.issuperset(obj):
-            raise DecodeError(f"{path}: unknown field(s) {sorted(set(obj) - known)}")
-        kwargs = {name: conv(obj[name], path + "." + name) for name, conv in plan if name in obj}
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:  # missing required fields
-            raise DecodeError(f"{path}: {exc}") from None
-
-    plan.extend((name, _converter(hints[name])) for name in names)
-    return build

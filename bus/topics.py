@@ -11,27 +11,12 @@ Layout (``<ns>`` defaults to ``lockgate``, ``<model>`` is the model name made to
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from bus.base import TopicSpec
+from bus.base import TopicSpec, safe_name, validate_topic
 from bus.messages import Tier
 
-_UNSAFE = re.compile(r"[^a-zA-Z0-9._-]+")
-MAX_TOPIC_LEN = 249  # Kafka's limit
-
-
-def safe_name(name: str) -> str:
-    """Map any model/owner name onto Kafka's topic alphabet ``[a-zA-Z0-9._-]``."""
-    out = _UNSAFE.sub("-", name.strip()).strip("-.") or "default"
-    return out[-120:]
-
-
-def validate_topic(name: str) -> str:
-    if not name or len(name) > MAX_TOPIC_LEN or _UNSAFE.search(name) or name in (".", ".."):
-        raise ValueError(f"invalid topic name {name!r}: use 1-{MAX_TOPIC_LEN} chars of [a-zA-Z0-9._-]")
-    return name
-
+__all__ = ["TopicLayout", "safe_name", "validate_topic"]
 
 @dataclass(frozen=True, slots=True)
 class TopicLayout:

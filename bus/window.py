@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from bus.base import Bus, Record, TopicPartition
 
@@ -37,7 +37,7 @@ def parse_time_ms(text: str, now_ms: int | None = None) -> int:
     except ValueError:
         raise ValueError(f"not a time: {text!r} (use ms since the epoch, ISO 8601, 'now' or 15m for 15 minutes ago)") from None
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return int(dt.timestamp() * 1000)
 
 

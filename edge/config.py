@@ -157,6 +157,8 @@ class EdgeConfig:
     # SO_REUSEPORT: several edge processes listen on one port and the kernel spreads new
     # connections over them (one event loop is one core; this is how an edge uses more cores)
     reuse_port: bool = False
+    # the OpenAI-compatible HTTP API's port (same host); None = not served, 0 = any free port
+    openai_port: int | None = None
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None
@@ -184,6 +186,8 @@ class EdgeConfig:
             raise ConfigError("model must be a non-empty name")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
+            raise ConfigError(f"openai_port must be in 0..65535, got {self.openai_port}")
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",

@@ -2,11 +2,20 @@
 several edges (tests, embedded servers) never collide. Names follow vLLM's where the meaning is the
 same (``vllm:time_to_first_token_seconds`` -> ``lockgate:time_to_first_token_seconds``); latencies
 here are measured at the edge, from admission to the frame being queued for the client.
+
+Request-level series carry an ``api`` label: ``ws`` (the WebSocket protocol) or ``openai`` (the
+OpenAI-compatible HTTP API); both go through the same admission (:mod:`edge.admission`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -19,9 +28,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class EdgeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[str, str], tuple] = {}
-        self._generated: dict[tuple[str, str], int] = {}  # tokens not yet added to the counter
-        ml = ["model", "tier"]
+        self._children: dict[tuple[str, str, str], tuple] = {}
+        self._generated: dict[tuple[str, str, str], int] = {}  # tokens not yet added to the counter
+        ml = ["model", "tier", "api"]
         self.ttft = Histogram("lockgate:time_to_first_token_seconds",
                               "Edge-observed time from admission to the first output token.", ml,
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -35,14 +44,14 @@ class EdgeMetrics:
                                "Age of the oldest reply record of each routed batch when the batch is routed to sessions.",
                                buckets=_ROUTE_BUCKETS, registry=r)
         self.success = Counter("lockgate:request_success", "Finished requests by finish reason.",
-                               ["model", "tier", "finished_reason"], registry=r)
+                               ["model", "tier", "api", "finished_reason"], registry=r)
         self.prompt_tokens = Counter("lockgate:prompt_tokens", "Prompt tokens admitted.", ml, registry=r)
         self.generation_tokens = Counter("lockgate:generation_tokens", "Output tokens sent to clients.", ml,
                                          registry=r)
         self.connections = Gauge("lockgate:edge_connections", "Open WebSocket connections.", registry=r)
         self.streams = Gauge("lockgate:edge_streams", "Requests in flight (accepted, not done).", registry=r)
         self.rejections = Counter("lockgate:edge_rejections", "Refused handshakes and requests by reason.",
-                                  ["reason"], registry=r)
+                                  ["reason", "api"], registry=r)
         self.duplicates = Counter("lockgate:edge_duplicate_chunks", "Token chunks dropped as duplicates.",
                                   registry=r)
         self.orphans = Counter("lockgate:edge_orphan_replies",
@@ -55,8 +64,8 @@ class EdgeMetrics:
                                registry=r)
         self.live_workers = Gauge("lockgate:edge_live_workers", "Workers with a fresh heartbeat.", registry=r)
 
-    def per_request(self, labels: tuple[str, str]) -> tuple:
-        """(ttft, e2e, tpot, generation_tokens) children for ``labels`` = (model, tier), cached:
+    def per_request(self, labels: tuple[str, str, str]) -> tuple:
+        """(ttft, e2e, tpot, generation_tokens) children for ``labels`` = (model, tier, api), cached:
         ``labels()`` is too slow to call once per token."""
         c = self._children.get(labels)
         if c is None:
@@ -64,7 +73,7 @@ class EdgeMetrics:
                                           self.tpot.labels(*labels), self.generation_tokens.labels(*labels))
         return c
 
-    def add_generated(self, labels: tuple[str, str], n: int) -> None:
+    def add_generated(self, labels: tuple[str, str, str], n: int) -> None:
         """Count ``n`` output tokens for ``labels``; they reach the counter at the next
         :meth:`flush_generated` (the router calls it after each batch of records: one counter
         update per batch and label pair instead of one per token)."""

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from bus.messages import ChatMessage, ErrorCode, SamplingParams
-from engine_workers.prompts import PromptTokenizer
+from tokenization.prompts import PromptTokenizer
 
 MAX_ID_LEN = 128
 MAX_MESSAGES = 512
@@ -52,6 +52,7 @@ class Generate:
     model: str | None = None
     max_tokens_given: bool = False
     token_ids: bool = False  # echo token ids in each delta
+    prompt_token_ids: tuple[int, ...] | None = None  # a pre-tokenized prompt (OpenAI completions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +205,7 @@ def error_frame(code: str, message: str, *, id: str | None = None, request_id: s
 # --- tokenization -------------------------------------------------------------------------------
 
 class PromptEncoder(PromptTokenizer):
-    """The served model's :class:`~engine_workers.prompts.PromptTokenizer`, raising the edge's
+    """The served model's :class:`~tokenization.prompts.PromptTokenizer`, raising the edge's
     :class:`ProtocolError`.
 
     ``encode`` is CPU-bound (a few ms for long prompts); callers run big prompts in a thread.
@@ -215,10 +216,16 @@ class PromptEncoder(PromptTokenizer):
         """Token ids of the prompt. Raises :class:`ProtocolError` (field ``messages``/``prompt``)
         when the template fails or the prompt does not fit the context."""
         field = "messages" if frame.messages is not None else "prompt"
-        try:
-            ids = self.chat_ids(frame.messages) if frame.messages is not None else self.text_ids(frame.prompt)
-        except Exception as exc:  # template/tokenizer errors are the input's fault
-            raise ProtocolError(f"cannot tokenize {field}: {str(exc)[:200]}", field, frame.id) from None
+        if frame.prompt_token_ids is not None:
+            ids = list(frame.prompt_token_ids)
+            vocab = len(self.tokenizer)
+            if any(t >= vocab for t in ids):
+                raise ProtocolError(f"prompt token ids must be below the vocabulary size {vocab}", field, frame.id)
+        else:
+            try:
+                ids = self.chat_ids(frame.messages) if frame.messages is not None else self.text_ids(frame.prompt or "")
+            except Exception as exc:  # template/tokenizer errors are the input's fault
+                raise ProtocolError(f"cannot tokenize {field}: {str(exc)[:200]}", field, frame.id) from None
         if not ids:
             raise ProtocolError(f"{field} tokenizes to nothing", field, frame.id)
         if len(ids) >= self.context_len:

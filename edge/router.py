@@ -2,9 +2,9 @@
 
 Each admitted request is a :class:`Stream` registered here under its request id. The router task
 decodes each reply record (one reply, or a worker step's batch of them), drops duplicates by
-(request id, seq) and hands the rest to the stream's session (:meth:`Session.on_chunk` /
-``on_finished`` / ``on_error``), which only appends to a bounded queue — routing never awaits a
-client, so one slow client cannot stall the others.
+(request id, seq) and hands the rest to the stream's sink (a :class:`StreamSink`: the WebSocket session, or an OpenAI
+HTTP response), which only appends to a bounded queue — routing never awaits a client, so one slow
+client cannot stall the others.
 
 Dedupe: a stream keeps ``next_seq`` (the next output index it expects) and ``chars`` (output
 characters delivered). A chunk entirely below ``next_seq`` is a duplicate (a worker re-running the
@@ -22,17 +22,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from bus.base import Bus, Record
 import orjson
 
-from bus.messages import SCHEMA_VERSION, DecodeError, Error, Finished, Message, TokenChunk, decode, replies_of
-
-if TYPE_CHECKING:
-    from edge.auth import Principal
-    from edge.metrics import EdgeMetrics
-    from edge.session import Session
+from bus.base import Bus, Record
+from bus.messages import (
+    SCHEMA_VERSION,
+    DecodeError,
+    Error,
+    Finished,
+    Message,
+    TokenChunk,
+    decode,
+    replies_of,
+)
+from edge.auth import Principal
+from edge.metrics import EdgeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +54,33 @@ def checkpoint() -> None:
         raise asyncio.CancelledError
 
 
+class StreamSink(Protocol):
+    """Where a stream's replies go: the WebSocket :class:`~edge.session.Session` or an OpenAI HTTP
+    response (:mod:`edge.openai_stream`). Every method is called on the event loop, synchronously,
+    and must not block (it queues; its own task writes to the client)."""
+
+    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],
+                 logprobs: tuple | None) -> None: ...
+
+    def on_finished(self, s: Stream, msg: Finished) -> None: ...
+
+    def on_error(self, s: Stream, msg: Error) -> None: ...
+
+
 class Stream:
     """One request in flight: where its replies go and how far it got."""
 
-    __slots__ = ("request_id", "client_id", "session", "principal", "labels", "prompt_tokens", "max_tokens",
+    __slots__ = ("request_id", "client_id", "sink", "principal", "labels", "prompt_tokens", "max_tokens",
                  "charged", "next_seq", "chars", "admitted_at", "first_at", "deadline", "token_ids", "ended")
 
-    def __init__(self, request_id: str, client_id: str, session: "Session", principal: "Principal",
-                 labels: tuple[str, str], prompt_tokens: int, max_tokens: int, admitted_at: float,
+    def __init__(self, request_id: str, client_id: str, sink: StreamSink, principal: Principal,
+                 labels: tuple[str, str, str], prompt_tokens: int, max_tokens: int, admitted_at: float,
                  deadline: float, token_ids: bool) -> None:
         self.request_id = request_id
         self.client_id = client_id
-        self.session = session
+        self.sink = sink
         self.principal = principal
-        self.labels = labels  # (model, tier) metric labels
+        self.labels = labels  # (model, tier, api) metric labels
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.charged = prompt_tokens + max_tokens
@@ -142,7 +161,7 @@ def dedupe(stream: Stream, chunk: TokenChunk) -> tuple[int, str, tuple[int, ...]
 
 
 class ReplyRouter:
-    def __init__(self, bus: Bus, topic: str, metrics: "EdgeMetrics") -> None:
+    def __init__(self, bus: Bus, topic: str, metrics: EdgeMetrics) -> None:
         self.bus = bus
         self.topic = topic
         self.metrics = metrics
@@ -200,10 +219,10 @@ class ReplyRouter:
             if new is None:
                 self.metrics.duplicates.inc()
                 return
-            stream.session.on_chunk(stream, *new)
+            stream.sink.on_chunk(stream, *new)
         elif isinstance(msg, Finished):
-            stream.session.on_finished(stream, msg)
+            stream.sink.on_finished(stream, msg)
         elif isinstance(msg, Error):
-            stream.session.on_error(stream, msg)
+            stream.sink.on_error(stream, msg)
         else:
             log.warning("unexpected %s on reply topic %s", type(msg).__name__, rec.topic)

@@ -12,12 +12,15 @@ per-session send queues (``send_queue_frames``) and the cancel outbox (``CANCEL_
 
 HTTP on the same port (``process_request``): ``/healthz``, ``/readyz``, ``/metrics``, ``/``. A
 WebSocket handshake on ``/`` or ``/ws`` is authenticated here (401), shed (503) or accepted.
+
+With ``config.openai_port`` set, the OpenAI-compatible HTTP API (:mod:`edge.openai_http`) listens
+on that port too, on the same event loop. Both APIs admit through one
+:class:`~edge.admission.Admission` (keys, limits, shedding, metrics, the cancel outbox).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -32,20 +35,19 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from bus.base import Bus
-from bus.messages import Cancel, DecodeError, InferenceRequest, WorkerStatus, decode, encode
-from edge.auth import AuthError, Authenticator, Principal, extract_key, select_subprotocol
+from bus.messages import DecodeError, WorkerStatus, decode
+from edge.admission import Admission
+from edge.auth import AuthError, Principal, extract_key, select_subprotocol
 from edge.config import EdgeConfig
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
+from edge.openai_http import OpenAIServer
 from edge.protocol import PromptEncoder
-from edge.ratelimit import RateLimiter
-from edge.router import ReplyRouter, checkpoint
+from edge.router import checkpoint
 from edge.session import Session, TickFlusher
-from edge.shedding import LoadShedder
 
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
-CANCEL_OUTBOX = 65536
 SWEEP_INTERVAL_S = 0.25
 WS_PATHS = ("/", "/ws")
 
@@ -54,19 +56,19 @@ class Edge:
     def __init__(self, config: EdgeConfig, bus: Bus, encoder: PromptEncoder | None = None) -> None:
         self.config = config
         self.bus = bus
-        self.encoder = encoder
         self.metrics = EdgeMetrics()
-        self.limiter = RateLimiter()
-        self.shedder = LoadShedder(config.model, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)
-        self.auth = Authenticator(config.keys, config.dev_tier)
         self.reply_topic = config.layout.reply_topic(config.edge_id)
-        self.router = ReplyRouter(bus, self.reply_topic, self.metrics)
+        # Both APIs admit through this one object (keys, limits, shedding, publish, cancel).
+        self.admission = Admission(config, bus, encoder, self.metrics, self.reply_topic)
+        self.limiter = self.admission.limiter
+        self.shedder = self.admission.shedder
+        self.auth = self.admission.auth
+        self.router = self.admission.router
+        self.openai: OpenAIServer | None = None
         self.sessions: set[Session] = set()
         self.flusher = TickFlusher()  # flushes the sessions' frames once per loop tick
         # set by process_request, taken by the handler; weak so failed handshakes leave nothing behind
         self._principals: weakref.WeakKeyDictionary[ServerConnection, Principal] = weakref.WeakKeyDictionary()
-        self._ids = itertools.count()
-        self._cancels: asyncio.Queue[Cancel] | None = None
         self._tasks: list[asyncio.Task] = []
         self._server: Any = None
         self._state = "new"  # new -> starting -> started -> stopped
@@ -81,17 +83,17 @@ class Edge:
             if self._state == "stopped":
                 raise RuntimeError("a stopped Edge cannot be restarted; create a new one")
             cfg = self.config
-            if self.encoder is None:
+            if self.admission.encoder is None:
                 if cfg.model_path is None:
                     raise ValueError("EdgeConfig.model_path is required when no encoder is given")
-                self.encoder = await asyncio.to_thread(PromptEncoder.from_path, cfg.model_path)
+                self.admission.encoder = await asyncio.to_thread(PromptEncoder.from_path, cfg.model_path)
             await self.bus.ensure_topics(cfg.layout.model_specs(cfg.model) + [cfg.layout.reply_spec(cfg.edge_id)])
-            self._cancels = asyncio.Queue(CANCEL_OUTBOX)
+            self.admission.open_outbox()
             loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self.router.run(), name="edge-router"),
                 loop.create_task(self._read_status(), name="edge-status"),
-                loop.create_task(self._publish_cancels(), name="edge-cancels"),
+                loop.create_task(self.admission.run_cancels(), name="edge-cancels"),
                 loop.create_task(self._sweep(), name="edge-sweep"),
             ]
             try:
@@ -103,7 +105,12 @@ class Edge:
                     max_size=cfg.max_frame_bytes, max_queue=16, compression=None,
                     ping_interval=cfg.ping_interval_s, ping_timeout=cfg.ping_timeout_s,
                     close_timeout=cfg.close_timeout_s, backlog=4096, reuse_port=cfg.reuse_port or None)
+                if cfg.openai_port is not None:
+                    self.openai = OpenAIServer(self.admission, cfg.host, cfg.openai_port)
+                    await self.openai.start()
             except BaseException:
+                if self._server is not None:
+                    self._server.close()
                 await self._stop_tasks()
                 self._state = "stopped"
                 raise
@@ -118,10 +125,12 @@ class Edge:
                 return
             self._state = "stopped"
             self._server.close(close_connections=True)
+            if self.openai is not None:
+                await self.openai.stop()  # cancels its handlers: their requests are cancelled
             await self._server.wait_closed()
             # Handlers have ended and queued their Cancels: give the outbox a moment to drain.
             for _ in range(100):
-                if self._cancels is None or self._cancels.empty():
+                if self.admission.outbox_empty():
                     break
                 await asyncio.sleep(0.01)
             await self._stop_tasks()
@@ -132,7 +141,7 @@ class Edge:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
-    async def __aenter__(self) -> "Edge":
+    async def __aenter__(self) -> Edge:
         await self.start()
         return self
 
@@ -144,34 +153,21 @@ class Edge:
         """The bound port (useful with ``port=0``)."""
         return self._server.sockets[0].getsockname()[1] if self._server else self.config.port
 
+    @property
+    def openai_port(self) -> int | None:
+        """The OpenAI API's bound port (useful with ``openai_port=0``); ``None`` when it is off."""
+        return self.openai.port if self.openai is not None else self.config.openai_port
+
+    @property
+    def encoder(self) -> PromptEncoder | None:
+        return self.admission.encoder
+
     # --- bus ----------------------------------------------------------------------------------
     def new_request_id(self) -> str:
-        return f"{self.config.edge_id}-{next(self._ids):x}"
-
-    async def publish_request(self, req: InferenceRequest) -> None:
-        topic = self.config.layout.request_topic(req.model, req.tier)
-        await self.bus.send(topic, encode(req), key=req.request_id.encode())
+        return self.admission.new_request_id()
 
     def publish_cancel(self, request_id: str, reason: str) -> None:
-        """Queue a Cancel for the control topic (non-blocking; dropped with a warning if the outbox
-        is full — the worker then finishes the request and the edge drops its replies)."""
-        self.metrics.cancels.labels(reason).inc()
-        if self._cancels is None:
-            return
-        try:
-            self._cancels.put_nowait(Cancel(request_id, reason))
-        except asyncio.QueueFull:
-            log.warning("cancel outbox full: dropping Cancel(%s)", request_id)
-
-    async def _publish_cancels(self) -> None:
-        assert self._cancels is not None
-        topic = self.config.layout.control_topic
-        while True:
-            c = await self._cancels.get()
-            try:
-                await self.bus.send(topic, encode(c), key=c.request_id.encode())
-            except Exception as exc:  # keep going: a lost Cancel only wastes worker time
-                log.warning("publishing Cancel(%s) failed: %s", c.request_id, exc)
+        self.admission.publish_cancel(request_id, reason)
 
     async def _read_status(self) -> None:
         stale = self.config.heartbeat_stale_s
@@ -204,13 +200,7 @@ class Edge:
             for s in list(self.sessions):
                 if s.send_since is not None and now - s.send_since > grace:
                     s.kill(1008, "client too slow: socket write blocked")
-            for st in list(self.router.streams.values()):
-                if now > st.deadline:
-                    from bus.messages import ErrorCode
-                    from edge.protocol import error_frame
-                    st.session.end(st, error_frame(ErrorCode.EXPIRED, "no reply before the request deadline",
-                                                   id=st.client_id, request_id=st.request_id),
-                                   used=st.next_seq, cancel_reason="expired")
+            self.admission.expire(now)
             mono = time.monotonic()
             self.shedder.prune(mono)
             self.metrics.live_workers.set(len(self.shedder.live(mono)))
@@ -241,16 +231,16 @@ class Edge:
         try:
             principal = self.auth.authenticate(extract_key(request.path, request.headers))
         except AuthError as exc:
-            self.metrics.rejections.labels("unauthorized").inc()
+            self.metrics.rejections.labels("unauthorized", "ws").inc()
             resp = _text(HTTPStatus.UNAUTHORIZED, f"{exc}\n")
             resp.headers["WWW-Authenticate"] = 'Bearer realm="lockgate"'
             return resp
         if len(self.sessions) + len(self._principals) >= self.config.max_connections:
-            self.metrics.rejections.labels("overloaded").inc()
+            self.metrics.rejections.labels("overloaded", "ws").inc()
             return _text(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n", retry_after=1.0)
         shed = self.shedder.check(principal.tier, time.monotonic())
         if shed is not None:
-            self.metrics.rejections.labels("overloaded").inc()
+            self.metrics.rejections.labels("overloaded", "ws").inc()
             return _text(HTTPStatus.SERVICE_UNAVAILABLE, f"overloaded: {shed.reason}\n", retry_after=shed.retry_after)
         self._principals[conn] = principal
         return None
@@ -267,10 +257,10 @@ class Edge:
             return
         # The handshake's response (a header map, ~12 GC-tracked objects) is not used once the
         # connection is open; at 10,000 connections every object a full collection must traverse
-        # is pause time (see engine_workers.cli.freeze_heap). ``ws.request`` must stay: websockets
+        # is pause time (see lockgate.cli.freeze_heap). ``ws.request`` must stay: websockets
         # reads ``request is None`` as "handshake not done yet".
         ws.response = None
-        session = Session(self, ws, principal)
+        session = Session(self.admission, self.flusher, ws, principal)
         self.sessions.add(session)
         self.metrics.connections.inc()
         try:

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from bus.messages import ErrorCode, Finished, InferenceRequest
 from bus.messages import Error as BusErrorMsg
+from bus.messages import ErrorCode, Finished
+from edge.admission import Admission
+from edge.auth import Principal
 from edge.protocol import (
     CancelFrame,
     Generate,
@@ -50,14 +51,9 @@ from edge.protocol import (
 )
 from edge.router import Stream
 
-if TYPE_CHECKING:
-    from edge.auth import Principal
-    from edge.server import Edge
-
 log = logging.getLogger(__name__)
 
 CLOSE_SLOW = 1008
-THREAD_TOKENIZE_CHARS = 8192  # prompts longer than this are tokenized off the event loop
 MAX_COALESCE = 512
 
 
@@ -65,7 +61,8 @@ def text_frames(payloads: list[bytes] | tuple[bytes, ...]) -> bytes:
     """Unmasked, unfragmented server text frames (RFC 6455 section 5.2) for ``payloads``.
 
     The fast path's framing: websockets' ``send_text`` + ``data_to_send`` build a ``Frame`` object
-    and go through its extension pipeline per frame, ~3 us of the ~19 us a token cost the edge.
+    and go through its extension pipeline per frame, a sizeable share of what a token costs the edge
+    (figures in docs/benchmarks.md, Edge).
     Valid only while the connection is OPEN, no extension is negotiated (the edge serves with
     ``compression=None``) and no fragmented message is in progress (the edge never fragments):
     then a frame is just FIN|opcode, the length, the payload, and websockets' protocol state does
@@ -134,7 +131,7 @@ class TickFlusher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dirty: list[Session] = []
 
-    def add(self, session: "Session") -> None:
+    def add(self, session: Session) -> None:
         if not self._dirty:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
@@ -153,8 +150,9 @@ class TickFlusher:
 
 
 class Session:
-    def __init__(self, edge: "Edge", ws: Any, principal: "Principal") -> None:
-        self.edge = edge
+    def __init__(self, admission: Admission, flusher: TickFlusher, ws: Any, principal: Principal) -> None:
+        self.adm = admission
+        self.flusher = flusher
         self.ws = ws
         self.principal = principal
         self.queue: asyncio.Queue | None = None  # created with the writer, on first use
@@ -174,7 +172,7 @@ class Session:
             return False
         if self._pending is None:
             self._pending = [item]
-            self.edge.flusher.add(self)
+            self.flusher.add(self)
         else:
             self._pending.append(item)
         return True
@@ -213,7 +211,7 @@ class Session:
 
     def _enqueue(self, item: bytes | _Delta) -> bool:
         if self.queue is None:
-            self.queue = asyncio.Queue(self.edge.config.send_queue_frames)
+            self.queue = asyncio.Queue(self.adm.config.send_queue_frames)
             self._writer_task = self._loop.create_task(self._writer())
         try:
             self.queue.put_nowait(item)
@@ -228,7 +226,7 @@ class Session:
             return
         self.closing = True
         if code == CLOSE_SLOW:
-            self.edge.metrics.slow_disconnects.inc()
+            self.adm.metrics.slow_disconnects.inc()
             log.info("closing slow client %s (%s)", self.principal.tenant, reason)
         self._close_task = self._loop.create_task(self._close(code, reason))
 
@@ -239,7 +237,7 @@ class Session:
         aborted. Either way :meth:`run`'s read loop then ends and cancels the requests."""
         close = asyncio.ensure_future(self.ws.close(code, reason))
         # asyncio.wait, not wait_for: see edge.router.checkpoint for 3.11's wait_for race.
-        done, _ = await asyncio.wait({close}, timeout=self.edge.config.close_timeout_s)
+        done, _ = await asyncio.wait({close}, timeout=self.adm.config.close_timeout_s)
         if not done:
             self.ws.transport.abort()
         await asyncio.gather(close, return_exceptions=True)
@@ -258,13 +256,8 @@ class Session:
     # --- router callbacks (sync, never block) -------------------------------------------------
     def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple, logprobs: tuple | None) -> None:
         # self._loop, not asyncio.get_running_loop(): on 3.11 that makes a getpid() system call on
-        # every call (~0.2 us here), and this runs once per token.
-        now = self._loop.time()
-        m = self.edge.metrics
-        if s.first_at is None:
-            s.first_at = now
-            m.per_request(s.labels)[0].observe(now - s.admitted_at)
-        m.add_generated(s.labels, len(token_ids))
+        # every call, and this runs once per token (docs/benchmarks.md, Edge).
+        self.adm.count_tokens(s, len(token_ids), self._loop.time())
         if logprobs is None and not s.token_ids and self._pending is None and self._direct():
             # The common case, a plain delta with nothing ahead of it: framed and written now,
             # without the tick's pending list (which exists to merge what queues up behind).
@@ -275,13 +268,8 @@ class Session:
 
     def on_finished(self, s: Stream, msg: Finished) -> None:
         now = self._loop.time()
-        m = self.edge.metrics
-        _, e2e, tpot, _ = m.per_request(s.labels)
-        e2e.observe(now - s.admitted_at)
-        if s.first_at is not None and s.next_seq > 1:
-            tpot.observe((now - s.first_at) / (s.next_seq - 1))
-        m.success.labels(*s.labels, msg.finish_reason).inc()
-        usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": max(msg.num_tokens, s.next_seq),
+        self.adm.count_end(s, msg.finish_reason, now)
+        usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": self.adm.completion_tokens(s, msg),
                  "cached_tokens": msg.usage.cached_tokens}
         timings = {"ttft": round(s.first_at - s.admitted_at, 6) if s.first_at is not None else None,
                    "e2e": round(now - s.admitted_at, 6), "queue": msg.timings.queue,
@@ -289,24 +277,18 @@ class Session:
         self.end(s, done_frame(s.client_id, s.request_id, msg.finish_reason, usage, timings), used=s.next_seq)
 
     def on_error(self, s: Stream, msg: BusErrorMsg) -> None:
-        self.edge.metrics.rejections.labels(msg.code).inc()
+        self.adm.reject(msg.code, "ws")
         self.end(s, error_frame(msg.code, msg.message, id=s.client_id, request_id=s.request_id,
                                 retry_after=msg.retry_after), used=s.next_seq)
 
     def end(self, s: Stream, frame: bytes | None, used: int, cancel_reason: str | None = None) -> None:
-        """End a stream once: unregister, refund, send ``frame``, publish a Cancel if asked."""
-        if s.ended:
+        """End a stream once: release it (refund, unregister, Cancel if asked), send ``frame``."""
+        if not self.adm.release(s, used, cancel_reason):
             return
-        s.ended = True
-        self.edge.router.unregister(s.request_id)
         if self.streams.get(s.client_id) is s:
             del self.streams[s.client_id]
-        self.edge.metrics.streams.dec()
-        self.edge.limiter.release(s.principal.entry, max(0, s.max_tokens - used), time.monotonic())
         if frame is not None:
             self.push(frame)
-        if cancel_reason is not None:
-            self.edge.publish_cancel(s.request_id, cancel_reason)
 
     # --- inbound ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -331,13 +313,13 @@ class Session:
 
     async def on_frame(self, message: str | bytes) -> None:
         try:
-            frame = parse_client_frame(message, self.edge.config.default_max_tokens)
+            frame = parse_client_frame(message, self.adm.config.default_max_tokens)
             if isinstance(frame, Generate):
                 await self.generate(frame)
             else:
                 self.cancel(frame)
         except ProtocolError as exc:
-            self.edge.metrics.rejections.labels(exc.code).inc()
+            self.adm.reject(exc.code, "ws")
             self.push(exc.frame())
 
     def cancel(self, frame: CancelFrame) -> None:
@@ -351,59 +333,23 @@ class Session:
         now = self._loop.time()
         timings = {"ttft": round(s.first_at - s.admitted_at, 6) if s.first_at is not None else None,
                    "e2e": round(now - s.admitted_at, 6)}
-        self.edge.metrics.success.labels(*s.labels, "abort").inc()
+        self.adm.count_end(s, "abort", now)
         self.end(s, done_frame(s.client_id, s.request_id, "abort", usage, timings), used=s.next_seq,
                  cancel_reason="client")
 
     async def generate(self, g: Generate) -> None:
-        edge, cfg, p = self.edge, self.edge.config, self.principal
-        if g.model is not None and g.model != cfg.model:
-            raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
-                                "model", g.id)
+        cfg = self.adm.config
         if g.id in self.streams:
             raise ProtocolError("a request with this id is already in flight on this connection", "id", g.id)
         if len(self.streams) >= cfg.max_streams_per_connection:
             raise ProtocolError(f"{len(self.streams)} requests in flight on this connection, at most "
                                 f"{cfg.max_streams_per_connection}", "max_streams_per_connection", g.id,
                                 code=ErrorCode.RATE_LIMITED, retry_after=1.0)
-        shed = edge.shedder.check(p.tier, time.monotonic())
-        if shed is not None:
-            raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
-        size = len(g.prompt) if g.prompt is not None else sum(len(m.content) for m in g.messages or ())
-        if size > THREAD_TOKENIZE_CHARS:
-            ids = await asyncio.to_thread(edge.encoder.encode, g)
-        else:
-            ids = edge.encoder.encode(g)
-        if self.closing:
+        admitted = await self.adm.admit(g, self.principal, self, "ws", token_ids=g.token_ids,
+                                        gone=lambda: self.closing)
+        if admitted is None:
             return
-        room = edge.encoder.context_len - len(ids)
-        max_tokens = min(g.sampling.max_tokens, room)
-        sampling = g.sampling
-        if max_tokens != sampling.max_tokens:
-            from dataclasses import replace
-            sampling = replace(sampling, max_tokens=max_tokens)
-        limited = edge.limiter.admit(p.entry, len(ids) + max_tokens, time.monotonic())
-        if limited is not None:
-            raise ProtocolError(limited.message, limited.field, g.id, code=ErrorCode.RATE_LIMITED,
-                                retry_after=limited.retry_after)
-        loop = self._loop
-        now = loop.time()
-        rid = edge.new_request_id()
-        labels = (cfg.model, f"p{p.tier}")
-        s = Stream(rid, g.id, self, p, labels, len(ids), max_tokens, now, now + cfg.request_timeout_s, g.token_ids)
-        edge.router.register(s)
+        s = admitted.stream
         self.streams[g.id] = s
-        edge.metrics.streams.inc()
-        edge.metrics.prompt_tokens.labels(*labels).inc(len(ids))
-        self.push(accepted_frame(g.id, rid, len(ids), max_tokens))
-        wall = time.time()
-        req = InferenceRequest(
-            request_id=rid, model=cfg.model, prompt_token_ids=tuple(ids), sampling=sampling,
-            reply_to=edge.reply_topic, tenant=p.tenant, tier=p.tier, enqueued_at=wall,
-            deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages)
-        try:
-            await edge.publish_request(req)
-        except Exception as exc:  # the bus is down: tell the client, keep the connection
-            log.warning("publishing %s failed: %s", rid, exc)
-            self.end(s, error_frame(ErrorCode.INTERNAL, f"could not queue the request: {exc}"[:300], id=g.id,
-                                    request_id=rid, retry_after=1.0), used=0)
+        self.push(accepted_frame(g.id, s.request_id, s.prompt_tokens, s.max_tokens))
+        await self.adm.publish(admitted)

@@ -123,7 +123,7 @@ class OutputFile:
 class BatchJob:
     """One run of a job. Use :func:`run_batch`."""
 
-    def __init__(self, cfg: BatchConfig, bus, tokenizer: Tokenizer) -> None:  # noqa: ANN001
+    def __init__(self, cfg: BatchConfig, bus, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         self.bus = bus
         self.tok = tokenizer
@@ -213,7 +213,7 @@ class BatchJob:
                 await self.bus.send(topic, encode(Cancel(rid, "batch-job-stopped")), key=rid.encode())
         try:
             await asyncio.wait_for(send_all(), 5.0)
-        except Exception as exc:  # noqa: BLE001 - best effort: workers finish them, replies are ignored
+        except Exception as exc:  # best effort: workers finish them, replies are ignored
             log.warning("could not cancel %d in-flight requests: %s", len(ids), exc)
 
     async def _one(self, req: BatchRequest) -> None:
@@ -242,7 +242,7 @@ class BatchJob:
             try:
                 await self.bus.send(self.request_topic, encode(ir), key=rid.encode())
                 reply = await asyncio.wait_for(fut, cfg.request_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.collector.forget(rid)
                 await self.bus.send(cfg.layout.control_topic, encode(Cancel(rid, "timeout")), key=rid.encode())
                 self._write(failed_record(req, rid, ErrorCode.EXPIRED, f"no reply within {cfg.request_timeout_s:g}s"))
@@ -270,7 +270,7 @@ class BatchJob:
             return
 
 
-async def run_batch(cfg: BatchConfig, bus=None, tokenizer: Tokenizer | None = None) -> BatchSummary:  # noqa: ANN001
+async def run_batch(cfg: BatchConfig, bus=None, tokenizer: Tokenizer | None = None) -> BatchSummary:
     """Run (or resume) a job. ``bus``: a started bus to use (else ``cfg.bus_url`` is connected)."""
     import bus as busmod
 

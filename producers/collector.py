@@ -145,7 +145,7 @@ class ReplyCollector:
             return False
         return True
 
-    async def __aenter__(self) -> "ReplyCollector":
+    async def __aenter__(self) -> ReplyCollector:
         await self.start()
         return self
 

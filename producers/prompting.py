@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from bus.messages import ChatMessage
-from engine_workers.prompts import PromptTokenizer
+from tokenization.prompts import PromptTokenizer
 
 
 class PromptTooLong(ValueError):
@@ -14,13 +14,13 @@ class PromptTooLong(ValueError):
 
 
 class Tokenizer(PromptTokenizer):
-    """The served model's :class:`~engine_workers.prompts.PromptTokenizer` (the edge tokenizes with
+    """The served model's :class:`~tokenization.prompts.PromptTokenizer` (the edge tokenizes with
     the same class), with the producers' checks."""
 
     @classmethod
-    def for_model(cls, model: str) -> "Tokenizer":
+    def for_model(cls, model: str) -> Tokenizer:
         """``model`` is anything ``--model`` accepts (default name, folder, hub id)."""
-        from engine_workers.model_store import resolve_model
+        from tokenization.model_store import resolve_model
 
         return cls.from_path(resolve_model(model))
 

@@ -29,7 +29,7 @@ from bus.messages import DecodeError, InferenceRequest, decode, encode
 from bus.topics import TopicLayout
 from bus.window import read_time_window
 from producers.collector import Reply, ReplyCollector
-from producers.stats import RequestTiming, Summary
+from producers.timing import RequestTiming, Summary
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ async def read_originals(bus: Bus, recorded: list[Recorded], since_ms: int, time
     for topic, ids in by_topic.items():
         try:
             await bus.partitions_for(topic)
-        except Exception:  # noqa: BLE001 - topic gone (retention, deleted): unavailable
+        except Exception:  # topic gone (retention, deleted): unavailable
             continue
         col = ReplyCollector(bus, topic, start_from=max(0, since_ms - 1000))
         futs = {rid: col.expect(rid) for rid in ids}
@@ -134,7 +134,7 @@ async def _replay_one(bus: Bus, col: ReplyCollector, rec: Recorded, req: Inferen
     await bus.send(rec.topic, encode(req), key=req.request_id.encode())
     try:
         reply = await asyncio.wait_for(fut, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         col.forget(req.request_id)
         t = RequestTiming(sent, (), col.clock(), 0, len(req.prompt_token_ids), req.tier, False, "timeout")
         return ReplayOutcome(rec.request.request_id, req.request_id, req.tier, req.sampling.greedy, t, ())

@@ -23,12 +23,12 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true")
     a = ap.parse_args()
 
+    from benchmarks.engine import make_workload
     from bus.messages import SamplingParams
-    from engine_workers import cpu_kernels, torch_thread
-    from engine_workers.bench_engine import make_workload
-    from engine_workers.config import EngineConfig
-    from engine_workers.cpu_linear import PackedLinear
-    from engine_workers.engine import Engine
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
+    from engine_workers.kernels import cpu_kernels, torch_thread
+    from engine_workers.kernels.cpu_linear import PackedLinear
 
     def run() -> None:
         eng = Engine(EngineConfig(kv_cache_bytes=512 << 20))

@@ -19,7 +19,7 @@ import time
 import torch
 
 
-def _best(fn, rounds: int) -> float:  # noqa: ANN001
+def _best(fn, rounds: int) -> float:
     fn()
     times = []
     for _ in range(rounds):
@@ -30,8 +30,8 @@ def _best(fn, rounds: int) -> float:  # noqa: ANN001
 
 
 def layer_shapes(rows: list[int], rounds: int) -> None:
-    from engine_workers import cpu_kernels
-    from engine_workers.cpu_linear import PackedLinear
+    from engine_workers.kernels import cpu_kernels
+    from engine_workers.kernels.cpu_linear import PackedLinear
 
     small_m = cpu_kernels.small_m()
     if small_m is None:
@@ -58,12 +58,12 @@ def layer_shapes(rows: list[int], rounds: int) -> None:
 
 
 def decode_steps(batches: list[int], steps: int, rounds: int) -> None:
+    from benchmarks.engine import make_workload
     from bus.messages import SamplingParams
-    from engine_workers import torch_thread
-    from engine_workers.bench_engine import make_workload
-    from engine_workers.config import EngineConfig
-    from engine_workers.cpu_linear import PackedLinear
-    from engine_workers.engine import Engine
+    from engine_workers.engine import torch_thread
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
+    from engine_workers.kernels.cpu_linear import PackedLinear
 
     def main() -> None:
         eng = Engine(EngineConfig(kv_cache_bytes=512 << 20))

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import pytest
 
-
 TEST_TOPIC = re.compile(r"t[.\-0-9a-f]")
 
 
@@ -114,7 +113,7 @@ def _broker_address() -> str:
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama checkpoint (2 layers, 512-token BPE vocab, chat template), written once
     per session with ``save_pretrained`` and loaded through the real loading code."""
-    from engine_workers.tiny_model import build_tiny_model
+    from lockgate.testing.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -122,7 +121,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """The default SmolLM2-135M-Instruct checkpoint (converted from GGUF once, cached)."""
-    from engine_workers.model_store import ensure_default_model
+    from tokenization.model_store import ensure_default_model
 
     return str(ensure_default_model())
 
@@ -143,7 +142,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture
 def run_until_signalled(tmp_path):
-    """``run(args, ready_text, sig)``: start ``python -m engine_workers.cli *args`` (the ``lockgate``
+    """``run(args, ready_text, sig)``: start ``python -m lockgate.cli *args`` (the ``lockgate``
     command), wait (<= 120 s) for ``ready_text`` on its stdout, send ``sig``, and return its exit
     code (<= 60 s) and its stderr. The process is killed if anything fails on the way."""
     import signal as signals
@@ -154,7 +153,7 @@ def run_until_signalled(tmp_path):
         err = tmp_path / "stderr.txt"
         env = dict(os.environ, LOCKGATE_LOG_LEVEL="WARNING")
         with open(err, "wb") as ferr:
-            proc = subprocess.Popen([sys.executable, "-m", "engine_workers.cli", *args], stdout=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "lockgate.cli", *args], stdout=subprocess.PIPE,
                                     stderr=ferr, env=env)
             try:
                 deadline = time.monotonic() + 120

@@ -13,8 +13,8 @@ against HF fp32: relative L2 error and whether the argmax agrees.
 from __future__ import annotations
 
 import cProfile
-import os
 import io
+import os
 import pstats
 import sys
 import time
@@ -22,10 +22,10 @@ import uuid
 
 import torch
 
+from benchmarks.engine import make_workload, sync_device
 from bus.messages import SamplingParams
-from engine_workers.bench_engine import make_workload, sync_device
-from engine_workers.config import EngineConfig
-from engine_workers.engine import Engine
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.core import Engine
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a dry run of the script itself
 
@@ -101,7 +101,7 @@ def numerics(model: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "speed":
-        from engine_workers import torch_thread
+        from engine_workers.engine import torch_thread
 
         # On the engine's torch thread, as `lockgate` runs it: the steps then run in this call
         # (not handed to that thread), so cProfile sees them.

@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD:/tmp/site
 quiet() { grep -v "Writing model\|Loading weights"; }
 echo "=== models ($(date +%T))"
 timeout 60 python3 scripts/gpu/random_like.py .gpu/smol /tmp/smol 2>&1 | quiet
-timeout 60 python3 -m engine_workers.cli --log-level WARNING model tiny /tmp/tiny 2>&1 | quiet
+timeout 60 python3 -m lockgate.cli --log-level WARNING model tiny /tmp/tiny 2>&1 | quiet
 echo "=== speed ($(date +%T))"
 for v in base onegroup+nocudnn nocudnn onegroup; do
   timeout 100 python3 scripts/gpu/probe.py speed /tmp/smol $v "$OUT/prof_$v.txt" 2>&1 | quiet

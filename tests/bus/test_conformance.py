@@ -8,10 +8,19 @@ from collections import defaultdict
 
 import pytest
 
-from bus import (Bus, Consumer, Record, TopicLayout, TopicPartition, TopicSpec, UnknownTopicError, decode,
-                 decode_or_deadletter, encode)
+from bus import (
+    Bus,
+    Consumer,
+    Record,
+    TopicLayout,
+    TopicPartition,
+    TopicSpec,
+    UnknownTopicError,
+    decode,
+    decode_or_deadletter,
+    encode,
+)
 from bus.deadletter import parse_dead_letter, read_dead_letters, send_dead_letter
-from bus.partitioner import partition_for_key
 from bus.messages import (
     Cancel,
     ChatMessage,
@@ -25,6 +34,8 @@ from bus.messages import (
     Usage,
     WorkerStatus,
 )
+from bus.partitioner import partition_for_key
+from tests.waiting import wait_until
 
 WAIT_S = 20.0  # generous upper bound for a record to show up on a loaded 2-core machine
 
@@ -199,12 +210,15 @@ async def test_rebalance_splits_partitions_and_calls_back(bus: Bus, name: str) -
         assert a.assignment() == everything
         assert events["a"][-1] == ("assigned", everything)
         async with b:
-            deadline = time.monotonic() + WAIT_S
-            while not (a.assignment() and b.assignment() and a.assignment() | b.assignment() == everything
-                       and not a.assignment() & b.assignment()):
-                assert time.monotonic() < deadline, "group did not rebalance"
-                await a.getmany(timeout_ms=100)
+            async def rebalanced() -> bool:
+                if (a.assignment() and b.assignment() and a.assignment() | b.assignment() == everything
+                        and not a.assignment() & b.assignment()):
+                    return True
+                await a.getmany(timeout_ms=100)  # the members' polls drive the rebalance
                 await b.getmany(timeout_ms=100)
+                return False
+
+            await wait_until(rebalanced, timeout=WAIT_S, message="group did not rebalance")
             assert not a.assignment() & b.assignment()
             assert ("revoked", everything) in events["a"]
             assert events["b"][-1] == ("assigned", b.assignment())
@@ -233,6 +247,8 @@ async def test_getmany_wakes_promptly(bus: Bus, name: str) -> None:
     async with bus.consumer([name], start_from="latest") as c:
         await c.getmany(timeout_ms=50)
         task = asyncio.create_task(c.getmany(timeout_ms=15_000))
+        # Not synchronisation: the scenario. The record must arrive well into a long poll (a Kafka
+        # fetch already in flight), which no public state of the consumer shows.
         await asyncio.sleep(0.2)
         t0 = time.monotonic()
         await bus.send(name, b"x")
@@ -269,15 +285,16 @@ async def test_delete_topics(bus: Bus, name: str) -> None:
     await bus.send(a, b"x", key=b"k")
     assert await bus.list_topics(name) == [a, b]
     assert await bus.delete_topics([a, a, name + ".never"]) == [a]
-    deadline = time.monotonic() + WAIT_S  # Kafka's metadata catches up after the controller: bounded wait
-    while True:
+
+    async def gone() -> bool:
         try:
             await bus.partitions_for(a)
         except UnknownTopicError:
-            if await bus.list_topics(name) == [b]:
-                break
-        assert time.monotonic() < deadline, f"{a} still listed or with partitions after delete_topics"
-        await asyncio.sleep(0.1)
+            return await bus.list_topics(name) == [b]
+        return False
+
+    # Kafka's metadata catches up after the controller: bounded wait
+    await wait_until(gone, timeout=WAIT_S, interval=0.1, message=f"{a} unlisted and without partitions after delete_topics")
     assert await bus.partitions_for(b) == [0], "only the named topics are deleted"
     assert not any(t.startswith("__") for t in await bus.list_topics()), "internal topics are left out"
     assert await bus.delete_topics([a]) == [], "deleting again finds nothing: idempotent"
@@ -322,6 +339,8 @@ async def test_read_dead_letters_window_limit_and_missing_topic(bus: Bus, name: 
     await bus.ensure_topics([TopicSpec(layout.dead_letter_topic, 1)])  # as a worker's start does
     src = Record(layout.request_topic("m", 1), 0, 7, b"k", b"junk", 1)
     await send_dead_letter(bus, layout, src, "old")
+    # Not synchronisation: the input. Record timestamps are in ms (Kafka's from another clock): the
+    # gaps put "old" clearly before the mark and the next letters clearly after it.
     await asyncio.sleep(0.05)
     mark = int(time.time() * 1000)
     await asyncio.sleep(0.05)
@@ -340,6 +359,7 @@ async def test_read_dead_letters_window_limit_and_missing_topic(bus: Bus, name: 
 async def test_groupless_replay_from_earliest_timestamp_latest(bus: Bus, name: str) -> None:
     for i in range(5):
         await bus.send(name, f"old{i}".encode(), key=b"k")
+    # Not synchronisation: the input (timestamps clearly before and after the mark, as above).
     await asyncio.sleep(0.05)
     mark = int(time.time() * 1000)
     await asyncio.sleep(0.05)

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from bus import BusError, TopicSpec, UnknownTopicError, connect
-from bus import kafka_local
+from bus import BusError, TopicSpec, UnknownTopicError, connect, kafka_local
 
 
 def closed_port() -> int:
@@ -71,7 +70,7 @@ def test_local_broker_config_and_argument_checks(tmp_path) -> None:
 def test_topics_ensure_then_delete_cli(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> None:
     import uuid
 
-    from engine_workers.cli import build_parser
+    from lockgate.cli import build_parser
 
     ns = f"t-cli-{uuid.uuid4().hex[:8]}"
     common = ["--bus", f"kafka://{kafka_bootstrap}", "--namespace", ns, "--model", "m", "--reply", "edge-1"]
@@ -123,8 +122,9 @@ def test_topics_ensure_then_delete_cli(kafka_bootstrap: str, capsys: pytest.Capt
 def test_transient_offset_lookup_errors_are_debug_lines(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    import bus.kafka_consumer  # noqa: F401 - installs the filter
     from aiokafka.errors import NotLeaderForPartitionError, UnknownTopicOrPartitionError
+
+    import bus.kafka_consumer  # noqa: F401 - installs the filter
 
     fetcher = logging.getLogger("aiokafka.consumer.fetcher")
     with caplog.at_level(logging.DEBUG):
@@ -193,7 +193,7 @@ def test_dlq_cli_lists_what_was_dead_lettered(kafka_bootstrap: str, capsys: pyte
     from bus import Record, TopicLayout
     from bus.deadletter import send_dead_letter
     from bus.messages import InferenceRequest, SamplingParams, encode
-    from engine_workers.cli import build_parser, main
+    from lockgate.cli import build_parser, main
 
     layout = TopicLayout(namespace=f"t-dlq-{uuid.uuid4().hex[:8]}")
     url = f"kafka://{kafka_bootstrap}"

@@ -9,7 +9,12 @@ import logging
 
 import pytest
 
-from bus.kafka_outage import MetadataBackoff, RepeatLimiter, limit_repeated_logs, throttle_metadata_refresh
+from bus.kafka_outage import (
+    MetadataBackoff,
+    RepeatLimiter,
+    limit_repeated_logs,
+    throttle_metadata_refresh,
+)
 
 
 def test_backoff_doubles_to_its_cap_and_a_success_resets_it() -> None:

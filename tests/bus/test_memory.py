@@ -7,8 +7,17 @@ import uuid
 
 import pytest
 
-from bus import BusError, MemoryBus, TopicPartition, TopicSpec, UnknownTopicError, connect, forget_named
+from bus import (
+    BusError,
+    MemoryBus,
+    TopicPartition,
+    TopicSpec,
+    UnknownTopicError,
+    connect,
+    forget_named,
+)
 from bus.partitioner import partition_for_key
+from tests.waiting import suspended, wait_until
 
 
 async def test_partition_count_bound_drops_oldest_and_readers_skip_ahead() -> None:
@@ -48,7 +57,7 @@ async def test_retention_by_age() -> None:
     async with connect("memory://") as bus:
         await bus.ensure_topics([TopicSpec("t", 1, retention_ms=30)])
         await bus.send("t", b"old")
-        await asyncio.sleep(0.06)
+        await asyncio.sleep(0.06)  # not synchronisation: "old" must age past its 30 ms retention
         await bus.send("t", b"new")
         async with bus.consumer(["t"], start_from="earliest") as c:
             assert [r.value for r in await c.getmany(timeout_ms=10)] == [b"new"]
@@ -104,7 +113,7 @@ async def test_default_partitions_and_keyed_placement() -> None:
 async def test_cancelled_getmany_loses_nothing() -> None:
     async with connect("memory://") as bus, bus.consumer(["t"], group_id="g", start_from="earliest") as c:
         task = asyncio.create_task(c.getmany(timeout_ms=5000))
-        await asyncio.sleep(0.01)
+        await wait_until(lambda: suspended(task))  # waiting for records
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -118,7 +127,7 @@ async def test_stop_wakes_a_waiting_getmany_and_bus_stop_stops_consumers() -> No
     c = bus.consumer(["t"])
     await c.start()
     task = asyncio.create_task(c.getmany(timeout_ms=10_000))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: suspended(task))  # waiting for records
     await bus.stop()
     with pytest.raises(BusError, match="stopped"):
         await asyncio.wait_for(task, 1.0)
@@ -211,8 +220,8 @@ def test_topics_cli_takes_the_model_as_the_worker_does(capsys) -> None:
     worker and edge use, not the literal `default`: otherwise no worker would read those topics."""
     from bus import TopicLayout
     from bus.memory import forget_named, named_broker
-    from engine_workers.cli import build_parser
-    from engine_workers.model_store import DEFAULT_MODEL
+    from lockgate.cli import build_parser
+    from tokenization.model_store import DEFAULT_MODEL
 
     name, served = "topics-cli-model", TopicLayout(namespace="ns").request_topics(DEFAULT_MODEL)
     common = ["--bus", f"memory://{name}", "--namespace", "ns", "--model", "default"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 import pytest
@@ -12,9 +12,10 @@ from websockets.asyncio.client import connect
 
 from bus import MemoryBus
 from edge.config import EdgeConfig, KeyEntry, hash_key
-from edge.fake_worker import FakeWorker
 from edge.protocol import PromptEncoder
 from edge.server import Edge
+from lockgate.testing.fake_worker import FakeWorker
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 KEY = "lg-test-key-p1"
@@ -23,7 +24,7 @@ KEY_P0 = "lg-test-key-p0"
 
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory) -> str:
-    from engine_workers.tiny_model import build_tokenizer
+    from lockgate.testing.tiny_model import build_tokenizer
 
     # Only the tokenizer and config are needed at the edge: skip the (slower) model weights.
     out = tmp_path_factory.mktemp("tiny")
@@ -66,15 +67,9 @@ async def running_edge(encoder, *, worker: bool = True, worker_kw: dict | None =
         await bus.stop()
 
 
-async def wait_for(pred, timeout: float = 5.0, interval: float = 0.01) -> None:
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        if loop.time() > end:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
+async def wait_for(pred: Callable[[], object], timeout: float = 5.0, interval: float = 0.01) -> None:
+    """The suite's :func:`tests.waiting.wait_until`, under the name the edge tests know."""
+    await wait_until(pred, timeout=timeout, interval=interval)
 
 
 def url(edge: Edge, path: str = "/ws") -> str:

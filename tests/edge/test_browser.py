@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from edge.fake_worker import expected_text
+from lockgate.testing.fake_worker import expected_text
 from tests.edge.conftest import KEY, running_edge
 
 CHROMIUM = "/usr/bin/chromium"
@@ -44,4 +44,4 @@ async def test_chat_page_streams(encoder, tmp_path):
         assert text.strip() == expected_text(fw.seen[0].prompt_token_ids, 40).strip()
         assert "TTFT" in stats and "tokens/s" in stats and "40 tokens" in stats
         assert fw.seen[0].tenant == "acme"  # the key travelled as the bearer.<key> subprotocol
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop tick before the edge stops; no assertion depends on it

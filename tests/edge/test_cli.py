@@ -7,7 +7,7 @@ import json
 import pytest
 
 from edge.config import hash_key, load_keys
-from engine_workers.cli import build_parser, main
+from lockgate.cli import build_parser, main
 
 
 def test_keys_add_appends_hashed(tmp_path, capsys):
@@ -42,7 +42,7 @@ def test_bench_edge_every_token_arrives(tmp_path, edges, client, workers):
 
     out = tmp_path / "edge.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "engine_workers.cli", "--log-level", "WARNING", "bench", "edge", "--connections", "200",
+        [sys.executable, "-m", "lockgate.cli", "--log-level", "WARNING", "bench", "edge", "--connections", "200",
          "--streams", "40", "--tokens", "20", "--step-ms", "5", "--client-procs", "1", "--edge-procs", str(edges),
          "--client", client, "--workers", str(workers), "--json", str(out)],
         capture_output=True, text=True, timeout=180)
@@ -87,7 +87,7 @@ def test_websockets_connection_lines_only_at_debug(capsys):
 
 
 def test_send_floor_measures_and_checks_its_arguments():
-    from edge.bench_floor import send_floor_us
+    from benchmarks.edge_floor import send_floor_us
 
     assert 0 < send_floor_us(20, rounds=3) < 10_000
     for bad in ({"n_sockets": 0}, {"n_sockets": 1, "rounds": 0}, {"n_sockets": 1, "payload": 1}):
@@ -100,7 +100,7 @@ def test_freeze_heap_moves_startup_objects_out_of_collections_and_slows_the_coll
     and young collections run every GC_GEN0_THRESHOLD allocations instead of 700."""
     import gc
 
-    from engine_workers.cli import GC_GEN0_THRESHOLD, freeze_heap
+    from lockgate.runtime import GC_GEN0_THRESHOLD, freeze_heap
 
     before = gc.get_threshold()
     try:
@@ -113,7 +113,7 @@ def test_freeze_heap_moves_startup_objects_out_of_collections_and_slows_the_coll
 
 
 def test_window_p99s_separate_a_stall_from_steady_windows():
-    from edge.bench import window_p99s
+    from benchmarks.edge import window_p99s
 
     # three half-second windows of 1,000 latencies: 1 ms, then a stall (50 ms), then 2 ms
     published = [i * 0.0005 for i in range(3000)]
@@ -130,7 +130,7 @@ def test_unreachable_broker_is_one_line_and_exit_1(tiny_model_dir, tmp_path, com
     """A server that cannot reach its bus says so in one line naming the broker, no traceback. The
     worker connects before it loads its model (minutes on a GPU host): given a model that does not
     exist, the bus is still what it reports."""
-    from engine_workers.cli import main
+    from lockgate.cli import main
 
     model = tiny_model_dir if command == "edge" else str(tmp_path / "no-such-model")
     rc = main([command, "--model", model, "--bus", "kafka://127.0.0.1:1?connect_timeout_s=0.5"]

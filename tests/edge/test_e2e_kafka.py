@@ -11,13 +11,18 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from bus import connect
-from bus.messages import SamplingParams
 from edge.config import EdgeConfig
 from edge.protocol import PromptEncoder, parse_client_frame
 from edge.server import Edge
-from engine_workers.worker import Worker, WorkerConfig
+from engine_workers.engine.params import SamplingParams
+from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.edge.conftest import collect, recv, send, wait_for
-from tests.engine_workers.test_worker_kafka import kafka_url, new_layout, spawn_worker, wait_ready
+from tests.engine_workers.test_worker_kafka import (
+    kafka_url,
+    new_layout,
+    spawn_worker,
+    wait_ready,
+)
 from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -56,7 +61,7 @@ async def test_websocket_stream_equals_engine_output(kafka_bootstrap: str, tiny_
                 proc.stdout.close()
 
 
-async def test_stream_through_a_broker_restart(private_kafka, tiny_dir: Path) -> None:  # noqa: ANN001
+async def test_stream_through_a_broker_restart(private_kafka, tiny_dir: Path) -> None:
     """WebSocket client -> edge -> Kafka -> worker, the broker stopped cleanly mid-stream and
     started again: the client's stream is the engine's output, each token once. Until the first
     worker heartbeat after the restart the edge sheds new requests (`overloaded` with
@@ -68,16 +73,10 @@ async def test_stream_through_a_broker_restart(private_kafka, tiny_dir: Path) ->
     ref = make_engine(tiny_dir).generate([prompt_ids], [SamplingParams(max_tokens=300, temperature=0.0,
                                                                        ignore_eos=True)])[0]
     engine = make_engine(tiny_dir)
-    step = engine.step
-
-    def slow_step():  # noqa: ANN202 - the stream must outlast the outage
-        time.sleep(0.02)
-        return step()
-
-    engine.step = slow_step
     async with connect(kafka_url(private_kafka.bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL))
-        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine), \
+        # before_step: the stream must outlast the outage
+        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine, before_step=lambda: time.sleep(0.02)), \
                 Edge(EdgeConfig(model=MODEL, port=0, layout=layout, ping_interval_s=None), bus, encoder) as edge:
             await wait_for(lambda: edge.readiness()[0], timeout=30)
             async with ws_connect(f"ws://127.0.0.1:{edge.port}/ws") as ws:
@@ -88,7 +87,7 @@ async def test_stream_through_a_broker_restart(private_kafka, tiny_dir: Path) ->
                     assert f["type"] in ("accepted", "delta"), f
                     tokens += f.get("token_ids", [])
                 await private_kafka.stop()
-                await asyncio.sleep(3.0)
+                await asyncio.sleep(3.0)  # not synchronisation: the outage itself, the thing under test
                 await private_kafka.start()
                 _, deltas, done = await collect(ws, "x", timeout=60)
                 tokens += [t for d in deltas for t in d["token_ids"]]
@@ -100,5 +99,5 @@ async def test_stream_through_a_broker_restart(private_kafka, tiny_dir: Path) ->
                     if after["type"] == "done":
                         break
                     assert after["code"] == "overloaded" and after["retry_after"] > 0, after
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(0.5)  # a client backing off before it retries (the test's input)
                 assert after["type"] == "done", "the edge serves again after the restart"

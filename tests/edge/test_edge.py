@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 import pytest
@@ -10,8 +11,19 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bus.messages import Cancel, decode
-from edge.fake_worker import expected_text
-from tests.edge.conftest import KEY, KEY_P0, client, collect, keys, recv, running_edge, send, url, wait_for
+from lockgate.testing.fake_worker import expected_text
+from tests.edge.conftest import (
+    KEY,
+    KEY_P0,
+    client,
+    collect,
+    keys,
+    recv,
+    running_edge,
+    send,
+    url,
+    wait_for,
+)
 
 HELLO = [{"role": "user", "content": "hello there"}]
 
@@ -141,7 +153,7 @@ async def test_overloaded_and_503_and_readyz(encoder):
         async with client(edge) as ws:
             fw.est_wait_s[1] = 7.5  # tier p1 over its 2 s objective
             await fw.send_status()
-            await asyncio.sleep(0.05)
+            await wait_for(lambda: edge.shedder.check(1, time.monotonic()) is not None)  # the edge read it
             await send(ws, gen("a", 2))
             err = await recv(ws)
             assert err["code"] == "overloaded" and err["retry_after"] == pytest.approx(5.5)
@@ -156,12 +168,12 @@ async def test_overloaded_and_503_and_readyz(encoder):
                 assert (await recv(vip))["type"] == "accepted"
             fw.est_wait_s[1] = 0.0
             await fw.send_status()
-            await asyncio.sleep(0.05)
+            await wait_for(lambda: edge.shedder.check(1, time.monotonic()) is None)  # the edge read it
             await send(ws, gen("b", 2))  # the connection stayed usable
             assert (await recv(ws))["type"] == "accepted"
         # the worker dies: no heartbeats -> not ready, overloaded
         await fw.stop()
-        await asyncio.sleep(0.7)
+        await wait_for(lambda: not edge.shedder.live(time.monotonic()))  # its last heartbeat went stale (0.5 s)
         status, _, body = await http_get(edge, "/readyz")
         assert status == 503 and "no live worker" in body
         with pytest.raises(InvalidStatus) as ei:
@@ -314,8 +326,8 @@ async def test_slow_client_is_disconnected(encoder):
 async def test_start_stop_idempotent_and_embeddable(encoder):
     from bus import MemoryBus
     from edge.config import EdgeConfig
-    from edge.fake_worker import FakeWorker
     from edge.server import Edge
+    from lockgate.testing.fake_worker import FakeWorker
 
     bus = MemoryBus()
     await bus.start()

@@ -8,8 +8,9 @@ import time
 import orjson
 from websockets.asyncio.client import connect
 
-from edge.fake_worker import expected_text
+from lockgate.testing.fake_worker import expected_text
 from tests.edge.conftest import running_edge, url
+from tests.waiting import wait_until
 
 CONNECTIONS = 2000
 STREAMING = 200
@@ -49,6 +50,5 @@ async def test_2000_connections_200_streams(encoder):
             assert text == expected_text(by_rid[rid].prompt_token_ids, TOKENS)
         assert len(edge.sessions) == CONNECTIONS  # everyone still connected
         await asyncio.gather(*(c.close() for c in conns))
-        while edge.sessions:
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: not edge.sessions, timeout=60, interval=0.05)
     assert time.monotonic() - t0 < 60

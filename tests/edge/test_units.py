@@ -5,14 +5,21 @@ from __future__ import annotations
 import pytest
 
 from bus.messages import TokenChunk, WorkerStatus
-from edge.auth import AuthError, Authenticator, extract_key, select_subprotocol
-from edge.config import ConfigError, EdgeConfig, KeyEntry, add_key, hash_key, load_keys, parse_keys
+from edge.auth import Authenticator, AuthError, extract_key, select_subprotocol
+from edge.config import (
+    ConfigError,
+    EdgeConfig,
+    KeyEntry,
+    add_key,
+    hash_key,
+    load_keys,
+    parse_keys,
+)
 from edge.protocol import CancelFrame, Generate, ProtocolError, parse_client_frame
 from edge.ratelimit import KeyLimiter, TokenBucket
 from edge.router import Stream, dedupe
 from edge.session import _Delta, coalesce, text_frames
 from edge.shedding import LoadShedder
-
 
 # --- config / keys --------------------------------------------------------------------------------
 
@@ -250,7 +257,16 @@ def test_text_frames_match_websockets_framing_and_parse_back():
 
 
 def test_fast_chunk_decode_matches_bus_decode():
-    from bus.messages import DecodeError, Error, Finished, ReplyBatch, Usage, decode, encode, replies_of
+    from bus.messages import (
+        DecodeError,
+        Error,
+        Finished,
+        ReplyBatch,
+        Usage,
+        decode,
+        encode,
+        replies_of,
+    )
     from edge.router import decode_reply
 
     chunks = (TokenChunk("r", 1, 3, (5, 6), "héllo 🙂", 7, None, "w1"), TokenChunk("s", 0, 0, (1,), "x", 0))
@@ -298,11 +314,11 @@ async def test_tick_flusher_flushes_each_session_once_per_tick_and_isolates_fail
     for s in (a, bad, b):
         flusher.add(s)
     assert a.flushes == 0  # nothing runs before the loop's next tick
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # exactly one loop tick (the unit under test), not a wait for time
     assert (a.flushes, bad.flushes, b.flushes) == (1, 1, 1)  # the broken one did not stop b
     assert bad.killed == 1011 and bad._pending is None and a.killed is None and b.killed is None
     flusher.add(a)  # a new tick schedules a new run
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one tick
     assert a.flushes == 2 and b.flushes == 1
 
 
@@ -310,7 +326,7 @@ async def test_fake_worker_steps_on_its_phase_grid():
     """`bench edge --workers N`: worker k steps at k * step / N + j * step of the monotonic clock, so a
     fleet's bursts interleave; without a phase a worker steps as soon as work arrives."""
     from bus.memory import MemoryBus
-    from edge.fake_worker import FakeWorker
+    from lockgate.testing.fake_worker import FakeWorker
 
     bus = MemoryBus()
     at_once = FakeWorker(bus, "m", step_s=0.02)

@@ -1,4 +1,4 @@
-"""Paged attention (engine_workers/attention.py, cpu_kernels.py) and interleaved RoPE (llama.py):
+"""Paged attention (engine_workers/model/attention.py, cpu_kernels.py) and interleaved RoPE (llama.py):
 each path against a plain dense reference, so a layout or masking mistake cannot hide behind the
 end-to-end parity tests' tolerance for near-ties."""
 
@@ -10,9 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_workers import cpu_kernels
-from engine_workers.attention import build_metadata, paged_attention, split_by_length
-from engine_workers.llama import apply_rope, interleave_rope_rows
+from engine_workers.kernels import cpu_kernels
+from engine_workers.model.attention import (
+    build_metadata,
+    paged_attention,
+    split_by_length,
+)
+from engine_workers.model.llama import apply_rope, interleave_rope_rows
 
 BS, HQ, HKV, D = 4, 6, 2, 8
 
@@ -162,8 +166,8 @@ def test_interleaved_rope_equals_hf_rotate_half():
 
 
 def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir):
-    from engine_workers.config import EngineConfig
-    from engine_workers.engine import Engine
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
     from tests.engine_workers.test_engine_hf_parity import run_together, workload
 
     if cpu_kernels.paged_decode() is None:
@@ -180,9 +184,9 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir):
 def test_cuda_attention_policy_gives_the_same_output(tiny_model_dir):
     """What the runner does on CUDA (one padded decode group, SDPA without cuDNN: runner.py says
     why) run here on the CPU's SDPA: the same tokens as length groups with every SDPA backend."""
-    from engine_workers.config import EngineConfig
-    from engine_workers.engine import Engine
-    from engine_workers.runner import _SDPA_NO_CUDNN
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
+    from engine_workers.model.runner import _SDPA_NO_CUDNN
     from tests.engine_workers.test_engine_hf_parity import run_together, workload
 
     grouped = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
@@ -194,8 +198,8 @@ def test_cuda_attention_policy_gives_the_same_output(tiny_model_dir):
 
 
 def test_flag_and_env_turn_the_kernel_off(monkeypatch):
-    from engine_workers.cli import build_parser
-    from engine_workers.commands import engine_config_from_args
+    from lockgate.cli import build_parser
+    from lockgate.options import engine_config_from_args
 
     assert engine_config_from_args(build_parser().parse_args(["generate", "hi"])).cpu_kernels is True
     assert engine_config_from_args(build_parser().parse_args(["generate", "--no-cpu-kernels", "hi"])).cpu_kernels is False
@@ -211,7 +215,7 @@ def test_flag_and_env_turn_the_kernel_off(monkeypatch):
 
 @pytest.mark.parametrize("t, h", [(1, 8), (7, 576), (300, 100)])
 def test_fused_add_rms_norm_and_silu_mul_match_torch(t, h):
-    from engine_workers.llama import RMSNorm
+    from engine_workers.model.llama import RMSNorm
 
     ops = cpu_kernels.fused()
     if ops is None:

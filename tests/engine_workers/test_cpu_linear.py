@@ -1,4 +1,4 @@
-"""oneDNN linears with weights packed once (engine_workers/cpu_linear.py): same results as
+"""oneDNN linears with weights packed once (engine_workers/kernels/cpu_linear.py): same results as
 ``F.linear`` for any row count, used by the engine by default on CPU fp32, switchable off."""
 
 from __future__ import annotations
@@ -7,9 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from engine_workers.config import EngineConfig
-from engine_workers.cpu_linear import PackedLinear, packing_problem, prepack_linears
-from engine_workers.engine import Engine
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.core import Engine
+from engine_workers.kernels.cpu_linear import (
+    PackedLinear,
+    packing_problem,
+    prepack_linears,
+)
 from tests.engine_workers.test_engine_hf_parity import run_together, workload
 
 needs_onednn = pytest.mark.skipif(packing_problem(torch.device("cpu"), torch.float32) is not None,
@@ -63,8 +67,8 @@ def test_engine_packs_by_default_and_greedy_output_is_unchanged(tiny_model_dir):
 
 
 def test_flag_turns_packing_off():
-    from engine_workers.cli import build_parser
-    from engine_workers.commands import engine_config_from_args
+    from lockgate.cli import build_parser
+    from lockgate.options import engine_config_from_args
 
     args = build_parser().parse_args(["generate", "--no-weight-prepack", "hi"])
     assert engine_config_from_args(args).weight_prepack is False
@@ -74,7 +78,7 @@ def test_flag_turns_packing_off():
 
 @needs_onednn
 def test_tied_embeddings_get_a_packed_head_and_the_same_output(tmp_path):
-    from engine_workers.tiny_model import build_tiny_model
+    from lockgate.testing.tiny_model import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
     packed = Engine(EngineConfig(model=path, kv_cache_bytes=16 << 20))
@@ -88,7 +92,7 @@ def test_tied_embeddings_get_a_packed_head_and_the_same_output(tmp_path):
 # --- the small-batch kernel (csrc/small_m_linear.cpp) behind PackedLinear ---------------------------
 
 def _small_m():
-    from engine_workers import cpu_kernels
+    from engine_workers.kernels import cpu_kernels
 
     fns = cpu_kernels.small_m()
     if fns is None:
@@ -100,7 +104,7 @@ def _small_m():
 @pytest.mark.parametrize("n, k", [(96, 64), (200, 70), (1000, 130)])  # panel tail, k-block tail
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_batch_kernel_matches_f_linear_for_every_row_count(n, k, bias):
-    from engine_workers.cpu_linear import SMALL_M_MAX
+    from engine_workers.kernels.cpu_linear import SMALL_M_MAX
 
     small_m = _small_m()
     gen = torch.Generator().manual_seed(n + k)
@@ -142,7 +146,7 @@ def test_engine_uses_the_small_batch_kernel_only_with_cpu_kernels_on(tiny_model_
 
 @needs_onednn
 def test_small_batch_kernel_stays_off_when_its_copies_would_not_fit(tiny_model_dir, monkeypatch, caplog):
-    from engine_workers import cpu_linear
+    from engine_workers.kernels import cpu_linear
 
     _small_m()
     monkeypatch.setattr(cpu_linear, "available_memory", lambda: 1 << 20)  # 1 MiB "available"
@@ -153,6 +157,6 @@ def test_small_batch_kernel_stays_off_when_its_copies_would_not_fit(tiny_model_d
 
 
 def test_panel_bytes_counts_padded_rows():
-    from engine_workers.cpu_linear import panel_bytes
+    from engine_workers.kernels.cpu_linear import panel_bytes
 
     assert panel_bytes([torch.empty(96, 10), torch.empty(97, 10)]) == (96 * 10 + 192 * 10) * 4

@@ -1,4 +1,4 @@
-"""glibc allocator tuning for the CPU engine (engine_workers/cpu_malloc.py)."""
+"""glibc allocator tuning for the CPU engine (engine_workers/kernels/cpu_malloc.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from engine_workers import cpu_malloc
+from engine_workers.kernels import cpu_malloc
 
 
 def test_off_switch(monkeypatch):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bus.messages import SamplingParams
-from engine_workers.detokenizer import IncrementalDetokenizer
-from engine_workers.sampler import Sampler, make_generator
-from engine_workers.tiny_model import build_tokenizer
+from engine_workers.engine.detokenizer import IncrementalDetokenizer
+from engine_workers.engine.params import SamplingParams
+from engine_workers.engine.sampler import Sampler, make_generator
+from lockgate.testing.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

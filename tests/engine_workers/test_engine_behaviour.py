@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from bus.messages import SamplingParams
-from engine_workers.async_engine import AsyncEngine
-from engine_workers.config import EngineConfig
-from engine_workers.engine import Engine
-from engine_workers.model_store import ModelError
+from engine_workers.engine.async_engine import AsyncEngine
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.core import Engine
+from engine_workers.engine.params import SamplingParams
+from tests.waiting import wait_until
+from tokenization.model_store import ModelError
 
 
 @pytest.fixture(scope="module")
@@ -172,10 +173,7 @@ async def test_async_engine_streams_and_cancel_aborts(engine):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if "a2" not in engine.kv.tables:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: "a2" not in engine.kv.tables, timeout=2.0, interval=0.02)
         assert "a2" not in engine.kv.tables
         with pytest.raises(ValueError, match="empty"):
             await aeng.add_request("bad", [])

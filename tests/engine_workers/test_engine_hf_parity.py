@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from bus.messages import SamplingParams
-from engine_workers.config import EngineConfig
-from engine_workers.engine import Engine
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.core import Engine
+from engine_workers.engine.params import SamplingParams
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
-from bus.messages import SamplingParams
-from engine_workers.config import EngineConfig
-from engine_workers.engine import Engine
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.core import Engine
+from engine_workers.engine.params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -2,8 +2,14 @@
 
 import pytest
 
-from engine_workers.bench_priority import Overload, percentile, simulate, tier_waits
-from engine_workers.intake import IntakeMode, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
+from engine_workers.worker.intake import (
+    IntakeMode,
+    IntakePolicy,
+    IntakeQueue,
+    RateMeter,
+    estimate_wait,
+)
+from engine_workers.worker.intake_sim import Overload, percentile, simulate, tier_waits
 
 
 def q(mode: str, period: float = 2.0) -> IntakeQueue:

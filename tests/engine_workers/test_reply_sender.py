@@ -10,9 +10,18 @@ import pytest
 from bus import BusError, TopicSpec, UnknownTopicError, connect
 from bus.base import Record
 from bus.memory import MemoryBus
-from bus.messages import Error, Finished, ReplyBatch, TokenChunk, Usage, decode, replies_of
+from bus.messages import (
+    Error,
+    Finished,
+    ReplyBatch,
+    TokenChunk,
+    Usage,
+    decode,
+    replies_of,
+)
 from bus.partitioner import partition_for_key
-from engine_workers.reply_sender import ReplySender
+from engine_workers.worker.reply_sender import ReplySender
+from tests.waiting import wait_until
 
 TOPIC = "lockgate.reply.t"
 
@@ -38,11 +47,7 @@ def fin(rid: str, n: int) -> Finished:
 
 async def settle(sender: ReplySender, timeout_s: float = 5.0) -> None:
     """Wait until no round is in flight (requests without a final stay tracked: not "idle")."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while sender._tasks:
-        assert loop.time() < deadline, "rounds still in flight"
-        await asyncio.sleep(0.005)
+    await wait_until(lambda: not sender._tasks, timeout=timeout_s, interval=0.005, message="no round in flight")
 
 
 async def test_one_record_per_partition_per_round(bus: MemoryBus) -> None:
@@ -76,7 +81,7 @@ async def test_a_lone_request_sends_plain_messages_in_order(bus: MemoryBus) -> N
     sender = ReplySender(bus, "w")
     acked = asyncio.Event()
     sender.chunk("k", TOPIC, "r", 2, 0, (1,), "a", 0)  # goes out alone
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one loop turn, not a wait for time: the round task starts and takes it
     sender.chunk("k", TOPIC, "r", 2, 1, (2,), "b", 1)  # these three wait for the first ack:
     sender.chunk("k", TOPIC, "r", 2, 2, (3,), "c", 2)  # coalesced into one chunk,
     sender.final("k", TOPIC, "r", fin("r", 3), acked.set)  # with the final behind it
@@ -112,7 +117,7 @@ async def test_a_failed_record_fails_each_request_in_it_and_leaves_no_gap(bus: M
     real_send = bus.send
     calls = 0
 
-    async def broken(topic, value, key=None, headers=(), partition=None):  # noqa: ANN001, ANN202
+    async def broken(topic, value, key=None, headers=(), partition=None):
         nonlocal calls
         calls += 1
         raise BusError("broker gone")
@@ -121,9 +126,9 @@ async def test_a_failed_record_fails_each_request_in_it_and_leaves_no_gap(bus: M
     same = [f"r{i}" for i in range(40) if partition_for_key(f"r{i}".encode(), 3) == 0][:2]
     for rid in same:
         sender.chunk(rid, TOPIC, rid, 0, 0, (1,), "x", 0)
-    await asyncio.sleep(0.01)  # the round is in flight (retrying); more tokens queue meanwhile
+    await wait_until(lambda: calls >= 1)  # the round is in flight (retrying); more tokens queue meanwhile
     sender.chunk(same[0], TOPIC, same[0], 0, 1, (2,), "y", 1)
-    await asyncio.sleep(0.3)
+    await settle(sender)  # the round has given up
     # one record, tried 1 + retries times; the topic exists, so not undeliverable: a bus failure
     assert sorted(failed) == sorted((rid, None) for rid in same) and calls == 2
     assert len(sender) == 0
@@ -162,7 +167,7 @@ async def test_missing_reply_topic_is_undeliverable_and_nothing_is_sent(bus: Mem
         sender.chunk(rid, gone, rid, 0, 0, (1,), "x", 0)
     sender.chunk("ok", TOPIC, "ok", 0, 0, (1,), "x", 0)
     sender.final("ok", TOPIC, "ok", fin("ok", 1), lambda: acked.append("ok"))
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: acked == ["ok"])
     assert acked == ["ok"] and failed == []  # the missing topic is still being checked again
     await settle(sender)
     assert sorted(failed) == [(rid, f"reply topic {gone!r} does not exist") for rid in ("a", "b")]
@@ -183,7 +188,7 @@ async def test_reply_topic_deleted_after_first_use_is_undeliverable(bus: MemoryB
     assert sender.records_sent == 1
     calls = 0
 
-    async def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    async def broken(*args, **kwargs):
         nonlocal calls
         calls += 1
         raise BusError("unknown topic or partition")
@@ -199,15 +204,17 @@ async def test_reply_topic_deleted_after_first_use_is_undeliverable(bus: MemoryB
 async def test_stop_cancels_rounds_in_flight(bus: MemoryBus, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = asyncio.Event()
     real_send = bus.send
+    sending: list[str] = []
 
-    async def slow(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    async def slow(topic: str, *args: object, **kwargs: object) -> object:
+        sending.append(topic)
         await gate.wait()
-        return await real_send(*args, **kwargs)
+        return await real_send(topic, *args, **kwargs)
 
     monkeypatch.setattr(bus, "send", slow)
     sender = ReplySender(bus, "w")
     sender.chunk("a", TOPIC, "a", 0, 0, (1,), "x", 0)
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: sending)  # the round is in flight, held in its send
     await sender.stop()
     await sender.stop()  # idempotent
     assert len(sender) == 0 and not sender._tasks
@@ -251,7 +258,7 @@ async def test_a_raising_callback_does_not_stop_the_others(bus: MemoryBus) -> No
 
 async def test_a_topic_found_missing_is_remembered_briefly_and_checked_again(bus: MemoryBus,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine_workers.reply_sender as rs
+    import engine_workers.worker.reply_sender as rs
 
     sender = ReplySender(bus, "w", on_failed=lambda k, why: None)
     gone = "lockgate.reply.gone"
@@ -260,7 +267,7 @@ async def test_a_topic_found_missing_is_remembered_briefly_and_checked_again(bus
     await settle(sender)
     assert await sender.still_missing(gone) is True  # found missing, and still is
     monkeypatch.setattr(rs, "MISSING_TTL_S", 0.05)
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # not synchronisation: lets the (shortened) TTL pass, the thing under test
     assert await sender.still_missing(gone) is False  # remembered only briefly
     monkeypatch.setattr(rs, "MISSING_TTL_S", 2.0)
     sender.chunk("b", gone, "b", 0, 0, (1,), "x", 0)
@@ -274,7 +281,7 @@ async def test_verify_checks_a_topic_once_and_shares_the_check(bus: MemoryBus, m
     """``verify`` (the worker's gate before a request runs): an existing topic -> None, cached (no
     second metadata request); a missing one -> the dead letter's reason after the rechecks; callers
     at the same time share one check; a topic created later verifies."""
-    import engine_workers.reply_sender as rs
+    import engine_workers.worker.reply_sender as rs
 
     monkeypatch.setattr(rs, "MISSING_RECHECK_S", (0.01, 0.01))
     asked: list[str] = []

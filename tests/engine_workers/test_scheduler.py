@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bus.messages import SamplingParams
-from engine_workers.scheduler import Scheduler, SchedulerConfig
-from engine_workers.sequence import Sequence, SeqStatus
+from engine_workers.engine.params import SamplingParams
+from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
+from engine_workers.engine.sequence import SeqStatus, Sequence
 from kv_store import KVCacheManager
 
 

@@ -1,4 +1,4 @@
-"""The process's one torch thread (engine_workers/torch_thread.py)."""
+"""The process's one torch thread (engine_workers/engine/torch_thread.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from engine_workers import torch_thread
+from engine_workers.engine import torch_thread
+from tests.waiting import wait_until_sync
 
 
 def test_calls_from_any_thread_run_on_one_thread() -> None:
@@ -38,9 +39,9 @@ def test_exception_reaches_caller_and_thread_survives() -> None:
 
 
 def test_engine_step_runs_on_torch_thread(tiny_model_dir) -> None:
-    from bus.messages import SamplingParams
-    from engine_workers.config import EngineConfig
-    from engine_workers.engine import Engine
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
+    from engine_workers.engine.params import SamplingParams
 
     engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20))
     where: list[bool] = []
@@ -72,10 +73,7 @@ def test_others_waiting_sees_a_queued_call() -> None:
     assert not torch_thread.others_waiting()
     queued = threading.Thread(target=lambda: torch_thread.call(lambda: None))
     queued.start()
-    for _ in range(1000):  # until the second call is queued (bounded)
-        if torch_thread.others_waiting():
-            break
-        time.sleep(0.005)
+    wait_until_sync(torch_thread.others_waiting, timeout=5.0, interval=0.005)  # the second call is queued
     release.set()
     holder.join(10)
     queued.join(10)
@@ -88,10 +86,10 @@ async def test_two_async_engines_take_turns_on_the_torch_thread(tiny_model_dir) 
     another call waits: two busy engines of one process both stream, interleaved, to the end."""
     import asyncio
 
-    from bus.messages import SamplingParams
-    from engine_workers.async_engine import AsyncEngine
-    from engine_workers.config import EngineConfig
-    from engine_workers.engine import Engine
+    from engine_workers.engine.async_engine import AsyncEngine
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
+    from engine_workers.engine.params import SamplingParams
 
     engines = [AsyncEngine(Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20))) for _ in range(2)]
     times: dict[int, list[float]] = {0: [], 1: []}

@@ -1,12 +1,12 @@
-"""WorkerConfig (engine_workers/worker_config.py): a bad setting fails when built, naming the field."""
+"""WorkerConfig (engine_workers/worker/config.py): a bad setting fails when built, naming the field."""
 
 from __future__ import annotations
 
 import pytest
 
 from bus.topics import TopicLayout
-from engine_workers.intake import IntakeMode
-from engine_workers.worker_config import WorkerConfig
+from engine_workers.worker.config import WorkerConfig
+from engine_workers.worker.intake import IntakeMode
 
 
 def test_defaults_and_the_group_name() -> None:
@@ -38,7 +38,7 @@ def test_help_shows_each_default_as_it_applies(monkeypatch, capsys) -> None:  # 
     """`lockgate worker --help` names every flag's default, and a LOCKGATE_* variable is that default."""
     import pytest
 
-    from engine_workers.cli import build_parser
+    from lockgate.cli import build_parser
 
     def help_text() -> str:
         with pytest.raises(SystemExit):

@@ -4,9 +4,9 @@ and error replies. Every loop is bounded in count and time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-import contextlib
 import random
 import signal
 import statistics
@@ -19,11 +19,27 @@ from pathlib import Path
 import pytest
 
 from bus import TopicLayout, connect
-from bus.messages import Cancel, Error, Finished, InferenceRequest, SamplingParams, decode, encode
+from bus.messages import (
+    Cancel,
+    Error,
+    Finished,
+    InferenceRequest,
+    SamplingParams,
+    decode,
+    encode,
+)
 from bus.partitioner import partition_for_key
-from engine_workers.worker import Worker, WorkerConfig
-from tests.engine_workers.test_worker_memory import (MODEL, Replies, make_engine, publish, record_submissions,  # noqa: F401
-                                                     req, tiny_dir)
+from engine_workers.worker.actor import Worker, WorkerConfig
+from tests.engine_workers.test_worker_memory import (
+    MODEL,
+    Replies,
+    make_engine,
+    publish,
+    record_submissions,
+    req,
+    tiny_dir,  # noqa: F401 - a fixture
+)
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(150)]
 LOCKGATE = str(Path(sys.executable).with_name("lockgate"))
@@ -68,7 +84,9 @@ async def two_workers(bootstrap: str, model_dir: Path, layout: TopicLayout, logs
         try:
             for p in procs.values():
                 await wait_ready(p)
-            await asyncio.sleep(2.0)  # the second join's rebalance settles
+            # The second join's rebalance settles. Still a fixed wait: the workers are other
+            # processes (started without a health port) and nothing here shows their assignment.
+            await asyncio.sleep(2.0)
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
             yield bus, procs, replies
@@ -80,7 +98,7 @@ async def two_workers(bootstrap: str, model_dir: Path, layout: TopicLayout, logs
                 p.stdout.close()
 
 
-def assert_exact_streams(replies: Replies, reqs: list[InferenceRequest], ref) -> None:  # noqa: ANN001
+def assert_exact_streams(replies: Replies, reqs: list[InferenceRequest], ref) -> None:
     """Each reassembled stream equals the reference, and a re-run repeated the same token at the
     same seq (reassembly by seq saw no conflict)."""
     for r, expected in zip(reqs, ref):
@@ -182,17 +200,10 @@ async def run_mode(bootstrap: str, tiny_dir: Path, mode: str, period: float, sat
     # and with the CPU kernels a 96-token request on the tiny model took ~0.09 s, so the p2 burst
     # drained in ~0.7 s and fifo's penalty sank into the noise of Kafka's fetch gaps. With the floor
     # a request takes ~0.2 s on any machine, as when these bounds were set.
-    step = engine.step
-
-    def floored_step():  # noqa: ANN202
-        time.sleep(STEP_FLOOR_S)
-        return step()
-
-    engine.step = floored_step
     cfg = WorkerConfig(MODEL, layout=layout, intake_mode=mode, aging_period_s=period, prefetch_per_tier=4)
     async with connect(kafka_url(bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
-        async with Worker(cfg, bus, engine):
+        async with Worker(cfg, bus, engine, before_step=lambda: time.sleep(STEP_FLOOR_S)):
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
             count = 0
@@ -266,24 +277,14 @@ async def test_cancel_expired_invalid_on_kafka(kafka_bootstrap: str, tiny_dir: P
     # At least 5 ms a step: with the CPU kernels the tiny model can generate the whole 315-token
     # budget of "long" before the Cancel's round trip through a busy broker lands, and the test
     # would then measure the machine's speed instead of the cancel path.
-    step = engine.step
-
-    def slow_step():  # noqa: ANN202
-        time.sleep(0.005)
-        return step()
-
-    engine.step = slow_step
     total = engine.kv.num_blocks
     async with connect(kafka_url(kafka_bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
-        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine) as w:
+        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine, before_step=lambda: time.sleep(0.005)) as w:
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
             await publish(bus, layout, req("long", layout, prompt=tuple(range(3, 200)), max_tokens=400))
-            deadline = time.monotonic() + 30
-            while not w.aengine.snapshot.generated_tokens:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: w.aengine.snapshot.generated_tokens, timeout=30)
             assert engine.kv.num_free_blocks < total
             steps = w.aengine.snapshot.steps
             await bus.send(layout.control_topic, encode(Cancel("long")))
@@ -338,7 +339,7 @@ async def test_missing_reply_topic_on_kafka_is_dead_lettered_never_created(kafka
         assert seen == ["marker"], "everything before the marker was committed, the orphan included"
 
 
-async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_dir: Path,  # noqa: ANN001
+async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_dir: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A clean stop of the only broker while a worker streams, then a restart: every stream is
@@ -350,7 +351,7 @@ async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_d
     refreshes = {"failed": 0}
     real = aiokafka.client.AIOKafkaClient._metadata_update
 
-    async def counted(self, cluster, topics):  # noqa: ANN001, ANN202 - aiokafka's own refresh, counted
+    async def counted(self, cluster, topics):
         ok = await real(self, cluster, topics)
         refreshes["failed"] += not ok
         return ok
@@ -359,17 +360,11 @@ async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_d
     engine = make_engine(tiny_dir)
     prompts, params = seeded_work(11, 8, (120, 160))
     ref = engine.generate(prompts, params)
-    step = engine.step
-
-    def slow_step():  # noqa: ANN202 - the streams must outlast the outage
-        time.sleep(0.01)
-        return step()
-
-    engine.step = slow_step
     layout = new_layout(partitions=2)
     async with connect(kafka_url(private_kafka.bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
-        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine):
+        # before_step: the streams must outlast the outage
+        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine, before_step=lambda: time.sleep(0.01)):
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
             reqs = [InferenceRequest(f"o{i}", MODEL, p, sp, layout.reply_topic("test"), enqueued_at=time.time())
@@ -380,7 +375,7 @@ async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_d
             caplog.clear()
             await private_kafka.stop()
             before, outage_s = refreshes["failed"], 4.0
-            await asyncio.sleep(outage_s)
+            await asyncio.sleep(outage_s)  # not synchronisation: the outage itself, the thing under test
             failed = refreshes["failed"] - before
             aiokafka_errors = [r for r in caplog.records if r.name.startswith("aiokafka") and r.levelno >= logging.ERROR]
             await private_kafka.start()

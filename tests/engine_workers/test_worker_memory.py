@@ -9,23 +9,36 @@ import logging
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from bus import MemoryBus, TopicLayout, TopicPartition
-from bus.messages import (Cancel, Error, Finished, InferenceRequest, SamplingParams, TokenChunk, WorkerStatus, decode,
-                          encode, replies_of)
-from engine_workers.config import EngineConfig
-from engine_workers.engine import Engine
-from engine_workers.worker import Worker, WorkerConfig
+from bus.messages import (
+    Cancel,
+    Error,
+    Finished,
+    InferenceRequest,
+    SamplingParams,
+    TokenChunk,
+    WorkerStatus,
+    decode,
+    encode,
+    replies_of,
+)
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.core import Engine
+from engine_workers.worker.actor import Worker, WorkerConfig
+from engine_workers.worker.convert import engine_params
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_workers.tiny_model import build_tiny_model
+    from lockgate.testing.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
 
@@ -60,17 +73,25 @@ class Replies:
         self.chunks: list[TokenChunk] = []
 
     async def wait(self, ids, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not set(ids) <= set(self.final):
-            assert time.monotonic() < deadline, f"missing replies: {set(ids) - set(self.final)}"
+        """Read until every request in ``ids`` has its final reply."""
+        async def arrived() -> bool:
+            if set(ids) <= set(self.final):
+                return True
             await self.poll(100)
+            return False
+
+        await wait_until(arrived, timeout=timeout, interval=0,
+                         message=lambda: f"missing replies: {set(ids) - set(self.final)}")
 
     async def wait_streaming(self, timeout: float, why: str, poll_ms: int = 50) -> None:
         """Wait until some token chunk has arrived; ``why`` is the failure message."""
-        deadline = time.monotonic() + timeout
-        while not self.chunks:
-            assert time.monotonic() < deadline, why
+        async def streaming() -> bool:
+            if self.chunks:
+                return True
             await self.poll(poll_ms)
+            return False
+
+        await wait_until(streaming, timeout=timeout, interval=0, message=why)
 
     async def poll(self, timeout_ms: int) -> None:
         for rec in await self.consumer.getmany(timeout_ms=timeout_ms):
@@ -91,10 +112,10 @@ class Replies:
 
 async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicLayout,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="engine_workers.ledger")
+    caplog.set_level(logging.INFO, logger="engine_workers.worker.ledger")
     engine = make_engine(tiny_dir)
     prompts = [tuple(range(3 + i, 20 + 3 * i)) for i in range(6)]
-    ref = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    ref = engine.generate(prompts, engine_params(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
     async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, heartbeat_s=0.1, commit_interval_s=0), bus,
                                                         engine) as w:
         replies = Replies(bus, layout.reply_topic("test"))
@@ -116,10 +137,11 @@ async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicL
             assert 0 <= t.queue <= t.ttft <= t.e2e < 30 and t.tpot >= 0
         # every chunk carries the attempt; text offsets are contiguous
         assert all(c.attempt == 0 for c in replies.chunks)
-        await asyncio.sleep(0.2)  # commit_interval_s=0: the intake loop commits within a poll
         group = bus.broker.group(w.config.group)
         ends = {TopicPartition(t, p): bus.broker.topics[t].partitions[p].end
                 for t in layout.request_topics(MODEL) for p in range(2)}
+        # commit_interval_s=0: the intake loop commits within a poll of the last acknowledgement
+        await wait_until(lambda: {tp: group.committed.get(tp, 0) for tp in ends} == ends)
         assert {tp: group.committed.get(tp, 0) for tp in ends} == ends
         m = w.render_metrics().decode()
         assert 'lockgate:request_success_total{finished_reason="length",model="tiny"' in m
@@ -132,23 +154,16 @@ async def test_cancel_frees_kv_within_a_step(tiny_dir: Path, layout: TopicLayout
     releases the GIL): the tiny model's own steps take ~1 ms, so on a busy host the event loop could
     wait out several of them for the GIL before it read the Cancel (CI once counted 7)."""
     engine = make_engine(tiny_dir, max_num_seqs=1)
-    step = engine.step
-
-    def paced_step():  # noqa: ANN202
-        time.sleep(0.02)
-        return step()
-
-    engine.step = paced_step
     total = engine.kv.num_blocks
-    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout), bus, engine) as w:
+    # the step pacing is the test's input (a slow model), not synchronisation
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout), bus, engine,
+                                          before_step=lambda: time.sleep(0.02)) as w:
         replies = Replies(bus, layout.reply_topic("test"))
         await replies.consumer.start()
         await publish(bus, layout, req("long", layout, prompt=tuple(range(3, 200)), max_tokens=300))
         await publish(bus, layout, req("queued", layout, max_tokens=5))  # waits in the intake (1 slot)
-        deadline = time.monotonic() + 20
-        while not w.aengine.snapshot.generated_tokens:  # "long" is running, "queued" in the intake
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        # "long" is running, "queued" in the intake
+        await wait_until(lambda: w.aengine.snapshot.generated_tokens, timeout=20)
         assert engine.kv.num_free_blocks < total
         steps = w.aengine.snapshot.steps
         await bus.send(layout.control_topic, encode(Cancel("queued")))
@@ -169,7 +184,7 @@ def record_submissions(w: Worker) -> list[str]:
     submitted: list[str] = []
     submit = w.aengine.submit
 
-    def recording(eid, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def recording(eid, *args, **kwargs):
         submitted.append(eid.split("#")[0])
         return submit(eid, *args, **kwargs)
 
@@ -178,12 +193,14 @@ def record_submissions(w: Worker) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def serving_with_dlq(tiny_dir: Path, layout: TopicLayout, engine: Engine | None = None):
-    """A worker (on ``engine``, else a fresh one) committing after every poll on a fresh memory
-    bus, a reader of the ``test`` reply topic and one of the dead-letter topic: yields (bus,
-    worker, replies, dlq)."""
+async def serving_with_dlq(tiny_dir: Path, layout: TopicLayout, engine: Engine | None = None, *,
+                           before_step: Callable[[], None] | None = None):
+    """A worker (on ``engine``, else a fresh one; ``before_step`` its step hook) committing after
+    every poll on a fresh memory bus, a reader of the ``test`` reply topic and one of the
+    dead-letter topic: yields (bus, worker, replies, dlq)."""
     engine = engine or make_engine(tiny_dir)
-    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, engine) as w:
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, engine,
+                                          before_step=before_step) as w:
         replies = Replies(bus, layout.reply_topic("test"))
         await replies.consumer.start()
         async with bus.consumer([layout.dead_letter_topic], start_from="earliest") as dlq:
@@ -208,8 +225,8 @@ async def test_expired_invalid_and_undecodable(tiny_dir: Path, layout: TopicLayo
         assert "late" not in replies.tokens
         dead = await dlq.getmany(timeout_ms=1000)
         assert len(dead) == 1 and dead[0].value == b"{not json"
-        await asyncio.sleep(0.2)
         group = bus.broker.group(w.config.group)
+        await wait_until(lambda: sum(group.committed.values()) == 6)
         assert sum(group.committed.values()) == 6  # committed past every record, junk included
 
 
@@ -218,14 +235,11 @@ async def test_running_request_past_its_deadline_is_stopped(tiny_dir: Path, layo
     tokens it had (a requester that died without a Cancel, e.g. a crashed edge, would otherwise
     keep a sequence busy to max_tokens); its KV is freed; one without a deadline runs to the end."""
     engine = make_engine(tiny_dir)
-    step = engine.step
 
-    def slow_step():  # noqa: ANN202 - 300 tokens take >= 6 s, the deadline is 1 s away
+    def slow_step() -> None:  # the test's input, not synchronisation: 300 tokens take >= 6 s, the deadline is 1 s away
         time.sleep(0.02)
-        return step()
 
-    engine.step = slow_step
-    async with serving_with_dlq(tiny_dir, layout, engine) as (bus, w, replies, _):
+    async with serving_with_dlq(tiny_dir, layout, engine, before_step=slow_step) as (bus, w, replies, _):
         await publish(bus, layout, req("late", layout, max_tokens=300, deadline=time.time() + 1.0))
         await publish(bus, layout, req("free", layout, max_tokens=60))
         await replies.wait(["late", "free"], 30)
@@ -234,9 +248,7 @@ async def test_running_request_past_its_deadline_is_stopped(tiny_dir: Path, layo
         got = len(replies.stream("late"))
         assert 0 < got < 300 and f"after {got} tokens" in late.message
         assert isinstance(free, Finished) and free.num_tokens == 60
-        deadline = time.monotonic() + 5
-        while engine.kv.num_free_blocks != engine.kv.num_blocks and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: engine.kv.num_free_blocks == engine.kv.num_blocks, interval=0.02)
         assert engine.kv.num_free_blocks == engine.kv.num_blocks and w.ledger.in_engine == 0
 
 
@@ -253,10 +265,7 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
         await publish(bus, layout, dataclasses.replace(req("orphan", layout, max_tokens=200), reply_to=gone))
         await publish(bus, layout, req("after", layout, max_tokens=4))
         await replies.wait(["before", "after"], 20)
-        dead: list = []
-        deadline = time.monotonic() + 10
-        while not dead and time.monotonic() < deadline:
-            dead = await dlq.getmany(timeout_ms=200)
+        dead = await wait_until(lambda: dlq.getmany(timeout_ms=200), timeout=10, message="a dead letter")
         assert len(dead) == 1, "one dead letter: the orphan"
         letter = parse_dead_letter(dead[0])
         assert letter.reason == f"reply topic {gone!r} does not exist"
@@ -264,12 +273,10 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
         orphan = decode(letter.value)
         assert isinstance(orphan, InferenceRequest) and orphan.request_id == "orphan" and orphan.reply_to == gone
         assert "orphan" not in replies.final
-        deadline = time.monotonic() + 5
-        while (w.ledger.in_engine or w.aengine.snapshot.running) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: not (w.ledger.in_engine or w.aengine.snapshot.running), interval=0.02)
         assert w.ledger.in_engine == 0 and w.aengine.snapshot.running == 0
-        await asyncio.sleep(0.2)
         group = bus.broker.group(w.config.group)
+        await wait_until(lambda: sum(group.committed.values()) == 3)
         assert sum(group.committed.values()) == 3  # committed past all three, the orphan included
         assert "lockgate:dead_letters_total 1.0" in w.render_metrics().decode()
 
@@ -287,15 +294,16 @@ async def test_requests_to_a_missing_reply_topic_are_dead_lettered_before_they_r
         gone = layout.reply_topic("gone")
         await publish(bus, layout, dataclasses.replace(req("o0", layout, max_tokens=50), reply_to=gone))
         dead: list = []
-        deadline = time.monotonic() + 10
-        while not dead and time.monotonic() < deadline:
-            dead += await dlq.getmany(timeout_ms=100)
+
+        async def dead_letters(n: int) -> bool:
+            dead.extend(await dlq.getmany(timeout_ms=100))
+            return len(dead) >= n
+
+        await wait_until(lambda: dead_letters(1), timeout=10)
         assert submitted == [] and len(dead) == 1  # the first one too: its topic is checked before it runs
         for i in (1, 2, 3):
             await publish(bus, layout, dataclasses.replace(req(f"o{i}", layout, max_tokens=50), reply_to=gone))
-        deadline = time.monotonic() + 10
-        while len(dead) < 4 and time.monotonic() < deadline:
-            dead += await dlq.getmany(timeout_ms=100)
+        await wait_until(lambda: dead_letters(4), timeout=10)
         assert sorted(decode(parse_dead_letter(r).value).request_id for r in dead) == ["o0", "o1", "o2", "o3"]
         assert submitted == [], "none reached the engine"
         await bus.ensure_topics([TopicSpec(gone, 1)])  # the requester made its topic after all
@@ -316,15 +324,13 @@ async def test_a_request_held_for_its_reply_topic_check_can_be_cancelled(tiny_di
 
         async def slow(topic: str) -> list[int]:
             asked.append(topic)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a slow metadata request (the fake's behaviour): the Cancel lands meanwhile
             return await real(topic)
 
         monkeypatch.setattr(bus, "partitions_for", slow)
         steps = w.aengine.snapshot.steps
         await publish(bus, layout, req("held", layout, max_tokens=50))
-        deadline = time.monotonic() + 5
-        while not len(w._gate) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: len(w._gate))
         assert len(w._gate) == 1 and w.ledger.in_engine == 0  # held, not queued
         w.cancel("held")
         await replies.wait(["held"], 10)
@@ -343,9 +349,12 @@ async def test_heartbeat_health_and_metrics(tiny_dir: Path, layout: TopicLayout)
         async with Worker(cfg, bus, engine) as w:
             await status.start()
             beats = []
-            deadline = time.monotonic() + 5
-            while len(beats) < 3 and time.monotonic() < deadline:
-                beats += [decode(r.value) for r in await status.getmany(timeout_ms=100)]
+
+            async def three_beats() -> bool:
+                beats.extend(decode(r.value) for r in await status.getmany(timeout_ms=100))
+                return len(beats) >= 3
+
+            await wait_until(three_beats)
             assert len(beats) >= 3 and all(isinstance(b, WorkerStatus) for b in beats)
             b = beats[-1]
             assert b.worker_id == cfg.worker_id and b.max_num_seqs == 4 and b.kv_blocks_total == engine.kv.num_blocks
@@ -376,10 +385,7 @@ async def test_drain_finishes_running_and_leaves_queue_uncommitted(tiny_dir: Pat
         await replies.consumer.start()
         await publish(bus, layout1, req("a", layout1, max_tokens=40, tier=0))
         await publish(bus, layout1, req("b", layout1, max_tokens=40, tier=0))
-        deadline = time.monotonic() + 10
-        while not w.aengine.snapshot.generated_tokens:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: w.aengine.snapshot.generated_tokens, timeout=10)
         assert await w.drain(grace_s=20)
         await replies.wait(["a"], 5)
         assert replies.final["a"].num_tokens == 40 and "b" not in replies.final
@@ -401,7 +407,9 @@ async def test_commits_wait_for_the_interval_and_the_end_commits_at_once(tiny_di
         for r in reqs:
             await publish(bus, layout, r)
         await replies.wait([r.request_id for r in reqs])
-        await asyncio.sleep(0.3)  # six intake polls: none may commit inside the interval
+        # Not synchronisation: time passing is the input. For six intake polls (POLL_MS = 50) the
+        # worker must not commit inside its 60 s interval; no event marks "a poll did not commit".
+        await asyncio.sleep(0.3)
         group = bus.broker.group(w.config.group)
         assert group.committed == {}
         if end == "drain":
@@ -422,7 +430,7 @@ async def test_a_failing_reply_topic_check_lets_the_request_run(tiny_dir: Path, 
             raise RuntimeError("metadata parser bug")
 
         monkeypatch.setattr(w.replies, "verify", broken)
-        with caplog.at_level(logging.ERROR, logger="engine_workers.reply_gate"):
+        with caplog.at_level(logging.ERROR, logger="engine_workers.worker.reply_gate"):
             await publish(bus, layout, req("r", layout, max_tokens=3))
             await replies.wait(["r"], 10)
         assert replies.final["r"].num_tokens == 3

@@ -1,6 +1,6 @@
 """Fixtures for the producer tests: a tiny model, unique topic namespaces, an in-process worker.
 
-``serving(bus, model_dir, layout)`` runs the real engine worker (``engine_workers.worker.Worker``
+``serving(bus, model_dir, layout)`` runs the real engine worker (``engine_workers.worker.actor.Worker``
 over a CPU engine of the tiny model, one torch thread, 8 MiB of KV). Set
 ``LOCKGATE_PRODUCERS_FAKE_WORKER=1`` to use the edge's model-less FakeWorker instead (a harness
 check only: it speaks the same bus contract, with deterministic text).
@@ -21,7 +21,7 @@ from bus.topics import TopicLayout
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from engine_workers.tiny_model import build_tiny_model
+    from lockgate.testing.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("producers") / "tiny-llama")
 
@@ -47,15 +47,15 @@ async def serving(bus, model_dir: Path, layout: TopicLayout, **worker_kw) -> Asy
     """One worker for ``model_dir`` on ``bus`` under ``layout``; stopped on exit."""
     name = model_dir.name
     if fake_worker_mode():
-        from edge.fake_worker import FakeWorker
+        from lockgate.testing.fake_worker import FakeWorker
 
         w = FakeWorker(bus, name, layout, step_s=worker_kw.get("step_s", 0.0))
     else:
         import asyncio
 
-        from engine_workers.config import EngineConfig
-        from engine_workers.engine import Engine
-        from engine_workers.worker import Worker, WorkerConfig
+        from engine_workers.engine.config import EngineConfig
+        from engine_workers.engine.core import Engine
+        from engine_workers.worker.actor import Worker, WorkerConfig
 
         engine = await asyncio.to_thread(Engine, EngineConfig(model=str(model_dir), device="cpu", num_threads=1,
                                                               kv_cache_bytes=8 << 20, max_num_seqs=16))

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 import bus as busmod
 from producers.batch import BatchConfig, run_batch
 from tests.producers.conftest import serving
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -82,7 +82,7 @@ async def test_batch_47_results_3_errors(kafka_bootstrap, tiny_model, tokenizer,
 
 
 def _cmd(kafka: str, model: Path, inp: Path, out: Path, ns: str, in_flight: int) -> list[str]:
-    return [sys.executable, "-m", "engine_workers.cli", "--log-level", "WARNING", "batch", "run", str(inp),
+    return [sys.executable, "-m", "lockgate.cli", "--log-level", "WARNING", "batch", "run", str(inp),
             "--out", str(out), "--bus", f"kafka://{kafka}", "--model", str(model), "--namespace", ns,
             "--max-in-flight", str(in_flight), "--request-timeout", "60"]
 
@@ -99,11 +99,9 @@ async def test_batch_killed_midway_then_resumed(kafka_bootstrap, tiny_model, lay
             with open(tmp_path / "run1.log", "wb") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
                 try:
-                    deadline = time.monotonic() + 60
-                    while time.monotonic() < deadline and proc.poll() is None:
-                        if out.exists() and out.read_bytes().count(b"\n") >= 8:
-                            break
-                        await asyncio.sleep(0.05)
+                    # 8 results written, or the job ended (reported by the assertion below)
+                    await wait_until(lambda: proc.poll() is not None or (out.exists() and out.read_bytes().count(b"\n") >= 8),
+                                     timeout=60, interval=0.05)
                     assert proc.poll() is None, "job finished before it could be killed:\n" + (tmp_path / "run1.log").read_text()[-2000:]
                     proc.send_signal(signal.SIGKILL)
                 finally:

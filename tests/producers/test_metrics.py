@@ -11,10 +11,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import bus as busmod
+from benchmarks.targets import Prompt, WsTarget
 from edge.config import EdgeConfig, KeyEntry, hash_key
 from edge.server import Edge
-from producers.targets import Prompt, WsTarget
 from tests.producers.conftest import fake_worker_mode, serving
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -57,10 +58,7 @@ async def test_metrics_after_traffic(kafka_bootstrap, tiny_model, layout):
             cfg = EdgeConfig(model=tiny_model.name, model_path=str(tiny_model), port=0, keys=entries, layout=layout,
                              ping_interval_s=None)
             async with Edge(cfg, b) as edge:
-                for _ in range(300):
-                    if edge.readiness()[0]:
-                        break
-                    await asyncio.sleep(0.1)
+                await wait_until(lambda: edge.readiness()[0], timeout=30, interval=0.1)
                 target = WsTarget(f"ws://127.0.0.1:{edge.port}/ws", KEYS, connections_per_tier=1)
                 await target.start()
                 try:

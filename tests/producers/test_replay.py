@@ -10,8 +10,8 @@ import pytest
 
 import bus as busmod
 from bus.messages import InferenceRequest, SamplingParams, encode
-from producers.collector import ReplyCollector
 from bus.window import parse_time_ms
+from producers.collector import ReplyCollector
 from producers.replay import ReplayConfig, replay_id, run_replay
 from tests.producers.conftest import serving
 
@@ -32,7 +32,7 @@ def test_parse_time_forms():
 
 @pytest.mark.parametrize("since", [["--since", "15m"], ["--since=-15m"]])
 def test_replay_command_line_takes_relative_times(since):
-    from engine_workers.cli import build_parser
+    from lockgate.cli import build_parser
 
     args = build_parser().parse_args(["replay", "--topic", "t", *since])
     assert parse_time_ms(args.since, now_ms=1_000_000) == 100_000
@@ -60,7 +60,7 @@ async def test_replay_reruns_everything_and_greedy_matches(kafka_bootstrap, tiny
                                        sampling=sp, reply_to=rec_topic, tier=i % 3, enqueued_at=time.time())
                 futs.append(col.expect(req.request_id))
                 await b.send(layout.request_topic(model, req.tier), encode(req), key=req.request_id.encode())
-                await asyncio.sleep(0.04)
+                await asyncio.sleep(0.04)  # not synchronisation: paces the recorded traffic the replay re-times
             originals = await asyncio.wait_for(asyncio.gather(*futs), 60)
             await col.stop()
             assert all(r.ok and r.token_ids for r in originals)

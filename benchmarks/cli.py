@@ -1,0 +1,207 @@
+"""``lockgate bench ...``: the benchmarks' subcommands. ``lockgate.cli`` finds this module by name
+and skips it where the benchmarks are not installed; nothing heavy is imported at module level."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lockgate.options import add_engine_args, env_default
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from benchmarks.engine import run
+
+    return run(args)
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from benchmarks.e2e import run
+
+    return run(args)
+
+
+def _bench_priority(args: argparse.Namespace) -> int:
+    from benchmarks.priority import run
+
+    return run(args)
+
+
+def _bench_bus(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from benchmarks.bus import bench_one, format_table
+    from bus import BusError
+
+    try:
+        import uvloop  # what the services run on; the default loop costs ~20% more CPU per record
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    urls = ["memory://"] + ([args.bus] if not args.bus.startswith("memory:") else [])
+    results = []
+    try:
+        for url in urls:
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                results.append(runner.run(bench_one(url, args.rate, args.seconds, args.partitions, args.payload)))
+    except BusError as exc:
+        print(f"lockgate bench bus: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        print(f"lockgate bench bus --rate {args.rate} --seconds {args.seconds:g} --partitions {args.partitions} "
+              f"--payload {args.payload}")
+        print(format_table(results))
+    return 0
+
+
+def _bench_edge(args: argparse.Namespace) -> int:
+    from benchmarks.edge import run_bench
+
+    return run_bench(args)
+
+
+def parse_keys(values: list[str]) -> dict[int, str | None]:
+    """``["p0:KEY0", "KEY1"]`` -> {0: "KEY0", 1: "KEY1"}; untagged keys count as p1, then p2, p0."""
+    keys: dict[int, str | None] = {}
+    untagged = []
+    for v in values:
+        tier, sep, key = v.partition(":")
+        if sep and tier.lower() in ("p0", "p1", "p2"):
+            keys[int(tier[1])] = key
+        else:
+            untagged.append(v)
+    for v in untagged:
+        free = [t for t in (1, 2, 0) if t not in keys]
+        if not free:
+            raise ValueError("at most one --api-key per tier")
+        keys[free[0]] = v
+    return keys or {1: None}
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from benchmarks.loadgen import LengthMix, parse_rates
+    from benchmarks.serve import BenchConfig, bench, format_table
+    from benchmarks.stats import parse_slo
+    from lockgate.options import engine_config_from_args
+
+    weights = tuple(float(x) for x in args.tier_mix.split(","))
+    if len(weights) != 3:
+        raise ValueError("--tier-mix needs three weights p0,p1,p2")
+    keys = parse_keys(args.api_key)
+    if args.url:
+        # Only tiers with a key can be sent; others are folded into the first available.
+        weights = tuple(w if t in keys else 0.0 for t, w in enumerate(weights))
+        if sum(weights) == 0:
+            weights = tuple(1.0 if t in keys else 0.0 for t in range(3))
+    mix = LengthMix(prompt_median=args.prompt_len, output_median=args.output_len, prompt_max=args.max_prompt_len,
+                    output_max=args.max_output_len, prompt_min=min(4, args.max_prompt_len),
+                    output_min=min(2, args.max_output_len), tier_weights=weights)
+    target = "embedded" if args.embedded else ("bus" if args.bus else "ws")
+    cfg = BenchConfig(target=target, rates=tuple(parse_rates(args.rate)), num_prompts=args.num_prompts,
+                      out_dir=args.out, url=args.url, keys=keys, bus_url=args.bus, model=args.model,
+                      arrivals=args.arrivals, burstiness=args.burstiness, seed=args.seed, slo=parse_slo(args.slo),
+                      mix=mix, connections_per_tier=args.connections, max_concurrency=args.max_concurrency,
+                      request_timeout_s=args.request_timeout, warmup=args.warmup, fake_worker=args.fake_worker, plots=not args.no_plots,
+                      namespace=args.namespace, engine=engine_config_from_args(args) if args.embedded else None)
+    result = asyncio.run(bench(cfg))
+    print(format_table(result))
+    print(f"wrote {args.out / 'results.json'}" + (f" and {len(result.get('plots', []))} PNGs" if cfg.plots else ""))
+    return 0
+
+
+def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    b = bench.add_parser("engine", help="engine throughput vs HF generate() and HF continuous batching")
+    add_engine_args(b)
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--skip-hf", action="store_true", help="run lockgate only")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every engine and the GEMM peak; each keeps its best (default 1)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=_bench_engine)
+
+    from benchmarks.priority import add_args as add_priority_args
+
+    b = bench.add_parser("e2e", help="engine workload through bus + worker vs the engine in-process")
+    add_engine_args(b)
+    b.add_argument("--bus", action="append", default=None,
+                   help="bus URL(s) to measure (repeatable); default: memory:// and kafka://127.0.0.1:9092")
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every path; each path keeps its fastest run (noisy machines)")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.set_defaults(func=_bench_e2e)
+
+    pr = bench.add_parser("priority", help="fifo vs strict vs aging intake under the same overload (PNG plot)")
+    add_priority_args(pr)
+    pr.set_defaults(func=_bench_priority)
+
+    b = bench.add_parser("bus", help="produce->consume latency p50/p99 and records/s: memory bus vs --bus")
+    b.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),
+                   help="bus compared with memory:// (env LOCKGATE_BUS); memory:// alone measures just that")
+    b.add_argument("--rate", type=int, default=env_default("rate", 1000), help="records/s offered (env LOCKGATE_RATE)")
+    b.add_argument("--seconds", type=float, default=env_default("seconds", 5.0), help="measured seconds (env LOCKGATE_SECONDS)")
+    b.add_argument("--partitions", type=int, default=env_default("partitions", 6), help="partitions of the bench topic")
+    b.add_argument("--payload", type=int, default=env_default("payload", 200), help="bytes per record")
+    b.add_argument("--json", action="store_true", default=env_default("json", False), help="print JSON instead of a table")
+    b.set_defaults(func=_bench_bus)
+
+    b = bench.add_parser("edge", help="edge fan-out: connections held, tokens/s, added latency (fake worker)")
+    b.add_argument("--connections", type=int, default=10_000, help="connections to open and hold")
+    b.add_argument("--streams", type=int, default=1000, help="connections streaming at once")
+    b.add_argument("--tokens", type=int, default=200, help="tokens per stream")
+    b.add_argument("--step-ms", type=float, default=20.0, help="fake worker step: one token per stream per step")
+    b.add_argument("--client-procs", type=int, default=2, help="client processes")
+    b.add_argument("--workers", type=int, default=1,
+                   help="fake workers per edge process (at most the request topic's 6 partitions). 1: every "
+                        "token of a step leaves in one burst; N: the streams split over N workers stepping "
+                        "at evenly spread phases, as a fleet whose steps are not synchronised")
+    b.add_argument("--client", choices=("raw", "websockets"), default="raw",
+                   help="load generator: a lean frame parser (benchmarks/edge_client.py), or the websockets "
+                        "library's client (~15 us/frame more CPU, taken from the edge on a small machine)")
+    b.add_argument("--edge-procs", type=int, default=1,
+                   help="edge processes sharing the port (SO_REUSEPORT), each with its own memory bus and fake worker")
+    b.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the kernel floor: the CPU of one bare loopback-TCP send per stream, "
+                        "measured after the run (benchmarks/edge_floor.py)")
+    b.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    b.set_defaults(func=_bench_edge)
+
+    s = bench.add_parser("serve", help="serving benchmark (vLLM bench serve semantics) against an edge, the bus, or embedded")
+    t = s.add_mutually_exclusive_group(required=True)
+    t.add_argument("--url", help="edge WebSocket URL, e.g. ws://127.0.0.1:8765/ws")
+    t.add_argument("--bus", help="drive the bus directly (no edge): bus URL; needs --model")
+    t.add_argument("--embedded", action="store_true", help="memory bus + edge + worker in this process")
+    s.add_argument("--api-key", action="append", default=[],
+                   help="edge API key, optionally tagged with its tier: KEY or p0:KEY (repeatable; one per tier)")
+
+    add_engine_args(s)  # --model (tokenizer; served model of --bus/--embedded) + the embedded worker's engine
+    s.add_argument("--fake-worker", action="store_true", help="--embedded with the edge's fake worker (no model; harness check)")
+    s.add_argument("--rate", default="1,2,4", help="offered rates in req/s, comma separated (inf = all at once)")
+    s.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
+    s.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson")
+    s.add_argument("--burstiness", type=float, default=0.25, help="gamma shape for --arrivals bursty (<1 is burstier)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--slo", default="ttft=500ms,tpot=50ms", help="goodput SLOs, e.g. ttft=500ms,tpot=50ms[,e2e=10s]")
+    s.add_argument("--prompt-len", type=float, default=120, help="median prompt length (tokens)")
+    s.add_argument("--output-len", type=float, default=60, help="median output length (tokens)")
+    s.add_argument("--max-prompt-len", type=int, default=1024)
+    s.add_argument("--max-output-len", type=int, default=512)
+    s.add_argument("--tier-mix", default="0.2,0.6,0.2", help="share of requests per tier p0,p1,p2")
+    s.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    s.add_argument("--connections", type=int, default=4, help="WebSocket connections per tier")
+    s.add_argument("--request-timeout", type=float, default=600.0)
+    s.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured requests sent at once before the first rate (1: one short request; >1: the real mix)")
+    s.add_argument("--out", type=Path, default=Path("bench-serve"), help="output folder (results.json, PNGs)")
+    s.add_argument("--no-plots", action="store_true")
+    s.add_argument("--namespace", default=env_default("namespace", "lockgate"), help="topic namespace [LOCKGATE_NAMESPACE]")
+    s.set_defaults(func=_bench_serve)

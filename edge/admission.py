@@ -1,0 +1,198 @@
+"""Admission: the ONE path by which a request of either API (WebSocket ``ws``, OpenAI HTTP
+``openai``) gets onto the bus, and the one way its stream ends.
+
+:class:`Admission` owns what both protocols share: the key check (:class:`~edge.auth.Authenticator`),
+per-key rate limits, load shedding from worker heartbeats, prompt tokenization, request ids, the
+reply router registration, the request topic publish, the Cancel outbox and the request metrics.
+A protocol front end (``edge.session.Session``, ``edge.openai_http``) parses its own wire format
+into a :class:`~edge.protocol.Generate`, calls :meth:`Admission.admit` (which raises
+:class:`~edge.protocol.ProtocolError` with the protocol-neutral code and field), tells its client
+the request was accepted, then :meth:`Admission.publish`. It is the stream's
+:class:`~edge.router.StreamSink`; when a stream ends it calls :meth:`Admission.release` exactly once
+(refund, unregister, optional Cancel).
+
+Nothing here knows WebSockets or HTTP; the edge server composes it with both listeners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from bus.base import Bus
+from bus.messages import Cancel, Error, ErrorCode, Finished, InferenceRequest, encode
+from edge.auth import Authenticator, Principal
+from edge.config import EdgeConfig
+from edge.metrics import EdgeMetrics
+from edge.protocol import Generate, PromptEncoder, ProtocolError
+from edge.ratelimit import RateLimiter
+from edge.router import ReplyRouter, Stream, StreamSink
+from edge.shedding import LoadShedder
+
+log = logging.getLogger(__name__)
+
+CANCEL_OUTBOX = 65536
+THREAD_TOKENIZE_CHARS = 8192  # prompts longer than this are tokenized off the event loop
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that passed admission: its stream is registered with the router (replies are
+    routed from now on), the request is not published yet (:meth:`Admission.publish`)."""
+
+    stream: Stream
+    request: InferenceRequest
+
+
+class Admission:
+    def __init__(self, config: EdgeConfig, bus: Bus, encoder: PromptEncoder | None, metrics: EdgeMetrics,
+                 reply_topic: str) -> None:
+        self.config = config
+        self.bus = bus
+        self.encoder = encoder  # set by the edge's start() when it loads the tokenizer itself
+        self.metrics = metrics
+        self.reply_topic = reply_topic
+        self.limiter = RateLimiter()
+        self.shedder = LoadShedder(config.model, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)
+        self.auth = Authenticator(config.keys, config.dev_tier)
+        self.router = ReplyRouter(bus, reply_topic, metrics)
+        self._ids = itertools.count()
+        self._cancels: asyncio.Queue[Cancel] | None = None
+
+    # --- requests -----------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"{self.config.edge_id}-{next(self._ids):x}"
+
+    def reject(self, code: str, api: str) -> None:
+        self.metrics.rejections.labels(code, api).inc()
+
+    async def admit(self, g: Generate, principal: Principal, sink: StreamSink, api: str, *,
+                    client_id: str | None = None, token_ids: bool = False,
+                    gone: Callable[[], bool] = lambda: False) -> Admitted | None:
+        """Check, tokenize, charge and register one request. Raises :class:`ProtocolError`
+        (codes ``invalid_request``, ``overloaded``, ``rate_limited``); ``None`` when ``gone()``
+        says the client left while the prompt was being tokenized (nothing was charged)."""
+        cfg, encoder = self.config, self.encoder
+        assert encoder is not None, "Admission.encoder is set before the edge serves"
+        if g.model is not None and g.model != cfg.model:
+            raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
+                                "model", g.id)
+        shed = self.shedder.check(principal.tier, time.monotonic())
+        if shed is not None:
+            raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
+        size = len(g.prompt) if g.prompt is not None else sum(len(m.content) for m in g.messages or ())
+        if size > THREAD_TOKENIZE_CHARS:
+            ids = await asyncio.to_thread(encoder.encode, g)
+        else:
+            ids = encoder.encode(g)
+        if gone():
+            return None
+        max_tokens = min(g.sampling.max_tokens, encoder.context_len - len(ids))
+        sampling = g.sampling if max_tokens == g.sampling.max_tokens else replace(g.sampling, max_tokens=max_tokens)
+        limited = self.limiter.admit(principal.entry, len(ids) + max_tokens, time.monotonic())
+        if limited is not None:
+            raise ProtocolError(limited.message, limited.field, g.id, code=ErrorCode.RATE_LIMITED,
+                                retry_after=limited.retry_after)
+        now = asyncio.get_running_loop().time()
+        rid = self.new_request_id()
+        labels = (cfg.model, f"p{principal.tier}", api)
+        s = Stream(rid, client_id if client_id is not None else g.id, sink, principal, labels, len(ids), max_tokens,
+                   now, now + cfg.request_timeout_s, token_ids)
+        self.router.register(s)
+        self.metrics.streams.inc()
+        self.metrics.prompt_tokens.labels(*labels).inc(len(ids))
+        wall = time.time()
+        req = InferenceRequest(
+            request_id=rid, model=cfg.model, prompt_token_ids=tuple(ids), sampling=sampling,
+            reply_to=self.reply_topic, tenant=principal.tenant, tier=principal.tier, enqueued_at=wall,
+            deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages)
+        return Admitted(s, req)
+
+    async def publish(self, a: Admitted) -> None:
+        """Publish an admitted request on its tier's topic. If the bus refuses it the stream's sink
+        gets an ``internal`` error (``retry_after`` 1 s), as if a worker had sent it."""
+        req = a.request
+        try:
+            topic = self.config.layout.request_topic(req.model, req.tier)
+            await self.bus.send(topic, encode(req), key=req.request_id.encode())
+        except Exception as exc:  # the bus is down: tell the client, keep the connection
+            log.warning("publishing %s failed: %s", req.request_id, exc)
+            if not a.stream.ended:
+                a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.INTERNAL,
+                                                       f"could not queue the request: {exc}"[:300],
+                                                       retry_after=1.0))
+
+    # --- streams ------------------------------------------------------------------------------
+    def count_tokens(self, s: Stream, n: int, now: float) -> None:
+        """``n`` output tokens of ``s`` reached its sink at loop time ``now`` (TTFT on the first)."""
+        m = self.metrics
+        if s.first_at is None:
+            s.first_at = now
+            m.per_request(s.labels)[0].observe(now - s.admitted_at)
+        m.add_generated(s.labels, n)
+
+    def count_end(self, s: Stream, finish_reason: str, now: float) -> None:
+        """Latency histograms and the success counter for a stream that ended with ``finish_reason``."""
+        m = self.metrics
+        if finish_reason != "abort":
+            _, e2e, tpot, _ = m.per_request(s.labels)
+            e2e.observe(now - s.admitted_at)
+            if s.first_at is not None and s.next_seq > 1:
+                tpot.observe((now - s.first_at) / (s.next_seq - 1))
+        m.success.labels(*s.labels, finish_reason).inc()
+
+    def completion_tokens(self, s: Stream, msg: Finished) -> int:
+        return max(msg.num_tokens, s.next_seq)
+
+    def release(self, s: Stream, used: int, cancel_reason: str | None = None) -> bool:
+        """End ``s`` once: unregister it, free its stream slot, refund the tokens it did not use,
+        and publish a Cancel when ``cancel_reason`` is given. ``False`` if it had already ended."""
+        if s.ended:
+            return False
+        s.ended = True
+        self.router.unregister(s.request_id)
+        self.metrics.streams.dec()
+        self.limiter.release(s.principal.entry, max(0, s.max_tokens - used), time.monotonic())
+        if cancel_reason is not None:
+            self.publish_cancel(s.request_id, cancel_reason)
+        return True
+
+    def expire(self, now: float) -> None:
+        """End every stream past its deadline with ``expired`` (and cancel it on the worker)."""
+        for st in list(self.router.streams.values()):
+            if now > st.deadline and not st.ended:
+                self.publish_cancel(st.request_id, "expired")
+                st.sink.on_error(st, Error(st.request_id, ErrorCode.EXPIRED, "no reply before the request deadline"))
+
+    # --- cancels ------------------------------------------------------------------------------
+    def open_outbox(self) -> None:
+        self._cancels = asyncio.Queue(CANCEL_OUTBOX)
+
+    def outbox_empty(self) -> bool:
+        return self._cancels is None or self._cancels.empty()
+
+    def publish_cancel(self, request_id: str, reason: str) -> None:
+        """Queue a Cancel for the control topic (non-blocking; dropped with a warning if the outbox
+        is full — the worker then finishes the request and the edge drops its replies)."""
+        self.metrics.cancels.labels(reason).inc()
+        if self._cancels is None:
+            return
+        try:
+            self._cancels.put_nowait(Cancel(request_id, reason))
+        except asyncio.QueueFull:
+            log.warning("cancel outbox full: dropping Cancel(%s)", request_id)
+
+    async def run_cancels(self) -> None:
+        """The outbox's publisher task (owned by the edge)."""
+        assert self._cancels is not None
+        topic = self.config.layout.control_topic
+        while True:
+            c = await self._cancels.get()
+            try:
+                await self.bus.send(topic, encode(c), key=c.request_id.encode())
+            except Exception as exc:  # keep going: a lost Cancel only wastes worker time
+                log.warning("publishing Cancel(%s) failed: %s", c.request_id, exc)

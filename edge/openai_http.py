@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP API (aiohttp), on its own port next to the WebSocket listener.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``. Admission is the WebSocket path's own (:class:`~edge.admission.Admission`,
+metrics labelled ``api="openai"``); the request's :class:`~edge.openai_stream.OpenAIStream` is its
+reply sink.
+
+Client disconnect: the runner is built with ``handler_cancellation=True``, so aiohttp cancels a
+handler whose client went away, whether it is waiting for the first token, for a non-streamed
+answer or writing a stream; the handler's ``finally`` then releases the stream with a Cancel
+(reason ``disconnect``) through the same cancel path as a closed WebSocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from edge.admission import Admission, Admitted
+from edge.auth import AuthError, Principal
+from edge.openai_schema import error_body, parse_chat, parse_completion
+from edge.openai_stream import OpenAIStream
+from edge.protocol import ProtocolError
+
+log = logging.getLogger(__name__)
+
+API = "openai"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _json(status: int, body: dict[str, Any], retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, int(-(-retry_after // 1))))} if retry_after is not None else None
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+def _error(code: str, message: str, param: str | None = None, retry_after: float | None = None) -> web.Response:
+    status, body = error_body(code, message, param)
+    resp = _json(status, body, retry_after)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="lockgate"'
+    return resp
+
+
+class OpenAIServer:
+    """The aiohttp application and its listener. ``start()``/``stop()`` are called by the edge."""
+
+    def __init__(self, adm: Admission, host: str, port: int) -> None:
+        self.adm = adm
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        app = web.Application(client_max_size=adm.config.max_frame_bytes)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        self.app = app
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.host, self.port, backlog=4096,
+                                 reuse_port=self.adm.config.reuse_port or None)
+        await self._site.start()
+        server = self._site._server  # the bound port, for port 0
+        if server is not None and getattr(server, "sockets", None):
+            self.port = server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- handlers -----------------------------------------------------------------------------
+    def _principal(self, request: web.Request) -> Principal:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, value = auth.strip().partition(" ")
+        key = value.strip() if scheme.lower() == "bearer" and value.strip() else None
+        return self.adm.auth.authenticate(key)
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._principal(request)
+        except AuthError as exc:
+            self.adm.reject("unauthorized", API)
+            return _error("unauthorized", str(exc))
+        return _json(200, {"object": "list", "data": self._served()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        try:
+            self._principal(request)
+        except AuthError as exc:
+            self.adm.reject("unauthorized", API)
+            return _error("unauthorized", str(exc))
+        name = request.match_info["model"]
+        for m in self._served():
+            if m["id"] == name:
+                return _json(200, m)
+        return _error("model_not_found", f"the model {name!r} does not exist or has no live worker", "model")
+
+    def _served(self) -> list[dict[str, Any]]:
+        """The served model while at least one worker for it sent a fresh heartbeat."""
+        live = self.adm.shedder.live(time.monotonic())
+        if not live:
+            return []
+        created = int(min(s.ts for s in live))
+        return [{"id": self.adm.config.model, "object": "model", "created": created, "owned_by": "lockgate"}]
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        adm = self.adm
+        try:
+            principal = self._principal(request)
+        except AuthError as exc:
+            adm.reject("unauthorized", API)
+            return _error("unauthorized", str(exc))
+        encoder = adm.encoder
+        assert encoder is not None
+        try:
+            try:
+                body = orjson.loads(await request.read())
+            except orjson.JSONDecodeError as exc:
+                raise ProtocolError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+            except web.HTTPRequestEntityTooLarge:
+                raise ProtocolError(f"the request body is larger than {adm.config.max_frame_bytes} bytes") from None
+            req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
+            if req.generate.model != adm.config.model:
+                adm.reject("model_not_found", API)
+                return _error("model_not_found", f"the model {req.generate.model[:200]!r} does not exist; "
+                              f"this server serves {adm.config.model!r}", "model")
+        except ProtocolError as exc:
+            adm.reject(exc.code, API)
+            return _error(exc.code, exc.message, exc.field, exc.retry_after)
+        transport = request.transport
+        sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
+                            on_overflow=lambda: transport.abort() if transport is not None else None)
+        try:
+            admitted = await adm.admit(req.generate, principal, sink, API, client_id="")
+        except ProtocolError as exc:
+            adm.reject(exc.code, API)
+            return _error(exc.code, exc.message, exc.field, exc.retry_after)
+        assert admitted is not None
+        s = admitted.stream
+        sink.bind(s)
+        try:
+            if req.stream:
+                return await self._stream(request, sink, admitted)
+            await adm.publish(admitted)
+            while not sink.closed:
+                await sink.wait()
+            if sink.error is not None:
+                status, err, retry_after = sink.error
+                return _json(status, err, retry_after)
+            return _json(200, sink.response())
+        finally:
+            if not s.ended:  # the client went away (handler cancelled) or the write failed
+                adm.count_end(s, "abort", asyncio.get_running_loop().time())
+                adm.release(s, s.next_seq, "disconnect")
+
+    async def _stream(self, request: web.Request, sink: OpenAIStream, admitted: Admitted) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await resp.prepare(request)
+        if sink.req.chat:
+            await resp.write(sink.role_event())
+        await self.adm.publish(admitted)
+        while True:
+            if not sink.pending and not sink.closed:
+                await sink.wait()
+            data = sink.take()
+            if data:
+                await resp.write(data)
+            if sink.closed and not sink.pending:
+                break
+        await resp.write_eof()
+        return resp
+

@@ -1,0 +1,250 @@
+"""OpenAI-compatible request bodies -> :class:`~edge.protocol.Generate`, and OpenAI error bodies.
+
+Pure (no I/O). :func:`parse_chat` and :func:`parse_completion` take the decoded JSON body and
+raise only :class:`~edge.protocol.ProtocolError` whose ``field`` is the OpenAI parameter name
+(``messages[1].content``, ``temperature``, ...); the HTTP layer turns it into a 400 with that
+``param``.
+
+Policy on fields (see docs/protocol.md, "OpenAI-compatible API"):
+
+* supported: OpenAI's sampling fields and vLLM's extras (``top_k``, ``ignore_eos``,
+  ``stop_token_ids``); ``max_completion_tokens`` wins over ``max_tokens``;
+* refused with a 400 naming the field when set to something the platform cannot honour (``n`` > 1,
+  ``echo``, ``best_of`` > 1, ``suffix``, ``tools``, non-text ``response_format``, penalties,
+  ``logit_bias``): silently ignoring them would return something the client did not ask for;
+* unknown fields are ignored, as vLLM does: SDKs add optional fields faster than servers learn
+  them, and an unknown field cannot change what a supported one means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from edge.protocol import MAX_MESSAGES, Generate, ProtocolError
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOP_LOGPROBS = 20
+MAX_PROMPT_IDS = 1 << 20
+
+# What each edge error code becomes over HTTP: (status, OpenAI error type, OpenAI error code).
+HTTP_ERRORS: dict[str, tuple[int, str, str | None]] = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error", None),
+    ErrorCode.UNAUTHORIZED: (401, "invalid_request_error", "invalid_api_key"),
+    "model_not_found": (404, "invalid_request_error", "model_not_found"),
+    "not_found": (404, "invalid_request_error", "not_found"),
+    ErrorCode.RATE_LIMITED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    ErrorCode.OVERLOADED: (503, "server_error", "overloaded"),
+    ErrorCode.EXPIRED: (504, "server_error", "expired"),
+    ErrorCode.INTERNAL: (500, "server_error", "internal"),
+}
+
+
+def error_body(code: str, message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, ``{"error": {message, type, param, code}}``) for an edge error ``code``;
+    codes forwarded from a worker that have no mapping are 500s carrying that code."""
+    status, kind, oa_code = HTTP_ERRORS.get(code, (500, "server_error", code))
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": oa_code}}
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """One parsed request. ``generate.model`` is the requested model (checked by the HTTP layer:
+    404 when it is not served). ``logprobs``: ``None`` = not asked; else the number of
+    alternatives per token (chat ``top_logprobs``, completions ``logprobs``)."""
+
+    chat: bool
+    generate: Generate
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+
+def _tname(v: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _int(obj: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = obj.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ProtocolError(f"{name} must be an integer, got {_tname(v)}", name)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ProtocolError(f"{name} must be {rng}, got {v}", name)
+    return v
+
+
+def _num(obj: dict, name: str) -> float | None:
+    v = obj.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ProtocolError(f"{name} must be a finite number, got {_tname(v)}", name)
+    return float(v)
+
+
+def _bool(obj: dict, name: str) -> bool:
+    v = obj.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{name} must be a boolean, got {_tname(v)}", name)
+    return v
+
+
+def _refuse(obj: dict, name: str, allowed: object, why: str) -> None:
+    v = obj.get(name)
+    if v is not None and v != allowed and not (isinstance(v, (list, dict)) and not v):
+        raise ProtocolError(f"{name} is not supported: {why}", name)
+
+
+def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bool, bool]:
+    """Sampling, model, stream and include_usage: the fields chat and completions share."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {_tname(obj)}")
+    model = obj.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProtocolError("model is required (a non-empty string)", "model")
+    n = _int(obj, "n", lo=1)
+    if n is not None and n != 1:
+        raise ProtocolError("n must be 1: one choice per request is supported", "n")
+    _refuse(obj, "best_of", 1, "one choice per request")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _num(obj, name):
+            raise ProtocolError(f"{name} is not supported (must be 0 or absent)", name)
+    _refuse(obj, "logit_bias", None, "no logit bias in the sampler")
+    _refuse(obj, "tools", None, "no tool calling")
+    _refuse(obj, "functions", None, "no function calling")
+    stream = _bool(obj, "stream")
+    opts = obj.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise ProtocolError("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(opts, dict):
+            raise ProtocolError(f"stream_options must be an object, got {_tname(opts)}", "stream_options")
+        include_usage = _bool(opts, "include_usage") if "include_usage" in opts else False
+    user = obj.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ProtocolError(f"user must be a string, got {_tname(user)}", "user")
+    mct = _int(obj, "max_completion_tokens", lo=1)
+    mt = _int(obj, "max_tokens", lo=1)
+    max_tokens = mct if mct is not None else mt if mt is not None else default_max_tokens
+    stop = obj.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    elif stop is not None and (not isinstance(stop, list) or not all(isinstance(x, str) for x in stop)):
+        raise ProtocolError("stop must be a string or an array of strings", "stop")
+    stop_ids = obj.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list)
+                                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
+        raise ProtocolError("stop_token_ids must be an array of integers", "stop_token_ids")
+    top_k = _int(obj, "top_k", lo=-1)
+    seed = _int(obj, "seed")
+    if seed is not None and seed < 0:
+        seed &= (1 << 63) - 1  # OpenAI seeds are signed 64-bit; the sampler's are not: same bits
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": _num(obj, "temperature"), "top_p": _num(obj, "top_p"),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "off" -1
+        "seed": seed, "stop": [s for s in stop or () if s], "stop_token_ids": stop_ids,
+        "ignore_eos": _bool(obj, "ignore_eos"),
+    }
+    try:
+        sampling = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        field = next((k for k in kwargs if msg.startswith(k)), None)
+        raise ProtocolError(msg[:300], field) from None
+    return sampling, model, stream, include_usage
+
+
+def _content(v: object, where: str) -> str:
+    """A message's content: a string, or an array of text parts (concatenated)."""
+    if v is None:
+        return ""  # an assistant turn with tool calls only; tools are not supported, text is empty
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        parts = []
+        for i, p in enumerate(v):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ProtocolError(f"{where}[{i}] must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                                    "other content types are not supported", f"{where}[{i}]")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ProtocolError(f"{where} must be a string or an array of text parts, got {_tname(v)}", where)
+
+
+def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
+    """``POST /v1/chat/completions``. Raises :class:`ProtocolError` only."""
+    sampling, model, stream, include_usage = _common(obj, default_max_tokens)
+    raw = obj.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ProtocolError("messages must be a non-empty array of {role, content}", "messages")
+    if len(raw) > MAX_MESSAGES:
+        raise ProtocolError(f"messages has {len(raw)} entries, at most {MAX_MESSAGES}", "messages")
+    msgs = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ProtocolError(f"{where} must be an object, got {_tname(m)}", where)
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ProtocolError(f"{where}.role must be one of {sorted(ROLES)}", f"{where}.role")
+        msgs.append(ChatMessage(ROLES[role], _content(m.get("content"), f"{where}.content")))
+    fmt = obj.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ProtocolError("response_format is not supported (only {\"type\": \"text\"})", "response_format")
+    logprobs = None
+    top = _int(obj, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if _bool(obj, "logprobs"):
+        logprobs = top or 0
+    elif top:
+        raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
+    if logprobs is not None:
+        sampling = _with_logprobs(sampling, logprobs)
+    return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model), stream, include_usage,
+                         logprobs)
+
+
+def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
+    """``POST /v1/completions``. ``prompt`` is a string or an array of token ids (or an array
+    holding exactly one of those: batches of several prompts are refused). Raises
+    :class:`ProtocolError` only."""
+    sampling, model, stream, include_usage = _common(obj, default_max_tokens)
+    if _bool(obj, "echo"):
+        raise ProtocolError("echo is not supported", "echo")
+    _refuse(obj, "suffix", None, "no insertion")
+    prompt = obj.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    text, ids = None, None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ProtocolError("prompt must not be empty", "prompt")
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if len(prompt) > MAX_PROMPT_IDS or any(t < 0 for t in prompt):
+            raise ProtocolError("prompt token ids must be non-negative", "prompt")
+        ids = tuple(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise ProtocolError("one prompt per request: batches of prompts are not supported", "prompt")
+    else:
+        raise ProtocolError("prompt must be a non-empty string or an array of token ids", "prompt")
+    logprobs = _int(obj, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if logprobs is not None:
+        sampling = _with_logprobs(sampling, logprobs)
+    return OpenAIRequest(False, Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids), stream,
+                         include_usage, logprobs)
+
+
+def _with_logprobs(sampling: SamplingParams, n: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sampling, logprobs=n)

@@ -1,0 +1,214 @@
+"""One OpenAI-API request in flight: the :class:`~edge.router.StreamSink` the router feeds, and the
+JSON it becomes (SSE ``chat.completion.chunk`` / ``text_completion`` events, or one final object).
+
+Concurrency: the router calls ``on_chunk``/``on_finished``/``on_error`` synchronously on the event
+loop; they only append to ``pending`` (SSE bytes) or the collected text and wake the request's
+handler task, which does all the writing (:mod:`edge.openai_http`). ``pending`` is bounded by
+``send_queue_frames`` events: a client that reads slower than tokens arrive overflows it, its
+request is cancelled (reason ``slow_client``) and its connection aborted, as on the WebSocket path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from bus.messages import Error, ErrorCode, Finished
+from edge.admission import Admission
+from edge.openai_schema import OpenAIRequest, error_body
+from edge.protocol import PromptEncoder
+from edge.router import Stream
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class OpenAIStream:
+    """The sink of one request. ``bind`` after admission; then the handler loops on
+    :meth:`wait` + :meth:`take` (streaming) or awaits :meth:`wait` until ``closed`` (not)."""
+
+    def __init__(self, adm: Admission, req: OpenAIRequest, encoder: PromptEncoder, max_pending: int,
+                 on_overflow: Callable[[], None]) -> None:
+        self.adm = adm
+        self.req = req
+        self.encoder = encoder
+        self.max_pending = max_pending
+        self.on_overflow = on_overflow
+        self.created = int(time.time())
+        self.model = adm.config.model
+        self.id = ""
+        self.stream: Stream | None = None
+        self.pending: list[bytes] = []
+        self.texts: list[str] = []
+        self.lp_entries: list[Any] = []  # collected logprobs (non-streaming)
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: tuple[int, dict[str, Any], float | None] | None = None  # (status, body, retry_after)
+        self.closed = False  # the stream ended: nothing more will be added
+        self._wake = asyncio.Event()
+        self._prefix = b""
+        self._suffix = b""
+        self._text_offset = 0
+
+    # --- set up -------------------------------------------------------------------------------
+    def bind(self, s: Stream) -> None:
+        self.stream = s
+        self.id = ("chatcmpl-" if self.req.chat else "cmpl-") + s.request_id
+        kind = "chat.completion.chunk" if self.req.chat else "text_completion"
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        # Every token's event is prefix + JSON string + suffix: one orjson call per token.
+        self._prefix = b"data: " + orjson.dumps(head)[:-1] + (
+            b',"choices":[{"index":0,"delta":{"content":' if self.req.chat else b',"choices":[{"index":0,"text":')
+        tail = b',"logprobs":null,"finish_reason":null}]'
+        self._suffix = (b"}" if self.req.chat else b"") + tail + (b',"usage":null' if self.req.include_usage else b"") \
+            + b"}\n\n"
+
+    def head(self, **extra: Any) -> dict[str, Any]:
+        obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.req.chat else "text_completion",
+                               "created": self.created, "model": self.model}
+        obj.update(extra)
+        return obj
+
+    def role_event(self) -> bytes:
+        """The first chat event: the assistant role, empty content (as OpenAI sends)."""
+        return _sse(self.head(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}],
+                              **({"usage": None} if self.req.include_usage else {})))
+
+    # --- router callbacks ---------------------------------------------------------------------
+    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002
+                 logprobs: tuple | None) -> None:
+        self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
+        lp = self._logprobs(logprobs) if self.req.logprobs is not None else None
+        if not self.req.stream:
+            self.texts.append(text)
+            if lp is not None:
+                self.lp_entries.append(lp)
+            return
+        if lp is None:
+            self.pending.append(self._prefix + orjson.dumps(text) + self._suffix)
+        else:
+            choice: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": None}
+            if self.req.chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            self.pending.append(_sse(self.head(choices=[choice],
+                                               **({"usage": None} if self.req.include_usage else {}))))
+        if len(self.pending) > self.max_pending:
+            self.adm.metrics.slow_disconnects.inc()
+            self._fail(ErrorCode.OVERLOADED, "client too slow: events not read", None, "slow_client")
+            self.on_overflow()
+        self._wake.set()
+
+    def on_finished(self, s: Stream, msg: Finished) -> None:
+        self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
+        completion = self.adm.completion_tokens(s, msg)
+        self.usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": s.prompt_tokens + completion,
+                      "prompt_tokens_details": {"cached_tokens": msg.usage.cached_tokens}}
+        self.finish_reason = msg.finish_reason
+        self.adm.release(s, s.next_seq)
+        if self.req.stream:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": msg.finish_reason}
+            if self.req.chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            self.pending.append(_sse(self.head(choices=[choice],
+                                               **({"usage": None} if self.req.include_usage else {}))))
+            if self.req.include_usage:
+                self.pending.append(_sse(self.head(choices=[], usage=self.usage)))
+            self.pending.append(DONE)
+        self.closed = True
+        self._wake.set()
+
+    def on_error(self, s: Stream, msg: Error) -> None:  # noqa: ARG002 - bound in bind()
+        self._fail(msg.code, msg.message, msg.retry_after, None)
+
+    def _fail(self, code: str, message: str, retry_after: float | None, cancel_reason: str | None) -> None:
+        s = self.stream
+        if self.closed or s is None:
+            return
+        self.adm.reject(code, "openai")
+        self.adm.release(s, s.next_seq, cancel_reason)
+        status, body = error_body(code, message)
+        self.error = (status, body, retry_after)
+        if self.req.stream:  # after the 200 went out the error is an event, then [DONE]
+            self.pending.append(_sse(body))
+            self.pending.append(DONE)
+        self.closed = True
+        self._wake.set()
+
+    # --- the handler's side -------------------------------------------------------------------
+    async def wait(self) -> None:
+        await self._wake.wait()
+        self._wake.clear()
+
+    def take(self) -> bytes:
+        out, self.pending = self.pending, []
+        return b"".join(out)
+
+    def response(self) -> dict[str, Any]:
+        """The non-streaming answer (``chat.completion`` / ``text_completion``) once closed."""
+        text = "".join(self.texts)
+        lp: Any = None
+        if self.req.logprobs is not None:
+            lp = {"content": [e for c in self.lp_entries for e in c["content"]], "refusal": None} if self.req.chat \
+                else _merge_completion_logprobs(self.lp_entries)
+        if self.req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                      "logprobs": lp, "finish_reason": self.finish_reason}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage}
+
+    # --- logprobs -----------------------------------------------------------------------------
+    def _piece(self, token_id: int) -> str:
+        return str(self.encoder.tokenizer.decode([token_id]))
+
+    def _logprobs(self, logprobs: tuple | None) -> dict[str, Any]:
+        """OpenAI's logprobs object for one chunk. Each position's worker entry is the sampled
+        token's (id, logprob) first, then the top alternatives."""
+        positions = list(logprobs or ())
+        if self.req.chat:
+            content = []
+            for pos in positions:
+                if not pos:
+                    continue
+                tok, lp = pos[0]
+                piece = self._piece(tok)
+                content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()),
+                                "top_logprobs": [{"token": (p := self._piece(t)), "logprob": v, "bytes": list(p.encode())}
+                                                 for t, v in pos[1:]]})
+            return {"content": content, "refusal": None}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for pos in positions:
+            if not pos:
+                continue
+            tok, lp = pos[0]
+            piece = self._piece(tok)
+            tokens.append(piece)
+            token_lps.append(lp)
+            tops.append({self._piece(t): v for t, v in pos[1:]})
+            offsets.append(self._text_offset)
+            self._text_offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for k in out:
+            out[k].extend(p[k])
+    return out

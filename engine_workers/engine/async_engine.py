@@ -1,0 +1,241 @@
+"""Run an :class:`Engine` on its own thread and talk to it from asyncio.
+
+The step loop runs off the event loop (torch releases the GIL inside kernels), so the event loop —
+Kafka I/O, heartbeats, cancels, WebSockets — never waits on a forward pass. An engine thread waits
+for work; while there is some, the steps run back to back on the process's torch thread
+(:mod:`engine_workers.engine.torch_thread`), which returns to the engine thread when the engine is idle or
+another caller waits for the torch thread.
+
+Contracts:
+* ``submit``/``abort`` may be called from the event loop at any time; they are queued and applied
+  between two steps (so an abort frees its blocks within one step).
+* Each step's outputs are handed to the event loop in one ``call_soon_threadsafe`` call, in step
+  order; per request, outputs arrive in token order.
+* ``stop()`` stops the thread after the step in progress; requests still inside are dropped
+  (callers that need them finished drain first). ``stop`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine_workers.engine import torch_thread
+from engine_workers.engine.core import Engine, RequestOutput
+from engine_workers.engine.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """Engine state as of the last step; read from any thread."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    last_batch_tokens: int = 0
+    last_batch_seqs: int = 0
+    tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
+    max_num_seqs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    kwargs: dict
+    future: concurrent.futures.Future
+
+
+class AsyncEngine:
+    """``engine`` stepped on its own thread (see the module docstring). Hooks, all settable later:
+
+    * ``on_outputs(outputs)`` — on the event loop, with each step's outputs.
+    * ``on_step(batched tokens, sequences)`` — on the torch thread after each step (cheap and
+      thread-safe, e.g. a prometheus histogram observe).
+    * ``before_step()`` — on the torch thread right before each ``engine.step()``. Tests use it to
+      pace or slow the step loop (a ``time.sleep`` here releases the GIL like a real forward pass)
+      instead of replacing ``engine.step``; production passes nothing.
+    """
+
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+                 max_commands: int = 4096, *, before_step: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs  # called on the event loop with each step's outputs; settable
+        self.before_step = before_step
+        # Called on the torch thread after each step with (batched tokens, sequences); must be
+        # cheap and thread-safe (e.g. a prometheus histogram observe).
+        self.on_step: Callable[[int, int], None] | None = None
+        self._commands: queue.Queue = queue.Queue(maxsize=max_commands)
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self.snapshot = EngineSnapshot(max_num_seqs=engine.config.max_num_seqs,
+                                       kv_blocks_total=engine.kv.num_blocks, kv_blocks_free=engine.kv.num_free_blocks)
+        self.error: BaseException | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="lockgate-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._wake.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to ``None`` once it is in the engine, or raises the
+        engine's ``ValueError`` for bad input. Raises ``queue.Full`` if the command queue is full."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put_nowait(_Add(request_id, dict(prompt=prompt, params=params, **kwargs), fut))
+        self._wake.set()
+        return fut
+
+    async def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> None:
+        await asyncio.wrap_future(self.submit(request_id, prompt, params, **kwargs))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put_nowait(("abort", request_id))
+        self._wake.set()
+
+    async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs. Cancelling the iteration aborts the request."""
+        params = params or SamplingParams()
+        stream: asyncio.Queue = asyncio.Queue(maxsize=params.max_tokens + 2)  # bounded: <= 1 output per token + final
+        self._streams[request_id] = stream
+        try:
+            await self.add_request(request_id, prompt, params, **kwargs)
+            while True:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    return
+        except BaseException:
+            self.abort(request_id)
+            raise
+        finally:
+            self._streams.pop(request_id, None)
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                if not cmd.future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    self.engine.add_request(cmd.request_id, **cmd.kwargs)
+                except Exception as exc:  # bad input: tell the caller, keep serving
+                    cmd.future.set_exception(exc)
+                else:
+                    cmd.future.set_result(None)
+            else:
+                self.engine.abort(cmd[1])
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                torch_thread.call(self._steps)
+        except BaseException as exc:  # a crash of the step loop: fail everything loudly
+            log.exception("engine step loop crashed")
+            self.error = exc
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _steps(self) -> None:
+        """On the torch thread: step back to back while there is work. Handing each step to the
+        torch thread on its own cost two thread wake-ups a step, and on cores busy with the bus
+        (broker, event loop) each wake-up waited for a core, adding up over a batch (docs/design.md,
+        "One torch thread"). Returns when the engine is idle, a stop is asked, or another call waits for
+        the torch thread (another engine of the process then gets its turn between two steps)."""
+        while True:
+            steps_before = self.engine.stats.steps
+            if self.before_step is not None:
+                self.before_step()
+            outputs = self.engine.step()
+            self._update_snapshot()
+            if self.on_step is not None and self.engine.stats.steps > steps_before:
+                self.on_step(self.engine.stats.last_batch_tokens, self.engine.stats.last_batch_seqs)
+            if outputs:
+                assert self._loop is not None  # set by start(), before the thread that steps
+                self._loop.call_soon_threadsafe(self._deliver, outputs)
+            if self._stopping.is_set() or torch_thread.others_waiting():
+                return
+            self._drain_commands()  # between two steps, as on the engine thread: aborts free KV here
+            if not self.engine.has_unfinished():
+                return
+
+    def _update_snapshot(self) -> None:
+        e = self.engine
+        now = time.monotonic()
+        self._rate.append((now, e.stats.generated_tokens))
+        t0, n0 = self._rate[0]
+        rate = (e.stats.generated_tokens - n0) / (now - t0) if now > t0 else 0.0
+        self.snapshot = EngineSnapshot(
+            running=e.num_running(), waiting=e.num_waiting(), kv_blocks_total=e.kv.num_blocks,
+            kv_blocks_free=e.kv.num_free_blocks, kv_usage=e.kv.usage(), prefix_queries=e.kv.stats.queries,
+            prefix_hits=e.kv.stats.hits, preemptions=e.stats.preemptions, steps=e.stats.steps,
+            prompt_tokens=e.stats.prompt_tokens, generated_tokens=e.stats.generated_tokens,
+            last_batch_tokens=e.stats.last_batch_tokens, last_batch_seqs=e.stats.last_batch_seqs,
+            tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs,
+        )
+
+    # -- event-loop side --------------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(RuntimeError(f"engine crashed: {exc!r}"))

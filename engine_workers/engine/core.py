@@ -1,0 +1,325 @@
+"""The offline engine: ``add_request`` / ``step`` / ``abort``.
+
+One ``step()`` = the scheduler decides a batch, the runner executes it in one forward, the sampler
+draws one token for every sequence whose known tokens are all computed, and finished sequences
+release their blocks at once. The engine is synchronous and single-threaded; ``AsyncEngine`` runs it
+on a thread of its own for the actors. Loading and ``step()`` hop onto the process's torch thread
+(:mod:`engine_workers.engine.torch_thread`), whichever thread calls them: torch's OpenMP pools slow every
+forward down once two threads have run torch work.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_workers.engine import torch_thread
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.detokenizer import IncrementalDetokenizer
+from engine_workers.engine.params import FinishReason, SamplingParams
+from engine_workers.engine.sampler import Sampler, TokenLogprobs, make_generator
+from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
+from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
+from engine_workers.kernels import cpu_malloc
+from engine_workers.model.loader import load_model
+from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype
+from kv_store import KVCacheManager
+from tokenization.prompts import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request (a delta). ``seq`` is the output index of
+    ``token_ids[0]``; ``text_offset`` the number of output characters before ``text``."""
+
+    request_id: str
+    seq: int
+    token_ids: tuple[int, ...]
+    text: str
+    text_offset: int
+    logprobs: tuple[TokenLogprobs, ...] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    times: SeqTimes | None = None  # set on the final output
+
+
+@dataclass(frozen=True, slots=True)
+class CompletedRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    last_batch_tokens: int = 0
+    last_batch_seqs: int = 0
+    busy_s: float = 0.0  # wall seconds inside the steps that ran a batch (scheduling to the last output)
+
+
+class _Req:
+    __slots__ = ("seq", "detok", "pending_logprobs")
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
+        self.seq = seq
+        self.detok = detok
+        self.pending_logprobs: list[TokenLogprobs] = []
+
+
+class Engine:
+    """Not thread-safe: one thread calls every method (``AsyncEngine`` ensures this)."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        torch_thread.call(self._init, config or EngineConfig())
+
+    def _init(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.resolved_device())
+        if self.device.type == "cpu":
+            cpu_malloc.tune()
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
+                            config.cpu_kernels)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.prompts = PromptTokenizer(loaded.tokenizer, loaded.spec.max_position_embeddings)
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        num_blocks = kv_budget_blocks(loaded.spec, config.block_size, self.dtype, self.device,
+                                      config.kv_cache_bytes, config.kv_cache_memory_fraction)
+        self.max_model_len = min(config.max_model_len or loaded.spec.max_position_embeddings,
+                                 loaded.spec.max_position_embeddings, num_blocks * config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs),
+                            config.long_prefill_token_threshold),
+            self.kv,
+        )
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype, config.cpu_kernels)
+        self.sampler = Sampler(self.device, config.seed)
+        self._reqs: dict[str, _Req] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        self.stats = EngineStats()
+        self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
+        log.info("engine ready: %s on %s/%s, max_model_len=%d, KV %d blocks (%d tokens)",
+                 loaded.path, self.device, self.dtype, self.max_model_len, num_blocks, num_blocks * config.block_size)
+
+    # -- input ------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: Iterable | None = None) -> list[int]:
+        """Token ids for a request: chat messages through the template, text through the
+        tokenizer (both via :class:`PromptTokenizer`, exactly as the edge does), ids as given."""
+        if messages is not None:
+            msgs = list(messages)
+            if not msgs:
+                raise ValueError("messages must not be empty")
+            return self.prompts.chat_ids(msgs)
+        if prompt is None:
+            raise ValueError("prompt is required (text or token ids)")
+        if isinstance(prompt, str):
+            return self.prompts.text_ids(prompt)
+        return list(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: Iterable | None = None,
+        priority: float = 0.0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ``ValueError`` naming the field for bad input; the engine's
+        other requests are unaffected."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._reqs:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        ids = self.encode_prompt(prompt, messages)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.loaded.spec.vocab_size
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
+                             f"(prompt must leave room for at least 1 new token)")
+        seq = Sequence(
+            seq_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            priority=float(priority),
+            cache_extra=self._extra + (b"|" + cache_salt.encode() if cache_salt else b""),
+            times=SeqTimes(arrival_time if arrival_time is not None else time.monotonic()),
+        )
+        seq.generator = make_generator(params, self.device)
+        self._reqs[request_id] = _Req(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop))
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; its blocks are free when this returns. The final
+        output (``finish_reason="abort"``) comes with the next ``step()``."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req.seq)
+        self._finish(req, FinishReason.ABORT, time.monotonic(), self._pending)
+        return True
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return bool(self._reqs) or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration (see the module doc); runs on the torch thread, the caller waits."""
+        return torch_thread.call(self._step)
+
+    def _step(self) -> list[RequestOutput]:
+        started = time.monotonic()
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self.stats.preemptions = self.scheduler.num_preemptions
+        if sched.is_empty:
+            return outputs
+        now = time.monotonic()
+        chunks = []
+        for item in sched.scheduled:
+            s = item.seq
+            if s.times.first_scheduled is None:
+                s.times.first_scheduled = now
+                self.stats.prompt_tokens += s.num_prompt_tokens
+            start = s.num_computed_tokens
+            chunks.append((s.all_token_ids[start : start + item.num_new_tokens], start, self.kv.block_ids(s.seq_id), item.samples))
+        logits = self.runner.execute(chunks)
+        self.scheduler.on_step_done(sched)
+        self.stats.steps += 1
+        self.stats.last_batch_tokens = sched.num_batched_tokens
+        self.stats.last_batch_seqs = len(sched.scheduled)
+        self.stats.computed_tokens += sched.num_batched_tokens
+
+        sampling = [item.seq for item in sched.scheduled if item.samples]
+        result = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling]) if sampling else None
+        now = time.monotonic()
+        for item in sched.scheduled:
+            if not item.samples:
+                self.kv.commit_computed(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens, item.seq.cache_extra)
+        if result is not None:  # None exactly when nothing samples
+            for i, seq in enumerate(sampling):
+                self._append_token(seq, result.token_ids[i], result.logprobs[i], now, outputs)
+        self.stats.busy_s += time.monotonic() - started
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float, outputs: list) -> None:
+        req = self._reqs[seq.seq_id]
+        seq.output_token_ids.append(token)
+        self.stats.generated_tokens += 1
+        if seq.times.first_token is None:
+            seq.times.first_token = now
+        seq.times.last_token = now
+        # The K/V of all but the new token are computed: register the full blocks they fill.
+        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra)
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif req.detok.add(token):
+            reason = FinishReason.STOP
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if logprobs is not None:
+            req.pending_logprobs.append(logprobs)
+        if reason is not None:
+            del self._reqs[seq.seq_id]
+            self.scheduler.remove(seq)
+            self._finish(req, reason, now, outputs)
+            return
+        offset = req.detok.released
+        outputs.append(RequestOutput(
+            seq.seq_id, len(seq.output_token_ids) - 1, (token,), req.detok.release(final=False), offset,
+            self._take_logprobs(req), False, None, seq.num_prompt_tokens, seq.num_cached_tokens, len(seq.output_token_ids),
+        ))
+
+    def _take_logprobs(self, req: _Req) -> tuple[TokenLogprobs, ...] | None:
+        if req.seq.params.logprobs is None:
+            return None
+        out, req.pending_logprobs = tuple(req.pending_logprobs), []
+        return out
+
+    def _finish(self, req: _Req, reason: str, now: float, outputs: list) -> None:
+        seq = req.seq
+        seq.finish_reason = reason
+        seq.status = SeqStatus.FINISHED
+        seq.times.finished = now
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        n = len(seq.output_token_ids)
+        # The last token (if any) travels with the final output, unless the abort came between steps.
+        new = (seq.output_token_ids[-1],) if n and reason != FinishReason.ABORT else ()
+        offset = req.detok.released
+        outputs.append(RequestOutput(
+            seq.seq_id, n - len(new), new, req.detok.release(final=True), offset, self._take_logprobs(req),
+            True, reason, seq.num_prompt_tokens, seq.num_cached_tokens, n, seq.times,
+        ))
+
+    # -- conveniences -----------------------------------------------------------------------------
+
+    def generate(self, prompts: Seq[str | Seq[int]],
+                 params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
+                 cache_salt: str | None = None) -> list[CompletedRequest]:
+        """Run prompts to completion together (continuous batching) and return them in order.
+        ``cache_salt``: prefix-cache namespace (as for ``add_request``)."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p, cache_salt=cache_salt)
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        text: dict[str, list[str]] = {rid: [] for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        reasons: dict[str, str] = {}
+        prompt_ids = {rid: tuple(self._reqs[rid].seq.prompt_token_ids) for rid in ids}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.request_id not in tokens:
+                    continue
+                tokens[out.request_id].extend(out.token_ids)
+                text[out.request_id].append(out.text)
+                if out.finished:
+                    assert out.finish_reason is not None  # a finished output always says why
+                    done[out.request_id] = out
+                    reasons[out.request_id] = out.finish_reason
+        return [
+            CompletedRequest(rid, prompt_ids[rid], tuple(tokens[rid]), "".join(text[rid]), reasons[rid], done[rid].num_cached_tokens)
+            for rid in ids
+        ]
+
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)

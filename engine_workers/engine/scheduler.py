@@ -1,0 +1,184 @@
+"""Iteration-level scheduler: decides, each step, which tokens of which sequences run.
+
+Pure (no torch, no asyncio). Every step builds one batch under two budgets — ``max_num_batched_tokens``
+tokens and ``max_num_seqs`` sequences — out of:
+
+1. running sequences, in admission order: one decode token each, or the next chunk of a prompt
+   still being prefilled (chunked prefill: a long prompt is split across steps, so it never stalls
+   the decodes of everyone else);
+2. then waiting sequences, best priority first (lower value = more urgent, FIFO among equals),
+   each reusing its longest cached prefix.
+
+When KV blocks run out for a running sequence, the scheduler preempts by recompute: the victim is the
+running sequence with the worst priority, most recently admitted; its blocks are freed, its output so
+far kept, and it re-enters the waiting queue (recomputing prompt + output when readmitted, mostly
+from the prefix cache). No new sequence is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from engine_workers.engine.sequence import SeqStatus, Sequence
+from kv_store import KVCacheManager
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    long_prefill_token_threshold: int = 0  # cap one prompt's chunk per step (0 = no cap)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    samples: bool  # True when this chunk reaches the end of the known tokens -> sample one token
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Not thread-safe: owned by the engine's step loop."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self._waiting: list[tuple[float, int, Sequence]] = []  # heap; aborted entries are skipped
+        self._waiting_ids: set[str] = set()
+        self.running: list[Sequence] = []
+        self._order = itertools.count()
+        self.num_preemptions = 0
+
+    # -- queue management ----------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_ids)
+
+    def waiting(self) -> list[Sequence]:
+        return [s for _, _, s in sorted(self._waiting) if s.seq_id in self._waiting_ids]
+
+    def add(self, seq: Sequence) -> None:
+        if seq.arrival_order < 0:
+            seq.arrival_order = next(self._order)
+        seq.status = SeqStatus.WAITING
+        self._waiting_ids.add(seq.seq_id)
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival_order, seq))
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting:
+            seq = self._waiting[0][2]
+            if seq.seq_id in self._waiting_ids and seq.status is SeqStatus.WAITING:
+                return seq
+            heapq.heappop(self._waiting)
+        return None
+
+    def _pop_waiting(self) -> None:
+        seq = heapq.heappop(self._waiting)[2]
+        self._waiting_ids.discard(seq.seq_id)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its blocks (finish or abort)."""
+        self._waiting_ids.discard(seq.seq_id)
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.kv.free(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or bool(self._waiting_ids)
+
+    # -- the decision --------------------------------------------------------------------------
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.seq_id)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(victim)
+
+    def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
+        """How many of the sequence's not-yet-computed tokens fit this step."""
+        n = min(seq.num_tokens - computed, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+                victim = max(self.running, key=lambda s: (s.priority, s.admit_order))
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim.seq_id in scheduled:  # give back the victim's share of this step
+                    budget += scheduled.pop(victim.seq_id).num_new_tokens
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            samples = seq.num_computed_tokens + n == seq.num_tokens
+            scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples)
+            budget -= n
+
+        if not out.preempted:
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                head = self._peek_waiting()
+                if head is None:
+                    break
+                seq = head
+                prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra)
+                n = self._chunk(seq, prefix.num_tokens, budget)
+                if not self.kv.allocate(seq.seq_id, prefix.num_tokens + n, prefix):
+                    break  # head of line waits for blocks; no lower-priority request jumps it
+                self._pop_waiting()
+                seq.num_computed_tokens = prefix.num_tokens
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = prefix.num_tokens
+                seq.status = SeqStatus.RUNNING
+                seq.admit_order = next(self._order)
+                self.running.append(seq)
+                samples = prefix.num_tokens + n == seq.num_tokens
+                scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples)
+                budget -= n
+
+        out.scheduled = list(scheduled.values())
+        return out
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance computed counts after the runner executed ``out`` (before sampling is applied)."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens

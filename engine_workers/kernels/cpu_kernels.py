@@ -1,0 +1,323 @@
+"""The engine's own CPU kernels (float32), one extension module (``csrc/module.cpp``) built on first use:
+
+* paged decode attention (``csrc/paged_decode.cpp``): reads K/V in place from the blocks, one task
+  per sequence. Through SDPA a decode step first gathered every context into a padded copy, and
+  SDPA's kernel is built for long query blocks, so one-token decode queries spent far longer in it
+  than reading their K/V once takes (docs/design.md, Paged attention);
+* causal prefill attention (``csrc/prefill_attention.cpp``), for the short, few-headed chunks
+  on which SDPA's CPU kernel, built for long sequences and many heads, runs far below the FMA peak;
+* small-batch linear layers (``csrc/small_m_linear.cpp``) for decode-sized inputs (at most
+  ``SMALL_M_MAX`` rows), where oneDNN's packed GEMM does not overlap reading the weights with
+  computing (:mod:`engine_workers.kernels.cpu_linear`);
+* fused residual add + RMSNorm and SiLU gating (``csrc/fused_elementwise.cpp``).
+
+All run on torch's own thread pool and release the GIL; figures in docs/benchmarks.md, design in
+docs/design.md. CUDA and other dtypes keep torch's ops.
+
+Built with ``torch.utils.cpp_extension`` (g++ and ninja, once; the kernel files include only ATen's
+tensor headers, which compile quickly, and only ``module.cpp``, which binds them to Python, pays
+for ``torch/extension.h``; build times in docs/design.md, Paged attention) into
+``$LOCKGATE_CACHE/ext/<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
+cache ``~/.cache/lockgate``), so later processes load it in well under a second; a load also
+removes the builds beside it that nothing loaded for 14 days (one per source edit, venv or
+checkout). Each kernel is checked against its torch equivalent on random data before use; where
+the module cannot be built or a kernel disagrees, the engine logs why and keeps the torch path for
+that one.
+``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns them all off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
+           CSRC / "fused_elementwise.cpp"]
+HEADERS = [CSRC / "tile.h"]  # included by the sources: part of the build key, not compiled alone
+# -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
+# -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
+# libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).
+# -ffast-math (finite math included) lets GCC vectorise the softmax's expf through glibc's vector
+# math library (libmvec); the kernel's scores are finite by construction.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp", "-lmvec"]
+
+_lock = threading.Lock()
+# "module" and, per kernel key ("decode", "prefill", "small_m", "fused"), the kernel (or None)
+# and "<key>_problem" once resolved; values differ by key, and the module has no static type
+_state: dict[str, Any] = {}
+
+T = TypeVar("T")
+
+
+def _cpu_id() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+        return model + flags
+    except OSError:
+        return platform.processor()
+
+
+STALE_BUILD_S = 14 * 24 * 3600  # a build not loaded for this long is removed (see _prune_stale)
+
+
+def _build_dir() -> Path:
+    # The source's path and the Python environment are in the key too: the build files name the
+    # source by path, so two checkouts (or venvs) sharing one directory would rebuild each other.
+    parts = [*(f.read_text() for f in SOURCES + HEADERS), *map(str, SOURCES), sys.prefix, *CFLAGS, *LDFLAGS,
+             torch.__version__, _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    from tokenization.model_store import cache_dir
+
+    root = cache_dir() / "ext"
+    path = root / f"cpu_kernels-{key}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _prune_stale(current: Path, now: float | None = None) -> list[Path]:
+    """Remove the other ``cpu_kernels-*`` builds beside ``current`` that no process has loaded for
+    ``STALE_BUILD_S``, and mark ``current`` as just used. Every source edit, venv or checkout gets
+    its own build, so without this the cache only grows. A build still in use elsewhere
+    (another checkout sharing the cache) is touched by each load, so it stays; one removed by
+    mistake is rebuilt on its next use. Returns what was removed; never raises."""
+    import shutil
+    import time
+
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        os.utime(current)
+        for other in current.parent.glob("cpu_kernels-*"):
+            if other != current and other.is_dir() and now - other.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(other, ignore_errors=True)
+                removed.append(other)
+    except OSError as exc:
+        log.debug("pruning old kernel builds: %s", exc)
+    if removed:
+        log.info("removed %d kernel builds unused for %d days", len(removed), STALE_BUILD_S // 86400)
+    return removed
+
+
+def reference_decode(q, k_cache, v_cache, tables, ctx, block_size: int, scale: float) -> torch.Tensor:
+    """The same attention through gather + SDPA (the engine's path without the kernel)."""
+    from engine_workers.kernels.paged_reference import decode_mask, sdpa_decode
+
+    mask = decode_mask(ctx, tables.shape[1] * block_size, q.dtype)
+    return sdpa_decode(q, k_cache, v_cache, tables, mask, block_size, scale)
+
+
+def _check(fn: Callable) -> str | None:
+    """Compare with :func:`reference_decode` on random data; ``None`` when they agree."""
+    gen = torch.Generator().manual_seed(0)
+    bs, hkv, hq, d, blocks = 4, 2, 6, 16, 12
+    kc, vc = torch.randn(blocks * bs, hkv, d, generator=gen), torch.randn(blocks * bs, hkv, d, generator=gen)
+    q = torch.randn(3, hq, d, generator=gen)
+    tables = torch.tensor([[5, 2, 9], [0, 11, 3], [7, 0, 0]])
+    ctx = torch.tensor([10, 12, 1])
+    got = fn(q, kc, vc, tables, ctx, bs, d**-0.5)
+    want = reference_decode(q, kc, vc, tables, ctx, bs, d**-0.5)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        return "paged decode kernel disagrees with SDPA"
+    return None
+
+
+def paged_decode() -> Callable | None:
+    """The kernel ``(q, k_cache, v_cache, tables, ctx, block_size, scale) -> out``, or ``None``
+    where it is turned off or cannot be built (then :func:`problem` says why). Thread-safe; the
+    build happens once per process, later calls return at once."""
+    return _resolved("decode", _resolve, "CPU decode attention stays on SDPA")
+
+
+def problem() -> str | None:
+    paged_decode()
+    return _state["decode_problem"]
+
+
+def problems() -> str | None:
+    """Build and check every kernel; the first reason one is unavailable, or ``None`` when all
+    are ready (``make model`` prints it, so the build happens at install time, not in a test)."""
+    return problem() or prefill_problem() or small_m_problem() or fused_problem()
+
+
+def _resolved(key: str, resolve: Callable[[], tuple[T | None, str | None]], fallback: str) -> T | None:
+    """``resolve()`` once per process under the lock; its problem, if any, logged once."""
+    with _lock:
+        if key not in _state:
+            _state[key], _state[key + "_problem"] = resolve()
+            if _state[key + "_problem"]:
+                log.warning("%s: %s", fallback, _state[key + "_problem"])
+            else:
+                log.info("CPU kernel loaded: %s", key)
+        return _state[key]
+
+
+def _checked(get: Callable[[Any], T], check: Callable[[T], str | None], what: str) -> tuple[T | None, str | None]:
+    """``get(module)`` if the module builds and ``check`` finds nothing, else ``(None, why)``."""
+    module, why = _module()
+    if module is None:
+        return None, why
+    obj = get(module)
+    try:
+        bad = check(obj)
+    except RuntimeError as exc:
+        bad = f"{what} failed its check: {exc}"
+    return (None, bad) if bad else (obj, None)
+
+
+def prefill_attention() -> Callable | None:
+    """The causal prefill kernel ``(q [n, Hq, D], k [ctx, Hkv, D], v, scale) -> [n, Hq, D]``
+    (query row i attends keys ``0 .. ctx - n + i``), or ``None`` (then
+    :func:`prefill_problem` says why). Thread-safe."""
+    return _resolved("prefill", _resolve_prefill, "CPU prefill attention stays on SDPA")
+
+
+def prefill_problem() -> str | None:
+    prefill_attention()
+    return _state["prefill_problem"]
+
+
+def reference_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same attention through SDPA with an explicit offset-causal mask."""
+    import torch.nn.functional as F
+
+    n, ctx = q.shape[0], k.shape[0]
+    mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _check_prefill(fn: Callable) -> str | None:
+    """Compare with :func:`reference_prefill`: a fresh chunk and a continuation, GQA, a strided
+    query view (as the engine passes it); ``None`` when they agree."""
+    gen = torch.Generator().manual_seed(0)
+    for n, ctx, hq, hkv, d in ((37, 37, 6, 2, 16), (5, 70, 4, 4, 64), (40, 130, 9, 3, 64)):
+        fused = torch.randn(n, (hq + hkv) * d, generator=gen)
+        q = fused[:, : hq * d].view(n, hq, d)
+        k, v = torch.randn(ctx, hkv, d, generator=gen), torch.randn(ctx, hkv, d, generator=gen)
+        got, want = fn(q, k, v, d**-0.5), reference_prefill(q, k, v, d**-0.5)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return f"prefill attention kernel disagrees with SDPA at n={n} ctx={ctx}"
+    return None
+
+
+def _resolve_prefill() -> tuple[Callable | None, str | None]:
+    return _checked(lambda m: m.prefill_attention, _check_prefill, "prefill attention kernel")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOps:
+    """The fused elementwise kernels (``csrc/fused_elementwise.cpp``)."""
+
+    add_rms_norm: Callable  # (residual [T, H], delta or None, weight [H], eps) -> out; residual += delta in place
+    silu_mul: Callable  # (gate_up [T, 2I]) -> silu(gate) * up [T, I]
+
+
+def fused() -> FusedOps | None:
+    """The fused elementwise kernels, or ``None`` (then :func:`fused_problem` says why)."""
+    return _resolved("fused", _resolve_fused, "CPU norms and gating stay on torch ops")
+
+
+def fused_problem() -> str | None:
+    fused()
+    return _state["fused_problem"]
+
+
+def _check_fused(ops: FusedOps) -> str | None:
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    for t, h in ((1, 16), (9, 40), (33, 576)):
+        res, delta, w = (torch.randn(t, h, generator=gen) * 3, torch.randn(t, h, generator=gen),
+                         torch.randn(h, generator=gen))
+        want_res = res + delta
+        want = w * (want_res * torch.rsqrt(want_res.pow(2).mean(-1, keepdim=True) + 1e-5))
+        got_res = res.clone()
+        got = ops.add_rms_norm(got_res, delta, w, 1e-5)
+        if not (torch.allclose(got_res, want_res) and torch.allclose(got, want, rtol=1e-4, atol=1e-5)):
+            return f"add_rms_norm disagrees with torch at T={t} H={h}"
+        gu = torch.randn(t, 2 * h, generator=gen) * 20  # large |x|: the exp clamp matters
+        if not torch.allclose(ops.silu_mul(gu), F.silu(gu[:, :h]) * gu[:, h:], rtol=1e-4, atol=1e-4):
+            return f"silu_mul disagrees with torch at T={t} I={h}"
+    return None
+
+
+def _resolve_fused() -> tuple[FusedOps | None, str | None]:
+    return _checked(lambda m: FusedOps(m.add_rms_norm, m.silu_mul), _check_fused, "fused elementwise kernels")
+
+
+def small_m() -> tuple[Callable, Callable] | None:
+    """``(pack, linear)`` of the small-batch linear kernel, or ``None`` (then
+    :func:`small_m_problem` says why): ``pack(weight [N, K]) -> panels`` once per layer,
+    ``linear(x [M, K] contiguous, panels, N, bias or None) -> [M, N]``. Thread-safe."""
+    return _resolved("small_m", _resolve_small_m, "CPU small-batch linears stay on oneDNN")
+
+
+def small_m_problem() -> str | None:
+    small_m()
+    return _state["small_m_problem"]
+
+
+def _module() -> tuple[Any, str | None]:
+    """The built extension module, or ``(None, why not)``; built once per process (caller holds
+    ``_lock``)."""
+    if os.environ.get("LOCKGATE_NO_CPU_KERNELS", "") not in ("", "0"):  # read on every resolve
+        return None, "off (LOCKGATE_NO_CPU_KERNELS)"
+    if "module" not in _state:
+        try:
+            from torch.utils.cpp_extension import load
+
+            build = _build_dir()
+            _state["module"] = load(name="lockgate_cpu_kernels", sources=[str(f) for f in SOURCES],
+                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build),
+                                    verbose=False)
+            _state["module_problem"] = None
+            _prune_stale(build)
+        except Exception as exc:  # no compiler, no ninja, a failed build: all mean "use torch's"
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            _state["module"] = None
+            _state["module_problem"] = f"cannot build {CSRC.name}/: {type(exc).__name__}: {first}"
+    return _state["module"], _state["module_problem"]
+
+
+def _resolve() -> tuple[Callable | None, str | None]:
+    return _checked(lambda m: m.paged_decode, _check, "paged decode kernel")
+
+
+def _check_small_m(pack: Callable, linear: Callable) -> str | None:
+    """Compare with ``F.linear`` over the tile and panel tails (M not a multiple of 4, N not of 96,
+    K not of the k block), with and without bias; ``None`` when they agree."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 96, 64), (7, 100, 70), (13, 200, 130)):
+        w, b, x = (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen),
+                   torch.randn(m, k, generator=gen))
+        panels = pack(w)
+        for bias in (None, b):
+            got, want = linear(x, panels, n, bias), F.linear(x, w, bias)
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                return f"small-batch linear kernel disagrees with F.linear at M={m} N={n} K={k}"
+    return None
+
+
+def _resolve_small_m() -> tuple[tuple[Callable, Callable] | None, str | None]:
+    return _checked(lambda m: (m.pack_small_m, m.small_m_linear), lambda f: _check_small_m(*f),
+                    "small-batch linear kernel")

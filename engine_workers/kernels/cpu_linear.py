@@ -1,0 +1,138 @@
+"""CPU linear layers on oneDNN with weights packed once at load time.
+
+Why: ``F.linear`` on CPU calls a generic sgemm that re-packs the weight matrix into its blocked
+layout on every call. For decode batches (M = 1..64 rows) that repacking is most of the cost, so
+oneDNN with the weights reordered once (its blocked layout, any M) is much faster there. Large M
+gains too (prefill chunks of 512 rows), because the packed kernel reaches the CPU's fp32 FMA peak.
+The figures and the command are in docs/design.md ("Linear layers on CPU") and docs/benchmarks.md.
+
+The kernels are PyTorch's own (``torch.ops.mkldnn``, what ``torch.compile`` uses for frozen CPU
+linears), but they are not public API, so :func:`prepack_linears` checks them first: it packs a
+small random layer, compares with ``F.linear`` and, if the ops are missing or disagree, logs why
+and leaves the model on ``F.linear``. Results differ from ``F.linear`` only by fp32 summation order
+(relative ~1e-6), the same kind of difference as any two GEMM libraries.
+
+Decode-sized inputs (at most ``SMALL_M_MAX`` rows) go to the engine's own kernel instead
+(``csrc/small_m_linear.cpp`` via :func:`engine_workers.kernels.cpu_kernels.small_m`), which keeps a second
+copy of each weight in its own panel layout: at M = 8..32 oneDNN's kernel does not overlap reading
+the weights with computing, and a decode step is mostly that (docs/benchmarks.md). The copy
+doubles the memory of the linear weights, so it is made only while it fits in a quarter of the
+memory available at load time; ``--no-cpu-kernels`` leaves everything on oneDNN.
+
+Only fp32 on CPU: CUDA has its own GEMMs, and on CPUs without AMX bf16 is slow either way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Rows up to which the small-batch kernel is used: the largest M at which it still beat oneDNN over
+# SmolLM2's layer shapes (docs/design.md, "Decode-sized batches").
+SMALL_M_MAX = 32
+PANEL_COLS = 96  # output columns per panel of the kernel's weight layout (NR in small_m_linear.cpp)
+
+
+def _ops():
+    """The oneDNN ops, or ``None`` where this torch build lacks them."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    if mkldnn is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return mkldnn._reorder_linear_weight, mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` in oneDNN's blocked layout. Inference only; any number of
+    leading rows. Built from an ``nn.Linear`` by :meth:`from_linear` (the plain weight is not
+    kept: the packed copy replaces it). With ``small_m`` (the kernel's ``(pack, linear)``) it also
+    keeps the weight in that kernel's panels and sends 2-D inputs of at most ``SMALL_M_MAX`` rows
+    there."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int,
+                 panels: torch.Tensor | None = None, small_linear=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.packed = packed  # plain attribute: an opaque oneDNN tensor, not a parameter
+        self.bias = bias
+        self.panels = panels  # small_m_linear's layout of the same weight, or None
+        self._small = small_linear
+        self._linear = _ops()[1]
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, small_m=None) -> PackedLinear:
+        reorder, _ = _ops()
+        out_f, in_f = weight.shape
+        w = weight.detach().contiguous()
+        b = None if bias is None else bias.detach().contiguous()
+        pack, linear = small_m if small_m is not None else (None, None)
+        return cls(reorder(w, None), b, in_f, out_f, pack(w) if pack is not None else None, linear)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, small_m=None) -> PackedLinear:
+        return cls.from_weight(lin.weight, lin.bias, small_m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX:
+            return self._small(x.contiguous(), self.panels, self.out_features, self.bias)
+        return self._linear(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        small = f", small-batch kernel up to {SMALL_M_MAX} rows" if self.panels is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn{small}"
+
+
+def panel_bytes(weights: list[torch.Tensor]) -> int:
+    """Memory the small-batch kernel's copies of ``weights`` take (rows padded to whole panels)."""
+    return sum(-(-w.shape[0] // PANEL_COLS) * PANEL_COLS * w.shape[1] * 4 for w in weights)  # panels are float32
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes, or ``None`` where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why packed linears cannot be used here, or ``None`` when they can (checked numerically)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"only for float32 on CPU (have {dtype} on {device.type})"
+    if _ops() is None:
+        return "this torch build has no oneDNN linear ops"
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+        x = torch.randn(5, 40, generator=gen)
+        got = PackedLinear.from_weight(w, b)(x)
+    except RuntimeError as exc:
+        return f"oneDNN linear failed: {exc}"
+    want = F.linear(x, w, b)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        return "oneDNN linear disagrees with F.linear"
+    return None
+
+
+def prepack_linears(model: nn.Module, small_m=None) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by a :class:`PackedLinear`, in place; returns
+    how many were replaced. The caller checks :func:`packing_problem` first. ``small_m``: the
+    small-batch kernel's ``(pack, linear)`` (:func:`engine_workers.kernels.cpu_kernels.small_m`), or None."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear.from_linear(child, small_m))
+                replaced += 1
+    return replaced

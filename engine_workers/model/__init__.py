@@ -1,0 +1,2 @@
+"""The model: Llama-family layers, paged attention, checkpoint loading and the runner that
+executes one batch."""

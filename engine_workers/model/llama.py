@@ -1,0 +1,237 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch and a paged KV cache.
+
+Our own small modules rather than transformers' modeling code: the whole mixed prefill+decode
+batch is one flat ``[T, hidden]`` tensor, Q/K/V and gate/up projections are fused into one GEMM
+each, and the LM head runs only on the rows that sample. See docs/design.md for the trade-offs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_workers.model.attention import AttnMetadata, paged_attention
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg) -> ModelSpec:
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported activation {act!r} (only silu)")
+        heads = cfg.num_attention_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+def rope_tables(cfg, spec: ModelSpec, max_len: int, device: torch.device) -> torch.Tensor:
+    """Rotations ``[max_len, head_dim // 2]`` complex64 from the config's RoPE parameters (scaling
+    included): entry ``[p, j]`` is ``scaling * exp(i * p * inv_freq[j])``. Kept in float32 whatever
+    the model dtype: complex bf16 does not exist, and rotating in fp32 loses nothing."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        dim = int(spec.head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = 1.0
+    else:
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    if inv_freq.numel() * 2 != spec.head_dim:
+        raise ValueError("partial rotary embeddings are not supported")
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
+    return torch.polar(torch.full_like(angles, float(scaling)), angles).to(device)
+
+
+def interleave_rope_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder a q or k projection's output rows (weight ``[heads * head_dim, ...]`` or bias) from
+    HF's half-split RoPE layout (dim ``j`` rotates with ``j + head_dim / 2``) to interleaved pairs
+    (``2j`` with ``2j + 1``), so a head is ``head_dim / 2`` complex numbers and RoPE is one complex
+    multiply (see :func:`apply_rope`). Attention only takes dot products of q with k, which a
+    permutation applied to both leaves unchanged; V and the output are not touched."""
+    half = head_dim // 2
+    rest = w.shape[1:]
+    return w.reshape(heads, 2, half, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
+
+
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, H, D]`` in the interleaved layout (any row stride), ``rot`` ``[T, 1, D/2]``
+    complex: one complex multiply instead of HF's four multiplies, a negation and a concatenation
+    over strided views (docs/design.md, "RoPE as one complex multiply", has the figures)."""
+    t, h, d = x.shape
+    if x.dtype == torch.float32:
+        return torch.view_as_real(torch.view_as_complex(x.view(t, h, d // 2, 2)) * rot).view(t, h, d)
+    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
+    return torch.view_as_real(xc * rot).view(t, h, d).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        # (residual, delta, weight, eps) -> out: the fused CPU kernel (LlamaForPagedLM.use_fused)
+        self.fused = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def add_forward(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """``residual += delta`` in place (the layer stack's residual stream), then the norm of it."""
+        if self.fused is not None:
+            return self.fused(residual, delta, self.weight, self.eps)
+        if delta is not None:
+            residual.add_(delta)
+        return self(residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = self.d**-0.5
+
+    def forward(self, x, rot, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
+        if self.q_norm is None or self.k_norm is None:  # both or neither (spec.qk_norm)
+            # q and k rotate together: one op over [T, Hq + Hkv, D] (weights are interleaved at load)
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv, self.d), rot)
+            q, k = qk[:, : self.hq], qk[:, self.hq :]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, self.hq, self.d)), rot)
+            k = apply_rope(self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)), rot)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.inter = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
+        self.fused = None  # (gate_up [T, 2I]) -> silu(gate) * up: the fused CPU kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            return self.down_proj(self.fused(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, residual, delta, rot, k_cache, v_cache, meta):
+        """Adds ``delta`` (the previous layer's MLP output, None for the first layer) to the
+        residual stream in place and returns this layer's MLP output: the residual add is fused
+        into the norm that follows it (as vLLM does), which is one pass with the CPU kernel."""
+        h = self.input_layernorm.add_forward(residual, delta)
+        h = self.self_attn(h, rot, k_cache, v_cache, meta)
+        return self.mlp(self.post_attention_layernorm.add_forward(residual, h))
+
+
+class LlamaForPagedLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # None = tied: the LM head reads the embedding matrix. With packed CPU linears
+        # (engine_workers.kernels.cpu_linear) the loader sets a packed copy of it here instead; the
+        # embedding lookup keeps the plain one.
+        self.lm_head: nn.Module | None = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Plain attribute, not a buffer: the module is built on the meta device and the table is
+        # created afterwards, on the target device, by ``set_rope`` (complex, see rope_tables).
+        self.rope_table: torch.Tensor | None = None
+
+    def set_rope(self, table: torch.Tensor) -> None:
+        self.rope_table = table
+
+    def use_fused(self, ops) -> None:
+        """Run the layer norms (with their residual adds) and the SiLU gating on ``ops``
+        (:class:`engine_workers.kernels.cpu_kernels.FusedOps`), or back on torch ops with ``None``."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = ops and ops.add_rms_norm
+            layer.mlp.fused = ops and ops.silu_mul
+        self.norm.fused = ops and ops.add_rms_norm
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttnMetadata,
+        logit_rows: torch.Tensor,  # [S] rows whose next-token logits are needed
+    ) -> torch.Tensor:
+        residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
+        assert self.rope_table is not None, "set_rope() first"
+        rot = self.rope_table[positions].unsqueeze(1)
+        delta = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            delta = layer(residual, delta, rot, k_cache, v_cache, meta)
+        assert delta is not None  # a model has layers
+        x = self.norm.add_forward(residual.index_select(0, logit_rows), delta.index_select(0, logit_rows))
+        if self.lm_head is not None:
+            return self.lm_head(x).float()
+        return F.linear(x, self.embed_tokens.weight).float()

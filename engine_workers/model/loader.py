@@ -1,0 +1,214 @@
+"""Load an HF checkpoint folder (config, tokenizer, safetensors/bin weights) into ``LlamaForPagedLM``.
+
+Every failure is a :class:`ModelError` naming the path and the problem: missing folder, missing
+config, unsupported architecture, missing/mis-shaped/corrupt weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine_workers.model.llama import (
+    LlamaForPagedLM,
+    ModelSpec,
+    interleave_rope_rows,
+    rope_tables,
+)
+from tokenization.model_store import ModelError, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    path: Path | str
+    model: LlamaForPagedLM
+    spec: ModelSpec
+    tokenizer: object
+    hf_config: object
+    eos_token_ids: tuple[int, ...]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    st = sorted(path.glob("*.safetensors"))
+    if st:
+        return st
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        return bins
+    raise ModelError(f"no weights in {path}: expected *.safetensors or pytorch_model*.bin")
+
+
+def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                out.update(load_file(str(f)))
+            else:
+                out.update(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as exc:  # corrupt/truncated files raise many different types
+            raise ModelError(f"cannot read weights file {f}: {type(exc).__name__}: {exc}") from None
+    return out
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except Exception as exc:
+        raise ModelError(f"model {repo_id!r} is neither a local folder nor downloadable: {exc}") from None
+
+
+def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device, max_len: int | None = None,
+               weight_prepack: bool = True, cpu_kernels: bool = True) -> LoadedModel:
+    """Load ``spec`` (a folder, ``default`` or a hub id). ``weight_prepack``: on CPU in float32,
+    run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.kernels.cpu_linear`);
+    with ``cpu_kernels`` too, decode-sized batches on the engine's own kernel where it builds."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    resolved = resolve_model(spec)
+    path = resolved if isinstance(resolved, Path) else _hub_snapshot(resolved)
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise ModelError(f"cannot read config of {path}: {exc}") from None
+    try:
+        mspec = ModelSpec.from_hf(hf_config)
+    except ValueError as exc:
+        raise ModelError(f"model {path}: {exc}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelError(f"cannot load tokenizer of {path}: {exc}") from None
+
+    tensors = _read_weights(_weight_files(path))
+    with torch.device("meta"):
+        model = LlamaForPagedLM(mspec)
+    state = _map_state(tensors, mspec, path)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    for name, shape in expected.items():
+        if name not in state:
+            raise ModelError(f"weights of {path} lack {name}")
+        if tuple(state[name].shape) != tuple(shape):
+            raise ModelError(f"weights of {path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, assign=True)
+    model = model.to(device=device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if weight_prepack:
+        _prepack(model, device, dtype, cpu_kernels)
+    length = max_len or mspec.max_position_embeddings
+    model.set_rope(rope_tables(hf_config, mspec, max(length, 1), device))
+    return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
+
+
+def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True) -> None:
+    from engine_workers.kernels.cpu_linear import (
+        SMALL_M_MAX,
+        PackedLinear,
+        available_memory,
+        packing_problem,
+        panel_bytes,
+        prepack_linears,
+    )
+
+    problem = packing_problem(device, dtype)
+    if problem is not None:
+        if device.type == "cpu" and dtype == torch.float32:  # expected elsewhere; worth a word here
+            log.warning("linear layers stay on F.linear: %s", problem)
+        return
+    small_m = None
+    if cpu_kernels:
+        from engine_workers.kernels import cpu_kernels as kernels
+
+        small_m = kernels.small_m()
+        if small_m is not None:
+            weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+            if model.lm_head is None:
+                weights.append(model.embed_tokens.weight)
+            need, avail = panel_bytes(weights), available_memory()
+            if avail is not None and need > avail // 4:
+                log.warning("small-batch linear kernel off: its weight copies need %.1f GiB, more than a "
+                            "quarter of the %.1f GiB available", need / 2**30, avail / 2**30)
+                small_m = None
+    n = prepack_linears(model, small_m)
+    if model.lm_head is None:  # tied: a packed copy of the embedding matrix as the head
+        model.lm_head = PackedLinear.from_weight(model.embed_tokens.weight, small_m=small_m)
+        n += 1
+    if small_m is not None:
+        log.info("%d linear layers packed for oneDNN (CPU float32); batches of <= %d rows on the small-batch "
+                 "kernel", n, SMALL_M_MAX)
+    else:
+        log.info("%d linear layers packed for oneDNN (CPU float32)", n)
+
+
+def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
+    """HF parameter names -> ours, fusing q/k/v and gate/up; q and k rows (and q/k norms) are
+    reordered to the interleaved RoPE layout (:func:`engine_workers.model.llama.interleave_rope_rows`)."""
+    d = spec.head_dim
+
+    def rope_rows(name: str, heads: int) -> torch.Tensor:
+        w = take(name)
+        if w.shape[0] != heads * d:  # reordering needs the configured shape; say so before it fails
+            raise ModelError(f"weights of {path}: {name} has shape {tuple(w.shape)}, expected {heads * d} rows")
+        return interleave_rope_rows(w, heads, d)
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return t[name]
+        except KeyError:
+            raise ModelError(f"weights of {path} lack {name}") from None
+
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = t.get("lm_head.weight", out["embed_tokens.weight"])
+    for i in range(spec.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
+            q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads)
+            k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
+            out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, take(attn + f"v_proj.{kind}")])
+        out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        if spec.qk_norm:
+            # [head_dim] per-dimension scales: the same reordering as the rows they scale
+            out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1)
+            out[dst + "self_attn.k_norm.weight"] = rope_rows(attn + "k_norm.weight", 1)
+        mlp = src + "mlp."
+        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
+        if spec.mlp_bias:
+            out[dst + "mlp.gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias")
+        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+    return out
+
+
+def _eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, then config, then the tokenizer (all of them, deduped)."""
+    ids: list[int] = []
+
+    def add(v) -> None:
+        for x in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(x, int) and x not in ids:
+                ids.append(x)
+
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        try:
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+        except (OSError, ValueError):
+            log.warning("ignoring unreadable %s", gen)
+    add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(ids)

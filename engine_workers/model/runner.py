@@ -1,0 +1,117 @@
+"""The model runner: owns the weights and the KV tensors, executes one scheduled batch per step.
+
+It decides nothing: the scheduler picked the tokens, the KV manager picked the blocks. One forward
+runs the whole mixed prefill+decode batch (no per-sequence loop over the model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engine_workers.model.attention import MAX_DECODE_GROUPS, build_metadata
+from engine_workers.model.llama import ModelSpec
+from engine_workers.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+_SDPA_NO_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype_size(dtype)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPUs without AMX have no fast bf16 GEMM (docs/design.md, "Precision and devices"): fp32 is the CPU default.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of auto, {', '.join(table)}; got {name!r}")
+    return table[name]
+
+
+def kv_budget_blocks(
+    spec: ModelSpec, block_size: int, dtype: torch.dtype, device: torch.device,
+    kv_cache_bytes: int | None, memory_fraction: float,
+) -> int:
+    per_block = kv_block_bytes(spec, block_size, dtype)
+    if kv_cache_bytes is None:
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            kv_cache_bytes = int(free * memory_fraction)
+        else:
+            import psutil
+
+            kv_cache_bytes = int(min(psutil.virtual_memory().available * memory_fraction * 0.25, 1 << 30))
+    blocks = kv_cache_bytes // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} is smaller than one KV block ({per_block} bytes)")
+    return int(blocks)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 cpu_kernels: bool = True) -> None:
+        self.model = loaded.model
+        self.spec = loaded.spec
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        shape = (slots, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.spec.num_layers)
+        ]
+        # CPU float32: attention on the engine's own kernels where they build (cpu_kernels.py)
+        self.decode_kernel = self.prefill_kernel = None
+        # Decode groups trade launches for padding. A CPU is compute-bound: padded keys cost FLOPs,
+        # so sequences are grouped by length. A GPU step of a small model is launch-bound (the host
+        # issues ~20 kernels per layer and the device waits): one padded group per step, as every
+        # extra group costs more launches than its padding saves (figures from an H200 in
+        # docs/design.md, Paged attention, and docs/gpu.md).
+        self.max_decode_groups = MAX_DECODE_GROUPS if device.type == "cpu" else 1
+        # cuDNN's SDPA plans each new shape the first time it sees it (a batch size, a padded width,
+        # a prefill length) and a serving batch keeps making new shapes, so the planning never stops
+        # costing (same figures). The flash and memory-efficient kernels need no plan.
+        self.sdpa_backends = _SDPA_NO_CUDNN if device.type == "cuda" else None
+        if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+            from engine_workers.kernels import cpu_kernels as kernels
+
+            self.decode_kernel = kernels.paged_decode()
+            self.prefill_kernel = kernels.prefill_attention()
+            self.model.use_fused(kernels.fused())
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, block_size, slots,
+                 kv_block_bytes(self.spec, block_size, dtype) * num_blocks / 2**20)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[tuple[list[int], int, list[int], bool]]) -> torch.Tensor:
+        """``chunks``: per sequence ``(token_ids_to_compute, num_computed_before, block_ids, samples)``.
+
+        Returns float32 logits ``[S, vocab]`` for the chunks with ``samples=True``, in order.
+        """
+        ids: list[int] = []
+        meta_in = []
+        logit_rows = []
+        for tokens, start, blocks, samples in chunks:
+            ids.extend(tokens)
+            meta_in.append((start, len(tokens), blocks))
+            if samples:
+                logit_rows.append(len(ids) - 1)
+        meta, positions = build_metadata(meta_in, self.block_size, self.device, self.kv_caches[0][0].dtype,
+                                         self.decode_kernel, self.prefill_kernel, self.max_decode_groups)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
+            return self.model(input_ids, positions, self.kv_caches, meta, rows)

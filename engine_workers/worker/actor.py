@@ -1,0 +1,536 @@
+"""The worker actor: one per engine. Bus records in, engine work, reply streams out.
+
+A thin asyncio shell around three pure parts (``intake``, ``offsets``, the engine's own step loop,
+which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward pass):
+
+* **intake** — a consumer in group ``<ns>.workers.<model>`` reads the model's three priority topics.
+  Records are decoded (undecodable -> dead letter), checked (wrong model -> ``invalid_request``,
+  past deadline -> ``expired``, cancelled earlier -> ``abort``; a running request past its
+  deadline is aborted -> ``expired``) and queued in the
+  :class:`IntakeQueue`. A tier's partitions are paused while the intake holds
+  ``prefetch_per_tier + free sequence slots`` of that tier, so the worker holds a few requests
+  per tier beyond what it can run (enough to choose by priority, never a hoard).
+* **admission** — from the intake into the engine by effective priority, only while the engine has
+  a free sequence slot and free KV blocks for the prompt (the head of the queue waits for room; no
+  lower-priority request jumps it). The engine ``ValueError`` -> ``invalid_request``.
+* **replies** — the engine's per-step outputs become one ``TokenChunk`` per request per step (more
+  coalesced when the bus lags) and a final ``Finished`` to ``reply_to``, in order, all of a step's
+  replies for one partition of a reply topic in one record (:class:`ReplySender`: one task per
+  reply topic with something to send, never blocking the engine). A request runs only once its
+  reply topic is known to exist (one check per new topic, :class:`ReplyGate`); one naming a missing
+  topic is dead-lettered (``reply topic ... does not exist``) and committed without running, and
+  one whose topic is deleted while it runs is aborted and dead-lettered the same way.
+* **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
+  commits its low watermark. Revoked partitions: their requests are aborted and forgotten (the new
+  owner re-runs them from the committed offset). Jobs, offsets, commits and rebalance are kept by
+  the :class:`RequestLedger` (``engine_workers.worker.ledger``).
+* **control** — a group-less consumer of the control topic from ``latest``: ``Cancel`` aborts the
+  request (intake or engine, freeing KV within one engine step).
+* **heartbeat** — ``WorkerStatus`` every ``heartbeat_s``; Prometheus metrics; optional
+  ``/healthz``/``/readyz``/``/metrics`` server.
+
+Lifecycle: ``start``/``stop`` idempotent, ``async with``; ``drain()`` stops intake, lets what the
+engine holds finish (up to ``drain_grace_s``), commits it and stops; requests still queued stay
+uncommitted for the other workers. Every background task is owned and cancelled by ``stop``.
+Concurrency: all state lives on the event loop; the engine thread only reaches it through
+``call_soon_threadsafe`` (AsyncEngine's ``on_outputs`` and the admission futures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Set
+
+from bus.base import Bus, BusError, Consumer, TopicPartition
+from bus.deadletter import DeadLetterer, send_dead_letter
+from bus.messages import (
+    Error,
+    ErrorCode,
+    Finished,
+    FinishReason,
+    InferenceRequest,
+    Timings,
+    Usage,
+    WorkerStatus,
+)
+from bus.topics import safe_name
+from engine_workers.engine.async_engine import AsyncEngine
+from engine_workers.engine.core import Engine, RequestOutput
+from engine_workers.worker.config import WorkerConfig
+from engine_workers.worker.convert import engine_params
+from engine_workers.worker.health import HealthServer
+from engine_workers.worker.intake import (
+    NUM_TIERS,
+    IntakePolicy,
+    IntakeQueue,
+    RateMeter,
+    estimate_wait,
+    parse_intake_mode,
+)
+from engine_workers.worker.ledger import Job, RequestLedger
+from engine_workers.worker.loops import heartbeat, read_cancels
+from engine_workers.worker.metrics import CONTENT_TYPE, WorkerMetrics
+from engine_workers.worker.offsets import OffsetTracker
+from engine_workers.worker.reply_gate import ReplyGate
+from engine_workers.worker.reply_sender import ReplySender
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 50
+STOP_COMMIT_S = 5.0
+RECENT_CANCELS = 10_000
+EXPIRY_CHECK_S = 0.25  # how often running requests are checked against their deadlines
+
+
+class Worker:
+    """See the module docstring. ``engine``: an :class:`Engine` (the worker wraps and owns an
+    :class:`AsyncEngine`) or an :class:`AsyncEngine` (started if needed, never stopped here).
+
+    ``before_step``: called on the engine's torch thread right before each engine step (the
+    :class:`AsyncEngine` hook of that name; installed on a given AsyncEngine until :meth:`stop`).
+    For tests that need the step loop paced or slowed (``lambda: time.sleep(0.02)``) without
+    replacing ``engine.step``; None (the default) in production."""
+
+    def __init__(self, config: WorkerConfig, bus: Bus, engine: Engine | AsyncEngine, *,
+                 before_step: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.bus = bus
+        if isinstance(engine, AsyncEngine):
+            self.aengine, self._owns_engine = engine, False
+            engine.on_outputs = self._on_outputs
+            if before_step is not None:
+                engine.before_step = before_step
+        else:
+            self.aengine, self._owns_engine = AsyncEngine(engine, on_outputs=self._on_outputs,
+                                                          before_step=before_step), True
+        self._before_step = before_step
+        self.engine = self.aengine.engine
+        self.metrics = WorkerMetrics(config.model)
+        self.aengine.on_step = self.metrics.observe_step
+        self.policy = IntakePolicy(parse_intake_mode(config.intake_mode), config.aging_period_s, reference_time=time.time())
+        self.intake: IntakeQueue[Job] = IntakeQueue(self.policy)
+        self.ledger = RequestLedger(config.worker_id, config.revoke_flush_s, on_lost=self._release)
+        self.offsets: OffsetTracker[TopicPartition] = self.ledger.offsets
+        self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed)
+        self._dlq = DeadLetterer(bus, config.layout)
+        self._topics = config.layout.request_topics(config.model)
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._admissions = RateMeter()
+        self._eids = itertools.count()
+        self._consumer: Consumer | None = None
+        self._control: Consumer | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._gate = ReplyGate(bus, config.layout, config.worker_id, self.replies, self.ledger, self._accept,
+                               self.metrics.dead_letters.inc)
+        self._next_expiry_check = 0.0
+        self._health: HealthServer | None = None
+        self._drain_requested = asyncio.Event()
+        self.state = "new"  # new -> started -> draining -> stopped
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.state != "new":
+            return
+        self.state = "starting"
+        try:
+            await self.aengine.start()
+            await self.bus.ensure_topics(self.config.layout.model_specs(self.config.model))
+            self._control = self.bus.consumer([self.config.layout.control_topic], start_from="latest")
+            await self._control.start()
+            self._consumer = self.bus.consumer(self._topics, group_id=self.config.group, start_from="earliest",
+                                               on_assigned=self.ledger.on_assigned, on_revoked=self.ledger.on_revoked)
+            self.ledger.consumer = self._consumer
+            await self._consumer.start()
+            if self.config.metrics_port is not None:
+                self._health = HealthServer(self.config.metrics_host, self.config.metrics_port, live=self.live,
+                                            ready=self.ready, metrics=self.render_metrics, metrics_content_type=CONTENT_TYPE)
+                await self._health.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self.state = "started"
+        cfg = self.config
+        for name, coro in (("intake", self._intake_loop()),
+                           ("control", read_cancels(self._control, self.cancel, cfg.worker_id)),
+                           ("heartbeat", heartbeat(self.bus, cfg.layout.status_topic, cfg.worker_id, self.status,
+                                                   cfg.heartbeat_s, before=self._observe))):
+            self._tasks.append(asyncio.create_task(coro, name=f"{self.config.worker_id}-{name}"))
+        log.info("worker %s serving %s (group %s, intake %s, aging period %gs)", self.config.worker_id,
+                 self.config.model, self.config.group, self.policy.mode.value, self.policy.aging_period_s)
+
+    async def stop(self) -> None:
+        """Stop now: commit what is finished, leave the group without committing unfinished work.
+        Idempotent. The commit is bounded by ``STOP_COMMIT_S``: a broken bus must not hold the stop."""
+        if self.state == "stopped":
+            return
+        was, self.state = self.state, "stopped"
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._gate.stop(STOP_COMMIT_S)  # a dead letter acknowledged finishes its offset: before the commit
+        if was in ("started", "draining"):
+            # Work finished since the intake loop's last periodic commit: without this a clean
+            # stop would leave up to commit_interval_s of it to be re-run by the next owner.
+            try:
+                await asyncio.wait_for(self.ledger.commit(), STOP_COMMIT_S)
+            except TimeoutError:
+                log.warning("worker %s: final commit timed out after %gs; the next owner re-runs that work",
+                            self.config.worker_id, STOP_COMMIT_S)
+        await self.replies.stop()
+        for c in (self._consumer, self._control):
+            if c is not None:
+                await c.stop()
+        if self._health is not None:
+            await self._health.stop()
+        if self._owns_engine:
+            await self.aengine.stop()
+        elif self.aengine.on_outputs == self._on_outputs:
+            self.aengine.on_outputs = None
+            self.aengine.on_step = None
+            if self._before_step is not None and self.aengine.before_step is self._before_step:
+                self.aengine.before_step = None
+
+    async def drain(self, grace_s: float | None = None) -> bool:
+        """SIGTERM path: stop taking work, finish what the engine holds (up to ``grace_s``, default
+        the config's), commit it, then :meth:`stop`. Queued requests are left uncommitted for the
+        other workers. Returns True when everything admitted finished in time."""
+        if self.state != "started":
+            await self.stop()
+            return True
+        self.state = "draining"
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        for p in self.intake.remove_if(lambda _p: True):
+            self.ledger.forget(p.item)  # stays in flight in the offset tracker: never committed here
+        deadline = time.monotonic() + grace
+        while self.ledger.busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        done = not self.ledger.busy()
+        await self.ledger.commit()
+        log.info("worker %s drained (%s)", self.config.worker_id, "complete" if done else f"grace {grace:g}s over")
+        await self.stop()
+        return done
+
+    def request_drain(self) -> None:
+        """Signal-handler safe: ask :meth:`run` to drain."""
+        self._drain_requested.set()
+
+    async def run(self) -> int:
+        """Serve until :meth:`request_drain` (then drain) or a background failure. 0 = clean."""
+        waiter = asyncio.ensure_future(self._drain_requested.wait())
+        try:
+            await asyncio.wait([waiter, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        if not self.live():
+            log.error("worker %s failed; stopping", self.config.worker_id)
+            await self.stop()
+            return 1
+        await self.drain()
+        return 0
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def live(self) -> bool:
+        return self.aengine.error is None and self.state != "stopped" and not any(t.done() for t in self._tasks)
+
+    def ready(self) -> bool:
+        return self.state == "started" and self.live() and bool(self._consumer and self._consumer.assignment())
+
+    def render_metrics(self) -> bytes:
+        self._observe()
+        return self.metrics.render()
+
+    # -- intake -----------------------------------------------------------------------------------
+
+    async def _intake_loop(self) -> None:
+        assert self._consumer is not None
+        last_commit = time.monotonic()
+        while True:
+            self._flow_control()
+            try:
+                records = await self._consumer.getmany(timeout_ms=POLL_MS, max_records=self._fetch_room())
+            except BusError as exc:
+                log.warning("worker %s: fetch failed (%s); retrying", self.config.worker_id, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for rec in records:
+                await self._on_record(rec)
+            self._admit()
+            if time.monotonic() - last_commit >= self.config.commit_interval_s:
+                last_commit = time.monotonic()
+                await self.ledger.commit()
+
+    def _room(self) -> int:
+        """Free engine sequence slots (0 when the KV blocks are all spoken for)."""
+        snap, ledger = self.aengine.snapshot, self.ledger
+        if ledger.in_engine and snap.kv_blocks_free - ledger.reserved_blocks <= 0:
+            return 0
+        return max(0, self.engine.config.max_num_seqs - ledger.in_engine)
+
+    def _fetch_room(self) -> int:
+        limit = self.config.prefetch_per_tier + self._room()
+        return max(1, sum(max(0, limit - d) for d in self.intake.depth()))
+
+    def _flow_control(self) -> None:
+        c = self._consumer
+        assert c is not None  # flow control runs once started
+        assigned, paused = c.assignment(), c.paused()
+        limit = self.config.prefetch_per_tier + self._room()
+        depth = self.intake.depth()
+        for tier, topic in enumerate(self._topics):
+            tps = {tp for tp in assigned if tp.topic == topic}
+            if self.state != "started" or depth[tier] >= limit:
+                if tps - paused:
+                    c.pause(*(tps - paused))
+            elif tps & paused:
+                c.resume(*(tps & paused))
+
+    async def _on_record(self, rec) -> None:
+        tp = rec.tp
+        if not self.ledger.fetched(tp, rec.offset):
+            return  # re-delivered after a rebalance that left us the partition: we have it
+        if self.state != "started":
+            return  # draining: stays uncommitted
+        msg = await self._dlq.decode(rec)
+        if msg is not None and not isinstance(msg, InferenceRequest):
+            await send_dead_letter(self.bus, self.config.layout, rec, f"expected a request, got {type(msg).__name__}")
+            msg = None
+        if msg is None:
+            self.metrics.dead_letters.inc()
+            self.offsets.finish(tp, rec.offset)
+            return
+        now = time.time()
+        arrival = msg.enqueued_at if 0 < msg.enqueued_at <= now else now
+        bs = self.engine.config.block_size
+        job = Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
+                  -(-(len(msg.prompt_token_ids) + 1) // bs))
+        self.ledger.add(job)
+        self._gate.submit(job)  # -> _accept once its reply topic is known to exist
+
+    def _accept(self, job: Job, held: bool) -> None:
+        """A request whose reply topic exists: answered at once (wrong model, cancelled earlier,
+        past its deadline) or queued in the intake. Called from ``_on_record`` (the intake loop
+        admits after the whole fetch, so a fetch's requests are chosen among by priority) or,
+        ``held``, by the gate after the first check of its reply topic (admitted from here)."""
+        if self.state != "started":
+            return  # draining or stopped: stays uncommitted for the next owner
+        msg, now = job.req, time.time()
+        if safe_name(msg.model) != safe_name(self.config.model):
+            self._reply_error(job, ErrorCode.INVALID_REQUEST, f"model {msg.model!r} is not served here ({self.config.model!r})")
+        elif msg.request_id in self._cancelled:
+            self._reply_unrun(job, FinishReason.ABORT)
+        elif msg.deadline is not None and msg.deadline <= now:
+            self._reply_error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
+        else:
+            job.pending = self.intake.push(msg.request_id, msg.tier, job.arrival, msg.deadline, job)
+            if held:
+                self._admit()
+
+    # -- admission --------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Move requests from the intake into the engine while it has room. Sync, never blocks."""
+        if self.state != "started":
+            return
+        now = time.time()
+        for gone in self.intake.expire(now):
+            assert gone.deadline is not None  # expire() returns only requests with a deadline
+            gone.item.pending = None
+            self._reply_error(gone.item, ErrorCode.EXPIRED, f"deadline passed {now - gone.deadline:.3f}s before admission")
+        ledger = self.ledger
+        while (p := self.intake.peek()) is not None:
+            job = p.item
+            if ledger.in_engine and (self._room() == 0 or
+                                     job.blocks + ledger.reserved_blocks > self.aengine.snapshot.kv_blocks_free):
+                break
+            self.intake.pop()
+            job.pending = None
+            self._submit(job)
+
+    def _submit(self, job: Job) -> None:
+        self.ledger.admitted(job)
+        self._admissions.record(time.time())
+        r = job.req
+        arrival_mono = job.arrival - (time.time() - time.monotonic())
+        fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), engine_params(r.sampling), cache_salt=r.cache_salt,
+                                  priority=self.policy.engine_priority(r.tier, job.arrival), arrival_time=arrival_mono)
+        loop = asyncio.get_running_loop()
+
+        def done(f) -> None:  # engine thread
+            if f.exception() is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._on_rejected, job, f.exception())
+
+        fut.add_done_callback(done)
+
+    def _on_rejected(self, job: Job, exc: BaseException) -> None:
+        self.ledger.left_engine(job)
+        code = ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
+        self._reply_error(job, code, str(exc))
+        self._admit()
+
+    # -- outputs ----------------------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """AsyncEngine callback, on the event loop: publish (non-blocking), then admit more."""
+        prompt = generated = 0
+        for out in outputs:
+            job = self.ledger.get(out.request_id)
+            if job is None:
+                continue
+            if not job.started and job.admitted and out.token_ids:
+                self.ledger.started(job)
+                prompt += out.num_prompt_tokens
+            generated += len(out.token_ids)
+            if job.lost:
+                if out.finished:
+                    self.ledger.left_engine(job)
+                    self.ledger.forget(job)
+                continue
+            r = job.req
+            if out.token_ids or out.text:
+                self.replies.chunk(job.eid, r.reply_to, r.request_id, r.attempt, out.seq, out.token_ids, out.text,
+                                   out.text_offset, out.logprobs)
+            if out.finished:
+                self.ledger.left_engine(job)
+                if job.expiring:
+                    self._reply_error(job, ErrorCode.EXPIRED, f"deadline passed while running; stopped after "
+                                      f"{out.num_output_tokens} tokens")
+                else:
+                    self._finish(job, out)
+        self.metrics.observe_tokens(prompt, generated)
+        self._expire_running()
+        self._observe()
+        self._admit()
+
+    def _expire_running(self) -> None:
+        """Abort admitted requests past their deadline (checked at most every ``EXPIRY_CHECK_S``,
+        from the step callback). A live edge cancels a stream at its deadline itself; this bounds
+        the work of a requester that died without cancelling (an edge crash): its requests would
+        otherwise run to ``max_tokens`` for nobody."""
+        now = time.time()
+        if now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + EXPIRY_CHECK_S
+        for job in self.ledger.overdue(now):
+            job.expiring = True
+            self.aengine.abort(job.eid)  # frees its KV before the next step; the final output follows
+
+    def _finish(self, job: Job, out: RequestOutput) -> None:
+        assert out.finish_reason is not None  # a finished output always says why
+        t, n = out.times, out.num_output_tokens
+        timings = Timings()
+        ttft = tpot = None
+        if t is not None:
+            arr = t.arrival
+            end = t.finished if t.finished is not None else time.monotonic()
+            queue = max(0.0, (t.first_scheduled if t.first_scheduled is not None else end) - arr)
+            ttft = max(0.0, t.first_token - arr) if t.first_token is not None else None
+            tpot = (t.last_token - t.first_token) / (n - 1) if n > 1 and t.first_token and t.last_token else None
+            timings = Timings(queue, ttft or 0.0, tpot or 0.0, max(0.0, end - arr))
+            self.metrics.observe_finished(job.req.tier, out.finish_reason, queue, ttft, tpot, timings.e2e)
+        usage = Usage(out.num_prompt_tokens, n, out.num_cached_tokens)
+        msg = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.config.worker_id)
+        self._close(job, msg)
+
+    def _reply_error(self, job: Job, code: str, message: str) -> None:
+        self.metrics.observe_error(code)
+        r = job.req
+        self._close(job, Error(r.request_id, code, message, r.attempt, worker_id=self.config.worker_id))
+
+    def _reply_unrun(self, job: Job, reason: str) -> None:
+        r = job.req
+        self._close(job, Finished(r.request_id, r.attempt, reason, 0, Usage(len(r.prompt_token_ids), 0),
+                                  worker_id=self.config.worker_id))
+
+    def _close(self, job: Job, msg: Finished | Error) -> None:
+        job.closing = True
+        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, lambda: self.ledger.answered(job))
+
+    def _on_send_failed(self, eid: str, undeliverable: str | None) -> None:
+        """ReplySender's ``on_failed``. The bus failed (``undeliverable`` None): the request stays
+        in flight, never committed here, and runs again after a restart or rebalance. Its reply
+        topic does not exist: no other worker could answer it either, so it is dead-lettered and
+        its offset finished once the dead letter is acknowledged (else one such request would
+        pin its partition's commits, and every restart would re-run all after it)."""
+        job = self.ledger.get(eid)
+        if job is None:
+            return
+        job.lost = True  # publish nothing more of it
+        if job.admitted:
+            self.aengine.abort(job.eid)
+        else:
+            self.ledger.forget(job)
+        if undeliverable is None:
+            log.error("worker %s: replies of %s could not be sent; leaving it uncommitted", self.config.worker_id, eid)
+            return
+        self._gate.dead_letter(job, undeliverable)
+
+    # -- cancel, rebalance ------------------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> int:
+        """Abort ``request_id`` wherever it is here; remember it for a while (it may arrive later)."""
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > RECENT_CANCELS:
+            self._cancelled.popitem(last=False)
+        n = 0
+        for job in self.ledger.of_request(request_id):
+            if job.pending is not None and self.intake.remove(job.pending):
+                job.pending = None
+                self._reply_unrun(job, FinishReason.ABORT)
+                n += 1
+            elif job.admitted and not job.closing:
+                self.aengine.abort(job.eid)  # frees its KV before the next step; Finished(abort) follows
+                n += 1
+        return n
+
+    def _release(self, lost: Set[TopicPartition]) -> None:
+        """The ledger's ``on_lost`` (rebalance moved ``lost`` away): drop their queued requests,
+        abort the admitted ones and publish nothing more for them; the new owner re-runs them."""
+        for p in self.intake.remove_if(lambda p: p.item.tp in lost):
+            p.item.pending = None
+            self.ledger.forget(p.item)
+        for job in self.ledger.on_partitions(lost):
+            if not job.lost:
+                job.lost = True
+                self.replies.drop(job.eid)
+                if job.admitted:
+                    self.aengine.abort(job.eid)  # its final output is swallowed
+                else:
+                    self.ledger.forget(job)
+
+    # -- status -----------------------------------------------------------------------------------
+
+    def queue_depth(self) -> tuple[int, ...]:
+        """Waiting requests per tier: in the intake plus admitted but not yet running."""
+        return self.ledger.queue_depth(self.intake.depth())
+
+    def running_by_tier(self) -> tuple[int, ...]:
+        """Requests the engine has started (first output seen) and not finished, per tier."""
+        return self.ledger.running_by_tier()
+
+    def status(self) -> WorkerStatus:
+        snap, now = self.aengine.snapshot, time.time()
+        engine_waiting = self.ledger.engine_waiting()
+        rate = self._admissions.rate(now)
+        est = tuple(estimate_wait(self.intake.ahead_of(t, now) + engine_waiting if self._room() == 0 else 0, rate)
+                    for t in range(NUM_TIERS))
+        return WorkerStatus(
+            self.config.worker_id, self.config.model, now, self.queue_depth(), est, snap.running,
+            self.engine.config.max_num_seqs, snap.kv_usage, snap.kv_blocks_total, snap.kv_blocks_free,
+            snap.tokens_per_s, self.state == "draining",
+        )
+
+    def _observe(self) -> None:
+        """Refresh the gauges (queue depth and running per tier, KV usage) from current state."""
+        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())

@@ -1,0 +1,54 @@
+"""The worker's configuration (``lockgate worker`` flags map onto it: ``worker_commands``).
+
+A frozen value checked when built, so a bad setting fails at start-up with the field named, never
+mid-run. Pure: no asyncio, Kafka or torch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from bus.topics import TopicLayout, safe_name
+from engine_workers.worker.intake import (
+    DEFAULT_AGING_PERIOD_S,
+    IntakeMode,
+    IntakePolicy,
+    parse_intake_mode,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    model: str  # the served model name: topics and the ``InferenceRequest.model`` check
+    worker_id: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
+    layout: TopicLayout = field(default_factory=TopicLayout)
+    intake_mode: IntakeMode | str = IntakeMode.AGING
+    aging_period_s: float = DEFAULT_AGING_PERIOD_S
+    prefetch_per_tier: int = 4
+    heartbeat_s: float = 0.5
+    drain_grace_s: float = 30.0
+    revoke_flush_s: float = 1.0  # on revoke, wait this long for final replies in flight before committing
+    # The intake loop commits finished work at most this often (0: after every poll). Each commit is
+    # a write to the broker's __consumer_offsets log; at one per 50 ms poll a fleet of workers would
+    # send thousands a second. Drain, revoke and stop commit at once whatever the interval; a crash re-runs
+    # at most this much more finished work elsewhere (the reply consumer drops it by seq).
+    commit_interval_s: float = 1.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None = no HTTP server; 0 = any free port
+    send_retries: int = 3
+    group_id: str | None = None  # default ``<ns>.workers.<model>``
+
+    def __post_init__(self) -> None:
+        mode = parse_intake_mode(self.intake_mode)
+        IntakePolicy(mode, self.aging_period_s)  # validates aging_period_s
+        object.__setattr__(self, "intake_mode", mode)
+        for name in ("heartbeat_s", "drain_grace_s", "revoke_flush_s", "commit_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.prefetch_per_tier < 1:
+            raise ValueError(f"prefetch_per_tier must be >= 1, got {self.prefetch_per_tier}")
+
+    @property
+    def group(self) -> str:
+        return self.group_id or f"{self.layout.namespace}.workers.{safe_name(self.model)}"

@@ -1,0 +1,390 @@
+"""Ordered, coalescing reply publishing for the worker: one record per reply partition per step.
+
+The engine's outputs arrive on the event loop once per step; publishing must neither block the
+engine nor reorder a request's records. ``chunk`` queues a request's new tokens and ``final`` its
+closing ``Finished``/``Error``; one task per reply topic (created on demand, ended when nothing is
+queued) sends in rounds. A round takes everything queued for the topic, groups it by partition
+(the one each request id maps to, as Kafka's default partitioner would map it as a key), and sends
+one record per partition: the request's lone message when only one request has something, else a
+:class:`~bus.messages.ReplyBatch`. The partitions' records go out concurrently; the next round
+starts when all are acknowledged. Meanwhile the next steps' tokens accumulate and go out as one
+``TokenChunk`` per request (``seq`` = index of its first token), so a slow bus costs fewer, larger
+records rather than a backlog.
+
+Why batch: with one record per request per step, a step of N running requests cost N sends
+through the producer (each a noticeable slice of event-loop CPU on aiokafka, which is pure Python;
+figures in docs/design.md, "One reply record per partition per step") and N records for every
+consumer to decode; a worker's event loop shares the CPU with the engine, and an edge's router
+handles every worker's records. Batched, a step costs one record per reply partition.
+
+Ordering: a request's replies all go to one partition; within a round each request has at most
+one chunk and one final, the chunk first (``replies_of`` reads them in that order); rounds of a
+topic are sequential. So each request's records keep their order, and its final reply is
+acknowledged only after all of its tokens are.
+
+Failure: a record is retried ``retries`` times (backoff 0.1 s doubling); then every request in it
+is forgotten here (what it still had queued too, so no later chunk leaves a gap) and
+``on_failed(key, None)`` is called for each: the worker leaves it uncommitted, so it runs again
+elsewhere. While one partition's record is being retried, the topic's next round waits.
+A reply topic that does not exist is not a failure that a retry or another worker can mend: its
+requests are *undeliverable*, and ``on_failed(key, reason)`` says so (the worker dead-letters and
+commits them, so one request naming a missing topic cannot pin its partition's commits). The
+topic is checked before its first round (again over ~0.7 s before it counts as missing, as a topic
+its requester has just created may not be in every broker's metadata yet) and after a failed send
+(deleted since); nothing is ever sent to a missing topic, which on a broker with auto-create would
+create it for no reader, and on one without would wait out the request timeout. A topic found
+missing is remembered for ``MISSING_TTL_S``. The worker's intake asks :meth:`verify` before the
+first request naming a topic runs (engine_workers/worker/reply_gate.py), so a request to a missing topic
+is dead-lettered without a prefill; the rounds' own checks catch a topic deleted later.
+
+Concurrency: ``chunk``/``final``/``drop`` are synchronous and called from the event loop only.
+Memory: at most the not-yet-sent tokens of the requests in flight. ``stop`` cancels every task
+(records not yet sent are lost, as in a crash: their requests are uncommitted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from bus.base import Bus, BusError, UnknownTopicError
+from bus.messages import Error, Finished, ReplyBatch, TokenChunk, encode
+from bus.partitioner import partition_for_key
+
+log = logging.getLogger(__name__)
+
+MAX_CACHED_TOPICS = 10_000  # partition counts remembered (reply topics may be per request)
+MISSING_RECHECK_S = (0.1, 0.2, 0.4)  # waits before a reply topic not found counts as missing
+MISSING_TTL_S = 2.0  # how long a topic found missing is remembered (``still_missing``)
+
+
+class Undeliverable(Exception):
+    """The reply topic does not exist: no retry or other worker can deliver these replies."""
+
+
+def missing_topic_reason(topic: str) -> str:
+    """Why a request naming ``topic`` is undeliverable: the text of its dead letter's ``dlq.reason``
+    (the same whether the reply rounds or the worker's intake found the topic missing)."""
+    return f"reply topic {topic!r} does not exist"
+
+
+class _Pending:
+    """One request's replies queued for the next round."""
+
+    __slots__ = ("request_id", "attempt", "seq", "tokens", "text", "text_offset", "logprobs", "final", "on_acked")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.attempt = 0
+        self.seq = -1  # index of tokens[0]
+        self.tokens: list[int] = []
+        self.text: list[str] = []
+        self.text_offset = 0
+        self.logprobs: list | None = None
+        self.final: Finished | Error | None = None
+        self.on_acked: Callable[[], None] | None = None
+
+    def take_chunk(self, worker_id: str) -> TokenChunk | None:
+        if not self.tokens and not self.text:
+            return None
+        return TokenChunk(self.request_id, self.attempt, self.seq, tuple(self.tokens), "".join(self.text),
+                          self.text_offset, tuple(self.logprobs) if self.logprobs is not None else None, worker_id)
+
+
+class _Topic:
+    __slots__ = ("name", "queued", "task")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queued: dict[str, _Pending] = {}  # request key -> its replies, in arrival order
+        self.task: asyncio.Task | None = None
+
+
+class ReplySender:
+    def __init__(self, bus: Bus, worker_id: str, retries: int = 3,
+                 on_failed: Callable[[str, str | None], None] | None = None) -> None:
+        self.bus = bus
+        self.worker_id = worker_id
+        self.retries = retries
+        self.on_failed = on_failed
+        self._topics: dict[str, _Topic] = {}
+        self._keys: dict[str, _Topic] = {}  # request key -> its topic, until its final is acknowledged
+        self._closing: set[str] = set()  # keys whose final is queued: no more chunks
+        self._partition: dict[str, int] = {}  # request key -> its partition (murmur2 in Python: once)
+        self._counts: dict[str, int] = {}  # topic -> partition count
+        self._missing: dict[str, float] = {}  # topic -> when (loop time) it was found missing
+        self._verifying: dict[str, asyncio.Task] = {}  # topic -> its check in progress (verify)
+        self._tasks: set[asyncio.Task] = set()
+        self.records_sent = 0
+        self.replies_sent = 0  # chunks and finals inside those records
+
+    def __len__(self) -> int:
+        """Requests with replies queued or in flight."""
+        return len(self._keys)
+
+    def _pending(self, key: str, topic: str, request_id: str) -> tuple[_Topic, _Pending]:
+        t = self._topics.get(topic)
+        if t is None:
+            t = self._topics[topic] = _Topic(topic)
+        p = t.queued.get(key)
+        if p is None:
+            p = t.queued[key] = _Pending(request_id)
+        self._keys[key] = t
+        return t, p
+
+    def chunk(self, key: str, topic: str, request_id: str, attempt: int, seq: int, token_ids, text: str,
+              text_offset: int, logprobs=None) -> None:
+        """Queue tokens ``seq..`` of request ``key`` (contiguous with what is queued)."""
+        if key in self._closing:
+            raise RuntimeError(f"{key}: chunk after final")
+        t, p = self._pending(key, topic, request_id)
+        if not p.tokens and not p.text:
+            p.seq, p.text_offset, p.attempt = seq, text_offset, attempt
+        p.tokens.extend(token_ids)
+        p.text.append(text)
+        if logprobs is not None:
+            p.logprobs = (p.logprobs or []) + [tuple(tuple(x) for x in lp) for lp in logprobs]
+        self._kick(t)
+
+    def final(self, key: str, topic: str, request_id: str, msg: Finished | Error,
+              on_acked: Callable[[], None]) -> None:
+        """Queue the closing reply; ``on_acked()`` runs once it (and all before it) is acknowledged."""
+        t, p = self._pending(key, topic, request_id)
+        p.final, p.on_acked = msg, on_acked
+        self._closing.add(key)
+        self._kick(t)
+
+    def drop(self, key: str) -> None:
+        """Forget request ``key``: nothing more of it is sent, and its ``on_acked`` never runs
+        (partition revoked). A record of it already in flight still lands; consumers dedupe."""
+        t = self._forget(key)
+        if t is not None:
+            t.queued.pop(key, None)
+
+    def _forget(self, key: str) -> _Topic | None:
+        self._closing.discard(key)
+        self._partition.pop(key, None)
+        return self._keys.pop(key, None)
+
+    def _kick(self, t: _Topic) -> None:
+        if t.task is None:
+            t.task = asyncio.get_running_loop().create_task(self._pump(t), name=f"replies-{t.name}")
+            self._tasks.add(t.task)
+            t.task.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, t: _Topic) -> None:
+        try:
+            while t.queued:
+                round_, t.queued = t.queued, {}
+                try:
+                    count = await self._count(t.name)
+                except Undeliverable as exc:
+                    self._fail(t, list(round_), exc)
+                    continue
+                groups = self._groups(round_, count)
+                if len(groups) == 1:
+                    await self._send_group(t, *groups[0])
+                else:
+                    await asyncio.gather(*(self._send_group(t, part, items) for part, items in groups))
+        finally:
+            t.task = None
+            if t.queued:  # cancelled mid-round (stop); nothing more is sent
+                t.queued.clear()
+            if self._topics.get(t.name) is t:
+                del self._topics[t.name]
+
+    def _groups(self, round_: dict[str, _Pending], count: int | None) -> list[tuple[int | None, list]]:
+        """``round_`` as (partition, [(key, pending), ...]) per record to send. With the topic's
+        partition count unknown, one record per request, keyed (the bus picks its partition)."""
+        if count is None:
+            return [(None, [item]) for item in round_.items()]
+        groups: dict[int, list[tuple[str, _Pending]]] = {}
+        for key, p in round_.items():
+            part = self._partition.get(key)
+            if part is None:
+                part = self._partition[key] = partition_for_key(p.request_id.encode(), count)
+            groups.setdefault(part, []).append((key, p))
+        return list(groups.items())
+
+    async def _count(self, topic: str) -> int | None:
+        """The topic's partition count (cached); ``None`` when the bus could not be asked (the
+        records are then keyed one by one, as Kafka would place them). Raises
+        :class:`Undeliverable` when the topic does not exist."""
+        n = self._counts.get(topic)
+        if n is None:
+            try:
+                n = len(await self._partitions(topic))  # Undeliverable (not a BusError) propagates
+            except BusError:
+                return None
+            self._remember_count(topic, n)
+        return n
+
+    def _remember_count(self, topic: str, n: int) -> None:
+        if len(self._counts) >= MAX_CACHED_TOPICS:
+            self._counts.clear()
+        self._counts[topic] = n
+
+    async def _partitions(self, topic: str) -> list[int]:
+        """``partitions_for``; a topic not found is asked for again after each of
+        ``MISSING_RECHECK_S``, then raises :class:`Undeliverable`. Other ``BusError``s propagate."""
+        for wait in (*MISSING_RECHECK_S, None):
+            try:
+                return await self.bus.partitions_for(topic)
+            except UnknownTopicError:
+                if wait is None:
+                    if len(self._missing) >= MAX_CACHED_TOPICS:
+                        self._missing.clear()
+                    self._missing[topic] = asyncio.get_running_loop().time()
+                    raise Undeliverable(missing_topic_reason(topic)) from None
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def known(self, topic: str) -> bool:
+        """True when ``topic``'s partition count is cached: it existed when last asked."""
+        return topic in self._counts
+
+    async def verify(self, topic: str) -> str | None:
+        """Check that ``topic`` exists before a request naming it runs: ``None`` when it does (its
+        partition count is then cached for the reply rounds) or when the bus could not be asked
+        (the rounds check again); the dead letter's reason when it does not, after the rechecks of
+        ``MISSING_RECHECK_S`` (or one check while it is remembered missing). Concurrent calls for
+        one topic share one check. Cancelling a caller does not cancel the shared check;
+        :meth:`stop` does."""
+        if topic in self._counts:
+            return None
+        task = self._verifying.get(topic)
+        if task is None:
+            task = self._verifying[topic] = asyncio.get_running_loop().create_task(self._verify(topic),
+                                                                                   name=f"verify-{topic}")
+            self._tasks.add(task)
+
+            def done(t: asyncio.Task) -> None:
+                self._tasks.discard(t)
+                if self._verifying.get(topic) is t:
+                    del self._verifying[topic]
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _verify(self, topic: str) -> str | None:
+        if await self.still_missing(topic):
+            return missing_topic_reason(topic)
+        try:
+            await self._count(topic)
+        except Undeliverable as exc:
+            return str(exc)
+        return None
+
+    async def still_missing(self, topic: str) -> bool:
+        """True when ``topic`` was found missing in the last ``MISSING_TTL_S`` and the bus still
+        does not know it (asked once more, so a topic created since is never taken for missing).
+        For the intake: a flood of requests naming a missing reply topic is dead-lettered before
+        it runs, at the cost of one metadata request each, instead of a prefill each."""
+        found = self._missing.get(topic)
+        if found is None:
+            return False
+        if asyncio.get_running_loop().time() - found > MISSING_TTL_S:
+            del self._missing[topic]
+            return False
+        try:
+            parts = await self.bus.partitions_for(topic)
+        except UnknownTopicError:
+            return True
+        except BusError:
+            return False  # could not ask: let it run, the reply rounds check again
+        del self._missing[topic]
+        self._remember_count(topic, len(parts))
+        return False
+
+    async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
+        """Send one partition's record of a round; never raises (but ``CancelledError``): a
+        request whose record could not be sent is failed, the others of the round go on."""
+        try:
+            chunks = [c for _, p in items if (c := p.take_chunk(self.worker_id)) is not None]
+            finals = [p.final for _, p in items if p.final is not None]
+            n = len(chunks) + len(finals)
+            if n == 1:
+                value = encode((chunks or finals)[0])
+            else:
+                value = encode(ReplyBatch(tuple(chunks), tuple(f for f in finals if isinstance(f, Finished)),
+                                          tuple(f for f in finals if isinstance(f, Error))))
+            key = items[0][1].request_id.encode()  # every request here maps to ``part``
+            try:
+                await self._send(t.name, value, key, part)
+            except ValueError:  # the topic was re-created with fewer partitions: the count is stale
+                if part is None:
+                    raise
+                self._counts.pop(t.name, None)
+                for k, _ in items:
+                    self._partition.pop(k, None)
+                await self._send(t.name, value, key, None)  # keyed; later rounds use the new count
+        except Exception as exc:  # BusError after the retries, or a bug: fail these requests
+            self._fail(t, [k for k, _ in items], exc)
+            return
+        self.replies_sent += n
+        for k, p in items:
+            if p.final is not None and self._keys.get(k) is t:
+                self._forget(k)
+                self._call(p.on_acked)
+
+    def _fail(self, t: _Topic, keys: list[str], exc: Exception) -> None:
+        """Forget ``keys`` (what they still have queued too) and report each to ``on_failed``."""
+        if isinstance(exc, Undeliverable):
+            log.warning("replies of %s: %s; their requests are undeliverable", keys, exc)
+            reason: str | None = str(exc)
+        else:
+            log.error("replies of %s to %s failed: %r", keys, t.name, exc, exc_info=not isinstance(exc, BusError))
+            reason = None
+        for k in keys:
+            if self._keys.get(k) is t:
+                self._forget(k)
+                t.queued.pop(k, None)
+                self._call(self.on_failed, k, reason)
+
+    @staticmethod
+    def _call(cb: Callable | None, *args: object) -> None:
+        """A caller's callback; its exception is logged, so it cannot stop the round for the others."""
+        if cb is None:
+            return
+        try:
+            cb(*args)
+        except Exception:
+            log.exception("reply callback %r failed", cb)
+
+    async def _send(self, topic: str, value: bytes, key: bytes, partition: int | None) -> None:
+        backoff = 0.1
+        for attempt in range(self.retries + 1):
+            try:
+                await self.bus.send(topic, value, key=key, partition=partition)
+                self.records_sent += 1
+                return
+            except BusError:
+                # Deleted since its count was cached? Then no retry can deliver (and the count goes).
+                self._counts.pop(topic, None)
+                with contextlib.suppress(BusError):  # the broker unreachable: retry as before
+                    await self._partitions(topic)  # raises Undeliverable when it is gone
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(backoff)
+                backoff *= 2
+
+    async def idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or in flight (or ``timeout_s``); True when idle."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._keys and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        return not self._keys
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._topics.clear()
+        self._keys.clear()
+        self._closing.clear()
+        self._partition.clear()
+        self._verifying.clear()

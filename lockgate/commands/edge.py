@@ -1,0 +1,111 @@
+"""CLI: ``lockgate edge``, ``lockgate keys add``, ``lockgate bench edge``. Imports stay light here;
+the server, transformers and websockets load inside the commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
+from lockgate.options import env_default
+from lockgate.runtime import freeze_heap, raise_nofile, run_loop
+
+DEV_BANNER = """
+**********************************************************************
+*  lockgate edge: DEV MODE (no --keys file)                          *
+*  Every connection is admitted, with or without an API key, as      *
+*  tenant 'dev' on tier p{tier} with no rate limits. Do not expose this.  *
+**********************************************************************
+"""
+
+
+def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("edge", help="WebSocket edge: what chat frontends connect to")
+    p.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),
+                   help="bus URL: kafka://host:port or memory://name (env LOCKGATE_BUS)")
+    p.add_argument("--model", default=env_default("model", None),
+                   help="model spec (default: SmolLM2-135M-Instruct) (env LOCKGATE_MODEL)")
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"), help="listen address (env LOCKGATE_HOST)")
+    p.add_argument("--port", type=int, default=env_default("port", 8765), help="listen port (env LOCKGATE_PORT)")
+    add_openai_port(p)
+    p.add_argument("--keys", default=env_default("keys", None),
+                   help="API key file (JSON lines, hashed); without it the edge runs in DEV MODE (env LOCKGATE_KEYS)")
+    p.add_argument("--edge-id", default=env_default("edge-id", None), help="reply-topic owner name (default random)")
+    p.add_argument("--reuse-port", action="store_true", default=env_default("reuse-port", False),
+                   help="listen with SO_REUSEPORT, so several edge processes share the port (one core each) "
+                        "(env LOCKGATE_REUSE_PORT)")
+    p.add_argument("--slo-wait", default=env_default("slo-wait", "2,5,60"),
+                   help="max estimated queue wait per tier p0,p1,p2 in seconds before shedding (env LOCKGATE_SLO_WAIT)")
+    p.add_argument("--max-frame-bytes", type=int, default=env_default("max-frame-bytes", 1 << 20))
+    p.add_argument("--request-timeout", type=float, default=env_default("request-timeout", 300.0))
+    p.set_defaults(func=_edge)
+
+    k = sub.add_parser("keys", help="API keys for the edge")
+    ks = k.add_subparsers(dest="keys_command", metavar="ACTION")
+    a = ks.add_parser("add", help="make a key, append its hashed entry to the key file, print the key once")
+    a.add_argument("--tenant", required=True)
+    a.add_argument("--tier", type=int, default=1, choices=(0, 1, 2))
+    a.add_argument("--keys", default=env_default("keys", None), help="key file to append to (else print only)")
+    a.add_argument("--requests-per-min", type=int, default=120)
+    a.add_argument("--tokens-per-min", type=int, default=500_000)
+    a.add_argument("--max-streams", type=int, default=16)
+    a.set_defaults(func=_keys_add)
+
+
+
+def _edge(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from edge.config import EdgeConfig, load_keys
+    from tokenization.model_store import model_name, resolve_model
+
+    keys = load_keys(args.keys) if args.keys else None
+    slo = tuple(float(x) for x in str(args.slo_wait).split(","))
+    path = resolve_model(args.model)
+    kw = {"edge_id": args.edge_id} if args.edge_id else {}
+    config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
+                        keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
+                        request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
+                        openai_port=openai_port(args), **kw)
+    if config.dev_mode:
+        print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
+
+    async def main() -> None:
+        import bus as busmod
+        from edge.server import Edge
+
+        raise_nofile()
+        b = busmod.connect(args.bus)
+        await b.start()
+        try:
+            async with Edge(config, b) as edge:
+                freeze_heap()
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                print(f"lockgate edge on http://{config.host}:{edge.port}/ (ws /ws), bus {args.bus}", flush=True)
+                if edge.openai_port is not None:
+                    print(f"OpenAI-compatible API: {openai_base_url(config.host, edge.openai_port)}", flush=True)
+                await stop.wait()
+                print(f"lockgate edge: shutting down ({len(edge.sessions)} connections to close)", file=sys.stderr,
+                      flush=True)
+        finally:
+            await b.stop()
+
+    run_loop(main())
+    return 0
+
+
+def _keys_add(args: argparse.Namespace) -> int:
+    from edge.config import add_key
+
+    key, entry = add_key(args.keys, args.tenant, args.tier, requests_per_min=args.requests_per_min,
+                         tokens_per_min=args.tokens_per_min, max_streams=args.max_streams)
+    print(key)
+    if args.keys:
+        print(f"appended the hashed entry to {args.keys}; the key above is not stored anywhere", file=sys.stderr)
+    else:
+        print(entry.to_json())
+    return 0

@@ -1,0 +1,26 @@
+"""The OpenAI-compatible API's command-line option, shared by ``lockgate edge`` and ``lockgate serve``."""
+
+from __future__ import annotations
+
+import argparse
+
+from lockgate.options import env_default
+
+DEFAULT_OPENAI_PORT = 8000  # vLLM's port, so OpenAI clients configured for a local vLLM work as they are
+
+
+def add_openai_port(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--openai-port", type=int, default=env_default("openai-port", DEFAULT_OPENAI_PORT),
+                   help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                        "/v1/models); 0 = off [LOCKGATE_OPENAI_PORT]")
+
+
+def openai_port(args: argparse.Namespace) -> int | None:
+    """``--openai-port`` as ``EdgeConfig.openai_port`` wants it: ``None`` when off (the CLI's 0)."""
+    return args.openai_port or None
+
+
+def openai_base_url(host: str, port: int) -> str:
+    """The base URL to give an OpenAI client (``base_url``)."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{shown}:{port}/v1"

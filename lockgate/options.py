@@ -1,0 +1,72 @@
+"""Flags with environment-variable twins, and the engine flags every engine-building command shares
+(generate, worker, serve, bench). Nothing heavy at import."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine_workers.engine.config import EngineConfig
+
+
+def env_default(name: str, default: object) -> object:
+    """Default for flag ``--name``: env ``LOCKGATE_NAME`` if set, else ``default``."""
+    key = "LOCKGATE_" + name.upper().replace("-", "_")
+    raw = os.environ.get(key)
+    if raw is None:
+        return default
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes", "on")
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return raw
+
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine (generate, worker, serve, bench)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=env_default("model", "default"), help="HF folder, hub id, or 'default' (SmolLM2-135M-Instruct) [LOCKGATE_MODEL]")
+    g.add_argument("--device", default=env_default("device", "auto"), help="auto|cpu|cuda[:N] [LOCKGATE_DEVICE]")
+    g.add_argument("--dtype", default=env_default("dtype", "auto"), help="auto (bf16 on CUDA, fp32 on CPU)|float32|bfloat16|float16 [LOCKGATE_DTYPE]")
+    g.add_argument("--block-size", type=int, default=env_default("block-size", 16), help="tokens per KV block [LOCKGATE_BLOCK_SIZE]")
+    g.add_argument("--kv-cache-bytes", type=_bytes, default=env_default("kv-cache-bytes", None), help="KV budget, e.g. 512M, 4G; default: a fraction of free memory [LOCKGATE_KV_CACHE_BYTES]")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=env_default("kv-cache-memory-fraction", 0.9), help="fraction of free GPU memory for KV [LOCKGATE_KV_CACHE_MEMORY_FRACTION]")
+    g.add_argument("--max-num-seqs", type=int, default=env_default("max-num-seqs", 64), help="sequences per step [LOCKGATE_MAX_NUM_SEQS]")
+    g.add_argument("--max-num-batched-tokens", type=int, default=env_default("max-num-batched-tokens", 512), help="tokens per step [LOCKGATE_MAX_NUM_BATCHED_TOKENS]")
+    g.add_argument("--max-model-len", type=int, default=env_default("max-model-len", None), help="context limit [LOCKGATE_MAX_MODEL_LEN]")
+    g.add_argument("--no-prefix-caching", action="store_true", default=env_default("no-prefix-caching", False), help="disable automatic prefix caching [LOCKGATE_NO_PREFIX_CACHING]")
+    g.add_argument("--threads", type=int, default=env_default("threads", None), help="torch CPU threads [LOCKGATE_THREADS]")
+    g.add_argument("--no-weight-prepack", action="store_true", default=env_default("no-weight-prepack", False),
+                   help="CPU float32: keep linears on F.linear instead of oneDNN with weights packed once [LOCKGATE_NO_WEIGHT_PREPACK]")
+    g.add_argument("--no-cpu-kernels", action="store_true", default=env_default("no-cpu-kernels", False),
+                   help="CPU float32: none of the engine's C++ kernels (paged decode and causal prefill "
+                        "attention, fused add + RMSNorm and SiLU gating, the small-batch linear): torch ops and "
+                        "oneDNN instead [LOCKGATE_NO_CPU_KERNELS]")
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = str(text).strip().lower().rstrip("ib").rstrip("b") if not str(text).isdigit() else str(text)
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (examples: 1048576, 512M, 4G)") from None
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from engine_workers.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+        weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,
+    )

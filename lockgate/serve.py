@@ -1,0 +1,91 @@
+"""``lockgate serve``: the whole platform in one process — edge + one worker + the in-memory bus.
+
+This is the embedded default behind ``make serve``: no Kafka, no external services. The same
+``Edge`` and ``Worker`` classes run here as in a distributed deployment; only the bus differs.
+
+Shutdown (SIGINT/SIGTERM): the edge stops accepting, the worker drains running requests up to its
+grace period, then the bus closes. Each component is an ``async with`` owner of its tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
+from lockgate.options import add_engine_args, engine_config_from_args, env_default
+from lockgate.runtime import freeze_heap, run_loop
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction | None = None) -> None:
+    p = sub.add_parser("serve", help="embedded platform: edge + worker + in-memory bus, one process")
+    add_engine_args(p)
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"), help="edge listen address [LOCKGATE_HOST]")
+    p.add_argument("--port", type=int, default=env_default("port", 8765), help="edge port [LOCKGATE_PORT]")
+    add_openai_port(p)
+    p.add_argument("--keys", default=env_default("keys", None), help="API key file; none = dev mode [LOCKGATE_KEYS]")
+    p.add_argument("--bus", default=env_default("serve-bus", "memory://lockgate"),
+                   help="bus URL; memory:// keeps everything in-process [LOCKGATE_SERVE_BUS]")
+    p.add_argument("--intake-mode", choices=("aging", "strict", "fifo"), default=env_default("intake-mode", "aging"))
+    p.add_argument("--aging-period", type=float, default=env_default("aging-period", 2.0))
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics-port", None),
+                   help="worker /metrics port (the edge serves /metrics on its own port) [LOCKGATE_METRICS_PORT]")
+    p.set_defaults(func=_serve)
+
+
+async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = None, stop: asyncio.Event | None = None,
+                       freeze: bool = True) -> int:
+    """Run until ``stop`` is set (or a signal). ``ready`` receives the edge's bound port."""
+    import bus as busmod
+    from bus.topics import TopicLayout
+    from edge.config import EdgeConfig, load_keys
+    from edge.server import Edge
+    from engine_workers.engine.core import Engine
+    from engine_workers.worker.actor import Worker, WorkerConfig
+    from lockgate.commands.edge import DEV_BANNER
+    from lockgate.runtime import raise_nofile
+    from tokenization.model_store import model_name
+
+    name = model_name(args.model)
+    layout = TopicLayout()
+    keys = load_keys(args.keys) if args.keys else None
+    engine = await asyncio.to_thread(Engine, engine_config_from_args(args))
+    edge_cfg = EdgeConfig(model=name, model_path=str(engine.loaded.path), host=args.host, port=args.port, keys=keys, layout=layout,
+                          openai_port=openai_port(args))
+    worker_cfg = WorkerConfig(model=name, layout=layout, intake_mode=args.intake_mode, aging_period_s=args.aging_period,
+                              metrics_port=args.metrics_port)
+    if edge_cfg.dev_mode:
+        print(DEV_BANNER.format(tier=edge_cfg.dev_tier), file=sys.stderr, flush=True)
+    raise_nofile()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    async with busmod.connect(args.bus) as bus:
+        await bus.ensure_topics(layout.model_specs(name))
+        async with Worker(worker_cfg, bus, engine) as worker, Edge(edge_cfg, bus) as edge:
+            if freeze:  # start-up state out of the GC's full collections (lockgate.cli.freeze_heap)
+                freeze_heap()
+            print(f"lockgate serving {name} at http://{args.host}:{edge.port}/  (WebSocket: ws://{args.host}:{edge.port}/ws)", flush=True)
+            if edge.openai_port is not None:
+                print(f"OpenAI-compatible API: {openai_base_url(args.host, edge.openai_port)}  (model {name!r})",
+                      flush=True)
+            if ready is not None and not ready.done():
+                ready.set_result(edge.port)
+            await stop.wait()
+            print("lockgate: shutting down (draining running requests)", file=sys.stderr, flush=True)
+            await edge.stop()
+            await worker.drain()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    return run_loop(run_embedded(args))

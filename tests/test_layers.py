@@ -1,0 +1,105 @@
+"""The layer rules hold, and breaking one fails: the import-linter contracts in pyproject.toml run
+over the real packages (kept), then over a copy of them with one forbidden import added (broken,
+naming the contract). No import cycles between packages or between the modules of a package."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "lockgate", "benchmarks")
+LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--config", str(cwd / "pyproject.toml")],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_layer_contracts_are_kept() -> None:
+    run = _lint_imports(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "BROKEN" not in run.stdout and " KEPT" in run.stdout
+
+
+@pytest.mark.parametrize(("module", "line", "contract"), [
+    ("edge/_probe.py", "import engine_workers.engine.core\n",
+     "The edge and the producers import only the bus and the shared tokenization"),
+    ("bus/_probe.py", "import kv_store\n", "bus imports nothing of ours"),
+    ("engine_workers/engine/_probe.py", "import bus.messages\n", "The engine knows no bus and no worker"),
+    ("kv_store/_probe.py", "import lockgate.cli\n", "Product packages never import the composition root or the benchmarks"),
+    ("bus/_probe.py", "import bus.kafka\n", "No import cycles between the modules or subpackages of any package"),
+])
+def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__", "csrc", "static"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / module).write_text(line)
+    if module == "bus/_probe.py" and "kafka" in line:
+        # close the loop: bus.kafka -> bus._probe -> bus.kafka
+        kafka = tmp_path / "bus" / "kafka.py"
+        kafka.write_text(kafka.read_text() + "\nimport bus._probe  # noqa: E402\n")
+    run = _lint_imports(tmp_path)
+    assert run.returncode != 0, run.stdout
+    broken = run.stdout.split("Broken contracts", 1)[-1]
+    assert contract in broken, run.stdout
+
+
+def _strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components of more than one node: each one is an import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for n in nodes:
+        if n not in index:
+            visit(n)
+    return out
+
+
+def test_no_import_cycle_between_modules_or_packages() -> None:
+    graph = grimp.build_graph(*PACKAGES)  # TYPE_CHECKING imports count too
+    modules = sorted(graph.modules)
+    by_module = {m: set(graph.find_modules_directly_imported_by(m)) for m in modules}
+    assert _strongly_connected(modules, by_module) == []
+    by_package: dict[str, set[str]] = defaultdict(set)
+    for m, imported in by_module.items():
+        by_package[m.split(".")[0]] |= {i.split(".")[0] for i in imported} - {m.split(".")[0]}
+    assert _strongly_connected(list(PACKAGES), by_package) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _strongly_connected(["a", "b", "c"], {"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
+    assert _strongly_connected(["a", "b"], {"a": {"b"}}) == []
