@@ -95,7 +95,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if len(weights) != 3:
         raise ValueError("--tier-mix needs three weights p0,p1,p2")
     keys = parse_keys(args.api_key)
-    if args.url:
+    if args.url or args.openai_url:
         # Only tiers with a key can be sent; others are folded into the first available.
         weights = tuple(w if t in keys else 0.0 for t, w in enumerate(weights))
         if sum(weights) == 0:
@@ -103,9 +103,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
     mix = LengthMix(prompt_median=args.prompt_len, output_median=args.output_len, prompt_max=args.max_prompt_len,
                     output_max=args.max_output_len, prompt_min=min(4, args.max_prompt_len),
                     output_min=min(2, args.max_output_len), tier_weights=weights)
-    target = "embedded" if args.embedded else ("bus" if args.bus else "ws")
+    target = "embedded" if args.embedded else "bus" if args.bus else "openai" if args.openai_url else "ws"
     cfg = BenchConfig(target=target, rates=tuple(parse_rates(args.rate)), num_prompts=args.num_prompts,
-                      out_dir=args.out, url=args.url, keys=keys, bus_url=args.bus, model=args.model,
+                      out_dir=args.out, url=args.url or args.openai_url, keys=keys, bus_url=args.bus, model=args.model,
                       arrivals=args.arrivals, burstiness=args.burstiness, seed=args.seed, slo=parse_slo(args.slo),
                       mix=mix, connections_per_tier=args.connections, max_concurrency=args.max_concurrency,
                       request_timeout_s=args.request_timeout, warmup=args.warmup, fake_worker=args.fake_worker, plots=not args.no_plots,
@@ -178,6 +178,8 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     s = bench.add_parser("serve", help="serving benchmark (vLLM bench serve semantics) against an edge, the bus, or embedded")
     t = s.add_mutually_exclusive_group(required=True)
     t.add_argument("--url", help="edge WebSocket URL, e.g. ws://127.0.0.1:8765/ws")
+    t.add_argument("--openai-url", help="any OpenAI-compatible server's base URL, e.g. http://127.0.0.1:8000/v1 "
+                                        "(streaming chat completions; the model is the first of GET /models)")
     t.add_argument("--bus", help="drive the bus directly (no edge): bus URL; needs --model")
     t.add_argument("--embedded", action="store_true", help="memory bus + edge + worker in this process")
     s.add_argument("--api-key", action="append", default=[],

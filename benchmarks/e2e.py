@@ -112,6 +112,7 @@ def run_inprocess(engine, work, broker: list[int] | None = None) -> dict:
                     first = time.monotonic()
                 if out.finished and out.times is not None:
                     compute = out.times.first_token - out.times.first_scheduled
+        assert first is not None  # the request ran to its end, so it produced a token
         lone.append(first - t)
         overhead.append(first - t - compute)
     engine.add_request("warm", work[0][0][:8], engine_params(SamplingParams(max_tokens=2, temperature=0.0)), cache_salt=salt + "w")
@@ -168,7 +169,7 @@ async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: s
 
         async def collect(ids: set[str], first: dict[str, float], timeout: float = 600,
                           finals: dict[str, Finished] | None = None) -> int:
-            tokens, done = 0, set()
+            tokens, done = 0, set[str]()
             deadline = time.monotonic() + timeout
             while done != ids and time.monotonic() < deadline:
                 for rec in await replies.getmany(timeout_ms=50):
@@ -188,7 +189,9 @@ async def _measure_bus(bus, engine, work, url: str, model: str, layout, reply: s
         await collect({"warm"}, {})
         lone, overhead = [], []
         for i, prompt in enumerate(lone_prompts(work)):
-            t, got, fin = time.monotonic(), {}, {}
+            t = time.monotonic()
+            got: dict[str, float] = {}
+            fin: dict[str, Finished] = {}
             await send(f"l{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), f"{salt}l{i}")
             await collect({f"l{i}"}, got, finals=fin)
             lone.append(got[f"l{i}"] - t)

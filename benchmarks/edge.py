@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import multiprocessing as mp
 import os
@@ -27,6 +26,7 @@ import statistics
 import time
 
 from benchmarks.edge_floor import send_floor_us
+from benchmarks.edge_load import GcPauses, client_proc
 from bus.topics import TopicLayout
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
 
@@ -35,169 +35,6 @@ MODEL = "bench"
 
 def _stamp(_prompt_ids: tuple[int, ...], _i: int) -> str:  # FakeWorker's token_text callback
     return f"{time.time():.6f};"
-
-
-def _client_proc(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int, kind: str) -> None:
-    raise_nofile()
-    run_loop((_raw_clients if kind == "raw" else _clients)(pipe, port, n_conns, stream_idx, tokens))
-
-
-def _generate_frame(i: int, tokens: int) -> bytes:
-    """Stream ``i``'s request: both load generators send exactly this."""
-    import orjson
-
-    return orjson.dumps({"type": "generate", "id": f"b{i}", "prompt": f"bench {i}", "max_tokens": tokens})
-
-
-class _Tally:
-    """What one client process received: latencies (receive - publish stamp), tokens, span."""
-
-    def __init__(self) -> None:
-        self.lat: list[float] = []
-        self.published: list[float] = []  # the worker's stamp of each latency, in the same order
-        self.received = 0
-        self.first: float | None = None
-        self.last: float | None = None
-
-    def delta(self, text: str, now: float) -> None:
-        stamps = text.split(";")[:-1]
-        self.received += len(stamps)
-        pub = [float(s) for s in stamps]
-        self.published.extend(pub)
-        self.lat.extend(now - p for p in pub)
-        if self.first is None:
-            self.first = now
-        self.last = now
-
-    def result(self, still_open: int, cpu: float, gc_pauses: list[tuple[int, float]]) -> tuple:
-        return ("result", {"latencies": self.lat, "published": self.published, "tokens": self.received,
-                           "first": self.first, "last": self.last, "still_open": still_open, "cpu_s": cpu,
-                           "gc_pauses": gc_pauses})
-
-
-async def _raw_clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int) -> None:
-    """The lean client (benchmarks/edge_client.py): frames are handled inside ``data_received``."""
-    import orjson
-
-    from benchmarks.edge_client import connect_raw
-
-    sem = asyncio.Semaphore(200)
-    conns: dict = {}
-    failed = 0
-    tally = _Tally()
-    pending: set[int] = set()
-    all_done = asyncio.Event()
-
-    def finished(i: int) -> None:
-        pending.discard(i)
-        if not pending:
-            all_done.set()
-
-    def handler(i: int):
-        def on_text(payload: bytes) -> None:
-            now = time.time()
-            f = orjson.loads(payload)
-            kind = f["type"]
-            if kind == "delta":
-                tally.delta(f["text"], now)
-            elif kind in ("done", "error"):
-                finished(i)
-        return on_text
-
-    async def open_one(i: int) -> None:
-        nonlocal failed
-        async with sem:
-            try:
-                c = conns[i] = await connect_raw("127.0.0.1", port, "/ws", handler(i))
-                c.closed.add_done_callback(lambda _: finished(i))  # a dropped stream ends too
-            except Exception:
-                failed += 1
-
-    t0 = time.time()
-    await asyncio.gather(*(open_one(i) for i in range(n_conns)))
-    pipe.send(("held", len(conns), failed, time.time() - t0))
-    await asyncio.to_thread(pipe.recv)  # "go"
-    cpu0 = time.process_time()
-    with _GcPauses() as pauses:
-        pending.update(i for i in stream_idx if i in conns)
-        for i in sorted(pending):
-            conns[i].send_text(_generate_frame(i, tokens))
-        if pending:
-            # Bounded: a stream that never ends shows up as missing tokens, not as a hung benchmark.
-            waiter = asyncio.ensure_future(all_done.wait())
-            await asyncio.wait({waiter}, timeout=60 + tokens)
-            waiter.cancel()
-    cpu = time.process_time() - cpu0
-    pipe.send(tally.result(sum(1 for c in conns.values() if c.open), cpu, pauses.pauses))
-    await asyncio.to_thread(pipe.recv)  # "close"
-    for c in conns.values():
-        c.close()
-    if conns:
-        await asyncio.wait([c.closed for c in conns.values()], timeout=30)
-
-
-async def _clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int) -> None:
-    import orjson
-    from websockets.asyncio.client import connect
-
-    url = f"ws://127.0.0.1:{port}/ws"
-    sem = asyncio.Semaphore(200)
-    conns: list = []
-    failed = 0
-
-    async def open_one() -> None:
-        nonlocal failed
-        async with sem:
-            try:
-                conns.append(await connect(url, ping_interval=None, open_timeout=60, compression=None,
-                                           max_queue=64))
-            except Exception:
-                failed += 1
-
-    t0 = time.time()
-    await asyncio.gather(*(open_one() for _ in range(n_conns)))
-    pipe.send(("held", len(conns), failed, time.time() - t0))
-    await asyncio.to_thread(pipe.recv)  # "go"
-
-    tally = _Tally()
-
-    async def stream(i: int, ws) -> None:
-        await ws.send(_generate_frame(i, tokens).decode())
-        while True:
-            f = orjson.loads(await ws.recv())
-            if f["type"] == "delta":
-                tally.delta(f["text"], time.time())
-            elif f["type"] in ("done", "error"):
-                return
-
-    cpu0 = time.process_time()
-    with _GcPauses() as pauses:
-        await asyncio.gather(*(stream(i, conns[i]) for i in stream_idx if i < len(conns)))
-    cpu = time.process_time() - cpu0
-    pipe.send(tally.result(sum(1 for c in conns if c.state.name == "OPEN"), cpu, pauses.pauses))
-    await asyncio.to_thread(pipe.recv)  # "close"
-    await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
-
-
-class _GcPauses:
-    """Records (generation, seconds) of every garbage collection while the block runs."""
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []
-        self._start = 0.0
-
-    def _cb(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], time.perf_counter() - self._start))
-
-    def __enter__(self) -> _GcPauses:
-        gc.callbacks.append(self._cb)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._cb)
 
 
 WINDOW_S = 0.5
@@ -287,7 +124,7 @@ def _edge_proc(pipe, port: int, step_ms: float, workers: int) -> None:
             pipe.send(("held", len(shard.edge.sessions)))
             assert await asyncio.to_thread(pipe.recv) == "go"
             cpu0 = time.process_time()
-            with _GcPauses() as pauses:
+            with GcPauses() as pauses:
                 assert await asyncio.to_thread(pipe.recv) == "stop"
             pipe.send(("stats", len(shard.edge.sessions), time.process_time() - cpu0, pauses.pauses))
         finally:
@@ -320,7 +157,7 @@ async def _bench(args: argparse.Namespace) -> dict:
             await asyncio.to_thread(ep.recv)  # ("ready",): listening on the shared port
         for _ in range(args.client_procs):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_client_proc, daemon=True,
+            p = ctx.Process(target=client_proc, daemon=True,
                             args=(child, port, per, list(range(streams_per)), args.tokens, args.client))
             p.start()
             procs.append(p)
@@ -333,7 +170,7 @@ async def _bench(args: argparse.Namespace) -> dict:
         for pp in edge_pipes + pipes:
             pp.send("go")
         t0, cpu0 = time.time(), time.process_time()
-        with _GcPauses() as gc_pauses:
+        with GcPauses() as gc_pauses:
             results = [(await asyncio.to_thread(pp.recv))[1] for pp in pipes]
         wall, edge_cpu = time.time() - t0, time.process_time() - cpu0
         pauses = list(gc_pauses.pauses)

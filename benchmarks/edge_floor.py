@@ -32,13 +32,13 @@ def _reader(port: int, n: int, total_bytes: int, ready) -> None:
         for _ in range(n):
             s = socket.create_connection(("127.0.0.1", port))
             s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ)
+            sel.register(s, selectors.EVENT_READ, s)
             socks.append(s)
         ready.set()
         got, deadline = 0, time.monotonic() + 120
         while got < total_bytes and time.monotonic() < deadline:
             for key, _ in sel.select(1.0):
-                data = key.fileobj.recv(1 << 16)
+                data = key.data.recv(1 << 16)
                 if not data:
                     return
                 got += len(data)

@@ -84,7 +84,7 @@ def _hf_model(path, device: torch.device, dtype: torch.dtype):
 
     # The same device and dtype as lockgate's engine: a GPU engine against HF on the CPU (as this
     # bench ran until 2026-12-04 on CUDA, never tried there) would compare hardware, not engines.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # PreTrainedModel.to is functools.wraps'd; typeshed's _Wrapped does not bind self
     model.generation_config.eos_token_id = None
     return model
 

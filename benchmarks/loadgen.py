@@ -42,7 +42,7 @@ class LengthMix:
     output_sigma: float = 0.8
     output_min: int = 2
     output_max: int = 512
-    tier_weights: tuple[float, float, float] = (0.2, 0.6, 0.2)
+    tier_weights: tuple[float, ...] = (0.2, 0.6, 0.2)  # p0, p1, p2: three, checked below
 
     def __post_init__(self) -> None:
         for name in ("prompt_median", "output_median"):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.loadgen import LengthMix, SyntheticRequest, synthetic_text, workload
 from benchmarks.stats import run_stats
-from benchmarks.targets import BusTarget, Prompt, WsTarget
+from benchmarks.targets import BusTarget, OpenAITarget, Prompt, WsTarget
 from producers.timing import RequestTiming
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    target: str  # "ws" | "bus" | "embedded"
+    target: str  # "ws" | "bus" | "embedded" | "openai"
     rates: tuple[float, ...]
     num_prompts: int
     out_dir: Path
@@ -62,9 +62,9 @@ class BenchConfig:
     engine: object | None = None  # EngineConfig of the --embedded worker (None: defaults for model)
 
     def __post_init__(self) -> None:
-        if self.target not in ("ws", "bus", "embedded"):
+        if self.target not in ("ws", "bus", "embedded", "openai"):
             raise ValueError(f"unknown target {self.target!r}")
-        if self.target == "ws" and not self.url:
+        if self.target in ("ws", "openai") and not self.url:
             raise ValueError("give --url ws://host:port/ws, --bus URL or --embedded")
         if self.target == "bus" and not (self.bus_url and self.model):
             raise ValueError("--bus needs --model (the served model, for topics and the tokenizer)")
@@ -72,7 +72,7 @@ class BenchConfig:
             raise ValueError("num_prompts must be >= 1")
 
 
-def build_prompts(reqs: list[SyntheticRequest], seed: int, tokenizer=None, vocab_floor: int = 3) -> list[Prompt]:  # noqa: ANN001
+def build_prompts(reqs: list[SyntheticRequest], seed: int, tokenizer=None, vocab_floor: int = 3) -> list[Prompt]:
     """Text (for the edge) and exact token ids (for the bus) of each request. With a tokenizer the
     text is cut to ``prompt_len`` tokens (decode of the first ids), so lengths are close to the mix."""
     out = []
@@ -90,7 +90,7 @@ def build_prompts(reqs: list[SyntheticRequest], seed: int, tokenizer=None, vocab
     return out
 
 
-async def run_rate(target, reqs: list[SyntheticRequest], prompts: list[Prompt], timeout_s: float,  # noqa: ANN001
+async def run_rate(target, reqs: list[SyntheticRequest], prompts: list[Prompt], timeout_s: float,
                    max_concurrency: int | None = None) -> tuple[list[RequestTiming], float]:
     """Send every request at its arrival time; returns the timings and the duration (first send
     to last reply)."""
@@ -106,7 +106,7 @@ async def run_rate(target, reqs: list[SyntheticRequest], prompts: list[Prompt], 
                 return await asyncio.wait_for(target.run_one(p), timeout_s)
         except TimeoutError:
             return RequestTiming(t_start, (), time.perf_counter(), 0, len(p.token_ids), p.tier, False, "timeout")
-        except Exception as exc:  # noqa: BLE001 - a failed send is a failed request, not a failed run
+        except Exception as exc:
             return RequestTiming(t_start, (), time.perf_counter(), 0, len(p.token_ids), p.tier, False,
                                  type(exc).__name__)
 
@@ -177,7 +177,7 @@ async def embedded(model_spec: str | None, fake_worker: bool = False,
         await bus.stop()
 
 
-async def start_worker(bus, model_spec: str | None, name: str, fake: bool, engine_config=None):  # noqa: ANN001, ANN201
+async def start_worker(bus, model_spec: str | None, name: str, fake: bool, engine_config=None):
     """The in-process worker of ``--embedded``: the real engine worker (``engine_config``, default:
     an :class:`EngineConfig` for ``model_spec``), or the edge's FakeWorker (no model; for harness
     tests) when ``fake``. The caller stops it."""
@@ -197,7 +197,7 @@ async def start_worker(bus, model_spec: str | None, name: str, fake: bool, engin
     return w
 
 
-async def _measure(cfg: BenchConfig, target, tokenizer) -> dict:  # noqa: ANN001
+async def _measure(cfg: BenchConfig, target, tokenizer) -> dict:
     runs = []
     if cfg.warmup:
         warm = workload(cfg.warmup, math.inf, cfg.mix if cfg.warmup > 1 else cfg.mix.scaled(prompt_max=32, output_max=4),
@@ -215,7 +215,7 @@ async def _measure(cfg: BenchConfig, target, tokenizer) -> dict:  # noqa: ANN001
 def _config_dict(cfg: BenchConfig) -> dict:
     return {"target": cfg.target, "url": cfg.url, "bus": cfg.bus_url, "model": cfg.model, "rates": list(cfg.rates),
             "num_prompts": cfg.num_prompts, "arrivals": cfg.arrivals, "burstiness": cfg.burstiness, "seed": cfg.seed,
-            "slo_s": cfg.slo, "mix": asdict(cfg.mix), "tiers": sorted(cfg.keys) if cfg.target == "ws" else [0, 1, 2],
+            "slo_s": cfg.slo, "mix": asdict(cfg.mix), "tiers": sorted(cfg.keys) if cfg.target in ("ws", "openai") else [0, 1, 2],
             "max_concurrency": cfg.max_concurrency, "fake_worker": cfg.fake_worker,
             "sampling": {"temperature": 0.0, "ignore_eos": True}}
 
@@ -230,6 +230,18 @@ async def bench(cfg: BenchConfig) -> dict:
                 result = await _measure(cfg, target, tok)
             finally:
                 await target.stop()
+    elif cfg.target == "openai":
+        tok = None
+        if cfg.model:
+            from producers.prompting import Tokenizer
+
+            tok = (await asyncio.to_thread(Tokenizer.for_model, cfg.model)).tokenizer
+        target = OpenAITarget(cfg.url, dict(cfg.keys), timeout_s=cfg.request_timeout_s)
+        await target.start()
+        try:
+            result = await _measure(cfg, target, tok)
+        finally:
+            await target.stop()
     elif cfg.target == "ws":
         tok = None
         if cfg.model:

@@ -9,6 +9,8 @@ frame, which the edge may coalesce from several tokens; a bus ``TokenChunk``), `
   replies ``accepted`` / ``delta`` / ``done`` / ``error``. It keeps a few persistent connections
   per tier (one API key per tier; the edge derives the tier from the key) and multiplexes requests
   on them; one reader task per connection routes frames by ``id`` to the waiting request.
+* :class:`OpenAITarget` drives any OpenAI-compatible server (``--openai-url http://host:port/v1``):
+  streaming chat completions, SSE parsed by hand (no SDK in the timing path).
 * :class:`BusTarget` publishes :class:`InferenceRequest` s on the priority topics and reads its
   own reply topic (:class:`~producers.collector.ReplyCollector`) — no edge in the path.
 
@@ -19,12 +21,14 @@ a closed connection fail with ``error="disconnected"``. ``run_one`` is cancellab
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
 import time
 from dataclasses import dataclass
 
+import aiohttp
 import orjson
 
 from bus.messages import InferenceRequest, SamplingParams, encode
@@ -51,7 +55,7 @@ def sampling_for(max_tokens: int) -> SamplingParams:
 
 
 class _Conn:
-    def __init__(self, ws) -> None:  # noqa: ANN001
+    def __init__(self, ws) -> None:
         self.ws = ws
         self.waiting: dict[str, asyncio.Queue] = {}
         self.task: asyncio.Task | None = None
@@ -63,7 +67,7 @@ class _Conn:
                 q = self.waiting.get(frame.get("id"))
                 if q is not None:
                     q.put_nowait((time.perf_counter(), frame))
-        except Exception as exc:  # noqa: BLE001 - connection gone: fail what waits on it
+        except Exception as exc:
             log.debug("connection reader ended: %s", exc)
         finally:
             for q in self.waiting.values():
@@ -146,7 +150,7 @@ class WsTarget:
 
 
 class BusTarget:
-    def __init__(self, bus, model: str, layout=None) -> None:  # noqa: ANN001
+    def __init__(self, bus, model: str, layout=None) -> None:
         from bus.topics import TopicLayout
 
         self.bus = bus
@@ -183,3 +187,81 @@ class BusTarget:
         ok = r.ok and r.finished is not None and r.finished.finish_reason != "abort"
         return RequestTiming(sent, r.chunk_times, r.done_at, len(r.token_ids), len(p.token_ids), p.tier, ok,
                              None if ok else (r.error.code if r.error else "abort"))
+
+
+class OpenAITarget:
+    """Any OpenAI-compatible server (lockgate's ``/v1``, vLLM, ...): streaming chat completions with
+    ``stream_options.include_usage`` (token counts from the server's usage chunk) and vLLM's
+    ``ignore_eos`` extra with ``max_tokens``, so each request produces exactly its output length on
+    servers that honour it. One ``chunk_times`` entry per SSE event carrying content. ``keys`` maps
+    tiers to bearer keys (``None``: no key, e.g. a dev-mode edge). The served model is the first
+    entry of ``GET /models`` unless ``model`` is given."""
+
+    def __init__(self, base_url: str, keys: dict[int, str | None], model: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.keys = keys or {1: None}
+        self.model = model
+        self.timeout_s = timeout_s
+        self.session: aiohttp.ClientSession | None = None
+
+    @property
+    def tiers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.keys))
+
+    def _headers(self, tier: int) -> dict[str, str]:
+        key = self.keys.get(tier, self.keys[self.tiers[0]])
+        return {"Authorization": f"Bearer {key or 'none'}"}
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        if self.model is None:
+            async with self.session.get(f"{self.base_url}/models", headers=self._headers(self.tiers[0])) as r:
+                data = (await r.json())["data"]
+            if not data:
+                raise RuntimeError(f"{self.base_url}/models lists no model (no live worker?)")
+            self.model = data[0]["id"]
+
+    async def stop(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def run_one(self, p: Prompt) -> RequestTiming:
+        assert self.session is not None, "start() first"
+        tier = p.tier if p.tier in self.keys else self.tiers[0]
+        body = {"model": self.model, "messages": [{"role": "user", "content": p.text}], "max_tokens": p.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        chunks: list[float] = []
+        usage: dict = {}
+        sent = time.perf_counter()
+        async with self.session.post(f"{self.base_url}/chat/completions", json=body,
+                                     headers=self._headers(tier)) as r:
+            if r.status != 200:
+                err: dict = {}
+                with contextlib.suppress(Exception):
+                    err = (await r.json()).get("error") or {}
+                return RequestTiming(sent, (), time.perf_counter(), 0, 0, tier, False,
+                                     str(err.get("code") or f"http_{r.status}"))
+            buf = b""
+            async for data in r.content.iter_any():
+                at = time.perf_counter()
+                buf += data
+                *events, buf = buf.split(b"\n\n")
+                for ev in events:
+                    payload = ev.removeprefix(b"data: ")
+                    if payload == b"[DONE]":
+                        n = int(usage.get("completion_tokens", len(chunks)))
+                        return RequestTiming(sent, tuple(chunks), at, n, int(usage.get("prompt_tokens", 0)), tier,
+                                             True, None)
+                    obj = orjson.loads(payload)
+                    if "error" in obj:
+                        return RequestTiming(sent, tuple(chunks), at, 0, 0, tier, False,
+                                             str(obj["error"].get("code") or "error"))
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    for c in obj.get("choices") or ():
+                        if (c.get("delta") or {}).get("content"):
+                            chunks.append(at)
+        return RequestTiming(sent, tuple(chunks), time.perf_counter(), 0, 0, tier, False, "disconnected")

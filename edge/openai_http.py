@@ -68,9 +68,9 @@ class OpenAIServer:
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=4096,
                                  reuse_port=self.adm.config.reuse_port or None)
         await self._site.start()
-        server = self._site._server  # the bound port, for port 0
-        if server is not None and getattr(server, "sockets", None):
-            self.port = server.sockets[0].getsockname()[1]
+        sockets = getattr(self._site._server, "sockets", None)  # the bound port, for port 0
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -135,9 +135,10 @@ class OpenAIServer:
             except web.HTTPRequestEntityTooLarge:
                 raise ProtocolError(f"the request body is larger than {adm.config.max_frame_bytes} bytes") from None
             req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
-            if req.generate.model != adm.config.model:
+            model = req.generate.model or ""
+            if model != adm.config.model:
                 adm.reject("model_not_found", API)
-                return _error("model_not_found", f"the model {req.generate.model[:200]!r} does not exist; "
+                return _error("model_not_found", f"the model {model[:200]!r} does not exist; "
                               f"this server serves {adm.config.model!r}", "model")
         except ProtocolError as exc:
             adm.reject(exc.code, API)

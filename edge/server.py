@@ -101,7 +101,7 @@ class Edge:
                 self._server = await serve(
                     self._handle, cfg.host, cfg.port,
                     process_request=self._process_request,
-                    select_subprotocol=lambda conn, offered: select_subprotocol(offered),
+                    select_subprotocol=lambda _conn, offered: select_subprotocol(offered),
                     max_size=cfg.max_frame_bytes, max_queue=16, compression=None,
                     ping_interval=cfg.ping_interval_s, ping_timeout=cfg.ping_timeout_s,
                     close_timeout=cfg.close_timeout_s, backlog=4096, reuse_port=cfg.reuse_port or None)
@@ -257,7 +257,7 @@ class Edge:
             return
         # The handshake's response (a header map, ~12 GC-tracked objects) is not used once the
         # connection is open; at 10,000 connections every object a full collection must traverse
-        # is pause time (see lockgate.cli.freeze_heap). ``ws.request`` must stay: websockets
+        # is pause time (see lockgate.runtime.freeze_heap). ``ws.request`` must stay: websockets
         # reads ``request is None`` as "handshake not done yet".
         ws.response = None
         session = Session(self.admission, self.flusher, ws, principal)

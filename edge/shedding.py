@@ -108,5 +108,5 @@ class LoadShedder:
         return None
 
 
-def _at(values: tuple, i: int, default):  # noqa: ANN001
+def _at(values: tuple, i: int, default):
     return values[i] if i < len(values) else default

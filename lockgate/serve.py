@@ -72,7 +72,7 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     async with busmod.connect(args.bus) as bus:
         await bus.ensure_topics(layout.model_specs(name))
         async with Worker(worker_cfg, bus, engine) as worker, Edge(edge_cfg, bus) as edge:
-            if freeze:  # start-up state out of the GC's full collections (lockgate.cli.freeze_heap)
+            if freeze:  # start-up state out of the GC's full collections (lockgate.runtime.freeze_heap)
                 freeze_heap()
             print(f"lockgate serving {name} at http://{args.host}:{edge.port}/  (WebSocket: ws://{args.host}:{edge.port}/ws)", flush=True)
             if edge.openai_port is not None:

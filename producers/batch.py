@@ -179,8 +179,9 @@ class BatchJob:
         def done_cb(t: asyncio.Task) -> None:
             tasks.discard(t)
             sem.release()
-            if not t.cancelled() and t.exception() is not None:
-                failures.append(t.exception())
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                failures.append(exc)
 
         loop = asyncio.get_running_loop()
         try:
@@ -274,7 +275,7 @@ async def run_batch(cfg: BatchConfig, bus=None, tokenizer: Tokenizer | None = No
     """Run (or resume) a job. ``bus``: a started bus to use (else ``cfg.bus_url`` is connected)."""
     import bus as busmod
 
-    tok = tokenizer or await asyncio.to_thread(Tokenizer.for_model, cfg.model)
+    tok = tokenizer if tokenizer is not None else await asyncio.to_thread(Tokenizer.for_model, cfg.model)
     own = bus is None
     b = busmod.connect(cfg.bus_url) if own else bus
     if own:

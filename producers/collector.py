@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bus.base import Bus, BusError, StartFrom
+from bus.base import Bus, BusError, Consumer, StartFrom
 from bus.messages import DecodeError, Error, Finished, TokenChunk, decode, replies_of
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class ReplyCollector:
         self.duplicates = 0
         self.abandoned = 0  # requests given up on before their final reply: they may still answer
         self._task: asyncio.Task | None = None
-        self._consumer = None
+        self._consumer: Consumer | None = None
 
     async def start(self) -> None:
         """Start reading (the topic must exist). Records published after this returns are seen."""
@@ -192,8 +192,7 @@ class ReplyCollector:
 
     def _on_message(self, msg: object, now: float) -> None:
         rid = getattr(msg, "request_id", None)
-        p = self.pending.get(rid) if isinstance(rid, str) else None
-        if p is None:
+        if not isinstance(rid, str) or (p := self.pending.get(rid)) is None:
             self.unknown += 1
             return
         if isinstance(msg, TokenChunk):

@@ -46,7 +46,7 @@ def layer_shapes(rows: list[int], rounds: int) -> None:
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen) for k in (h, inter)}
 
-        def run(on: bool) -> None:
+        def run(on: bool, xs: dict[int, torch.Tensor] = xs) -> None:  # binds this M's inputs
             for lin, p in zip(lins, panels):
                 lin.panels = p if on else None
                 lin(xs[lin.in_features])

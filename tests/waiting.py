@@ -44,7 +44,7 @@ async def wait_until(predicate: Callable[[], T | Awaitable[T]], *, timeout: floa
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if loop.time() >= deadline:
             raise AssertionError(_timed_out(predicate, timeout, message))
         await asyncio.sleep(min(interval, max(0.0, deadline - loop.time())))

@@ -62,7 +62,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     tok.eos_token = "<|im_end|>"
     tok.bos_token = None
     if hasattr(tok, "add_bos_token"):
-        tok.add_bos_token = False
+        tok.add_bos_token = False  # type: ignore[misc]  # transformers declares its setter apart from the getter; mypy sees a read-only property
     eos_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.config.eos_token_id = eos_id
     model.config.bos_token_id = None
@@ -72,7 +72,7 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         model.generation_config.pad_token_id = eos_id
     # The weights are dequantized already; a quantizer left attached makes save_pretrained write
     # a config that reloads as GGUF-quantized.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # torch types nn.Module.__setattr__ values as Tensor | Module
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = DEFAULT_MODEL

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 DEFAULT_CONTEXT_LEN = 2048  # when neither config.json nor the tokenizer states one
 
@@ -23,7 +23,7 @@ class PromptTokenizer:
         self.context_len = context_len
 
     @classmethod
-    def from_path(cls, path: str | Path):  # returns the subclass it is called on
+    def from_path(cls, path: str | Path) -> Self:
         """Tokenizer of a local HF folder; context length = config.json ``max_position_embeddings``."""
         from transformers import AutoTokenizer
 

@@ -1,4 +1,4 @@
-"""The worker's configuration (``lockgate worker`` flags map onto it: ``worker_commands``).
+"""The worker's configuration (``lockgate worker`` flags map onto it: ``lockgate.commands.worker``).
 
 A frozen value checked when built, so a bad setting fails at start-up with the field named, never
 mid-run. Pure: no asyncio, Kafka or torch.

@@ -1,8 +1,8 @@
-"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure|delete|list``, ``lockgate dlq``,
-``lockgate bench bus``.
+"""CLI of the bus package: ``lockgate kafka``, ``lockgate topics ensure|delete|list``, ``lockgate dlq``
+(``lockgate bench bus`` is :mod:`benchmarks.cli`'s).
 
 Imports nothing heavy at module level (aiokafka loads inside the commands). Every flag has its
-``LOCKGATE_<FLAG>`` environment twin through :func:`lockgate.cli.env_default`.
+``LOCKGATE_<FLAG>`` environment twin through :func:`lockgate.options.env_default`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CLI: ``lockgate edge``, ``lockgate keys add``, ``lockgate bench edge``. Imports stay light here;
+"""CLI: ``lockgate edge``, ``lockgate keys add`` (``lockgate bench edge`` is :mod:`benchmarks.cli`'s). Imports stay light here;
 the server, transformers and websockets load inside the commands."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CLI commands of the engine package: ``generate``, ``model``, ``bench engine`` (and the worker's).
+"""CLI commands of the engine package: ``generate``, ``model`` (``lockgate bench engine`` is :mod:`benchmarks.cli`'s).
 
 Nothing heavy is imported at module level: torch/transformers load inside the commands.
 """

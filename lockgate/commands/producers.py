@@ -1,6 +1,6 @@
-"""CLI of the producers: ``lockgate batch run``, ``lockgate replay``, ``lockgate bench serve``.
+"""CLI of the producers: ``lockgate batch run``, ``lockgate replay`` (``lockgate bench serve`` is :mod:`benchmarks.cli`'s).
 
-Nothing heavy at import: transformers, aiokafka, websockets and matplotlib load inside the commands.
+Nothing heavy at import: transformers and aiokafka load inside the commands.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""CLI of the worker: ``lockgate worker``, ``lockgate bench e2e``, ``lockgate bench priority``.
+"""CLI of the worker: ``lockgate worker`` (``lockgate bench e2e`` and ``bench priority`` are
+:mod:`benchmarks.cli`'s).
 
-Registered by ``lockgate.commands.engine``; nothing heavy is imported at module level.
+Listed in ``lockgate.cli.COMMAND_MODULES``; nothing heavy is imported at module level.
 """
 
 from __future__ import annotations

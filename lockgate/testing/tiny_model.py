@@ -93,7 +93,7 @@ def build_tiny_model(
     if rope_parameters is not None:
         config.rope_parameters = rope_parameters
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # PreTrainedModel.to is functools.wraps'd; typeshed's _Wrapped does not bind self
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

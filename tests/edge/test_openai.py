@@ -15,7 +15,8 @@ import pytest
 from bus.messages import ChatMessage
 from edge.server import Edge
 from lockgate.testing.fake_worker import FakeWorker, expected_text
-from tests.edge.conftest import KEY, MODEL, keys, running_edge, wait_for
+from tests.edge.conftest import KEY, MODEL, keys, running_edge
+from tests.waiting import wait_until
 
 HELLO = [{"role": "user", "content": "hello there"}]
 
@@ -25,13 +26,13 @@ def base_url(edge: Edge) -> str:
 
 
 @contextlib.asynccontextmanager
-async def api(encoder, key: str = KEY, **kw) -> AsyncIterator[tuple[Edge, FakeWorker | None, openai.AsyncOpenAI]]:  # noqa: ANN001
+async def api(encoder, key: str = KEY, **kw) -> AsyncIterator[tuple[Edge, FakeWorker | None, openai.AsyncOpenAI]]:
     async with running_edge(encoder, openai_port=0, **kw) as (edge, fw):
         async with openai.AsyncOpenAI(base_url=base_url(edge), api_key=key, max_retries=0, timeout=20) as client:
             yield edge, fw, client
 
 
-def chat_ids(encoder, messages: list[dict]) -> tuple[int, ...]:  # noqa: ANN001
+def chat_ids(encoder, messages: list[dict]) -> tuple[int, ...]:
     return tuple(encoder.chat_ids([ChatMessage(m["role"], m["content"]) for m in messages]))
 
 
@@ -181,7 +182,7 @@ async def test_worker_error_is_a_status_or_a_stream_error_event(encoder):
         assert orjson.loads(events[-2].removeprefix("data: "))["error"]["code"] == "expired"
 
 
-async def _disconnect_cancels(encoder, stream: bool) -> None:  # noqa: ANN001
+async def _disconnect_cancels(encoder, stream: bool) -> None:
     async with running_edge(encoder, openai_port=0, worker_kw={"step_s": 0.05}) as (edge, fw):
         body = {"model": MODEL, "messages": HELLO, "max_tokens": 1000, "stream": stream}
         async with aiohttp.ClientSession() as h:
@@ -192,13 +193,13 @@ async def _disconnect_cancels(encoder, stream: bool) -> None:  # noqa: ANN001
                         pass
 
             task = asyncio.create_task(go())
-            await wait_for(lambda: fw.running and fw.tokens_sent >= 3)
+            await wait_until(lambda: fw.running and fw.tokens_sent >= 3)
             rid = next(iter(fw.running))
             task.cancel()  # the client goes away: its connection closes
             await asyncio.gather(task, return_exceptions=True)
-        await wait_for(lambda: any(c.request_id == rid for c in fw.cancels))
+        await wait_until(lambda: any(c.request_id == rid for c in fw.cancels))
         assert [c.reason for c in fw.cancels if c.request_id == rid] == ["disconnect"]
-        await wait_for(lambda: not fw.running and not edge.router.streams)  # the worker let it go
+        await wait_until(lambda: not fw.running and not edge.router.streams)  # the worker let it go
         assert "lockgate:edge_streams 0.0" in edge.metrics.render().decode()
 
 
@@ -213,3 +214,23 @@ async def test_disconnect_while_waiting_for_a_non_streamed_answer_cancels(encode
 async def test_openai_off_by_default_and_ws_untouched(encoder):
     async with running_edge(encoder) as (edge, _):
         assert edge.openai_port is None and edge.openai is None
+
+
+async def test_bench_serve_openai_target(encoder, tmp_path):
+    """`lockgate bench serve --openai-url`: the seeded workload over streaming chat completions, every
+    request its exact output length (ignore_eos + max_tokens), counted from the usage chunk."""
+    import math
+
+    from benchmarks.loadgen import LengthMix
+    from benchmarks.serve import BenchConfig, bench
+
+    async with running_edge(encoder, openai_port=0, keys=None) as (edge, fw):
+        cfg = BenchConfig(target="openai", url=base_url(edge), rates=(math.inf,), num_prompts=6, out_dir=tmp_path,
+                          plots=False, warmup=0, mix=LengthMix().scaled(prompt_max=64, output_max=16))
+        result = await bench(cfg)
+    stats = result["runs"][0]["stats"]
+    assert stats["completed"] == 6 and stats["failed"] == 0
+    rows = result["runs"][0]["requests"]
+    assert sorted(r["output_tokens"] for r in rows) == sorted(r.sampling.max_tokens for r in fw.seen)
+    assert all(r["ttft_ms"] is not None and r["prompt_tokens"] > 0 for r in rows)
+    assert (tmp_path / "results.json").exists()

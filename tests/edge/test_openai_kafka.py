@@ -20,9 +20,9 @@ from edge.config import EdgeConfig
 from edge.protocol import PromptEncoder
 from edge.server import Edge
 from engine_workers.worker.actor import Worker, WorkerConfig
-from tests.edge.conftest import wait_for
 from tests.engine_workers.test_worker_kafka import kafka_url, new_layout
 from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 
@@ -40,14 +40,16 @@ async def platform(bootstrap: str, model_dir: Path, step_sleep_s: float = 0.0) -
         async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine, before_step=before), \
                 Edge(EdgeConfig(model=MODEL, port=0, openai_port=0, layout=layout, ping_interval_s=None),
                      bus, encoder) as edge:
-            await wait_for(lambda: edge.readiness()[0], timeout=30)
+            await wait_until(lambda: edge.readiness()[0], timeout=30)
             yield edge, engine, bus, layout, encoder
 
 
 async def test_openai_sdk_against_a_real_worker_over_kafka(kafka_bootstrap: str, tiny_dir: Path) -> None:
-    async with platform(kafka_bootstrap, tiny_dir) as (edge, engine, _, _, encoder):
+    async with contextlib.AsyncExitStack() as stack, \
+            platform(kafka_bootstrap, tiny_dir) as (edge, engine, _, _, encoder):
         url = f"http://127.0.0.1:{edge.openai_port}/v1"
         client = openai.AsyncOpenAI(base_url=url, api_key="dev", max_retries=0, timeout=60)
+        await stack.enter_async_context(client)
         n_prompt = len(encoder.chat_ids([ChatMessage(m["role"], m["content"]) for m in MESSAGES]))
         assert [m.id for m in (await client.models.list()).data] == [MODEL]
 
@@ -100,8 +102,7 @@ async def test_openai_sdk_against_a_real_worker_over_kafka(kafka_bootstrap: str,
         by_text, by_ids = await asyncio.to_thread(sync_calls)
         assert by_text.choices[0].text == by_ids.choices[0].text
         assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 8
-        assert len(by_text.choices[0].logprobs.tokens) == 8 and all(len(t) == 2 for t in by_text.choices[0].logprobs.top_logprobs)
-        await client.close()
+        assert len(by_text.choices[0].logprobs.tokens) == 8 and all(1 <= len(t) <= 2 for t in by_text.choices[0].logprobs.top_logprobs)  # pieces may collide
 
 
 async def test_disconnect_mid_stream_cancels_and_frees_kv(kafka_bootstrap: str, tiny_dir: Path) -> None:
@@ -130,12 +131,12 @@ async def test_disconnect_mid_stream_cancels_and_frees_kv(kafka_bootstrap: str, 
                             got.append(chunk)
 
                 task = asyncio.create_task(go())
-                await wait_for(lambda: len(got) >= 4 and engine.kv.num_free_blocks < total, timeout=60)
+                await wait_until(lambda: len(got) >= 4 and engine.kv.num_free_blocks < total, timeout=60)
                 rid = next(iter(edge.router.streams))
                 task.cancel()  # the HTTP client goes away mid-stream
                 await asyncio.gather(task, return_exceptions=True)
-            await wait_for(lambda: any(c.request_id == rid and c.reason == "disconnect" for c in cancels), timeout=30)
-            await wait_for(lambda: engine.kv.num_free_blocks == total, timeout=30)  # the worker freed its KV
+            await wait_until(lambda: any(c.request_id == rid and c.reason == "disconnect" for c in cancels), timeout=30)
+            await wait_until(lambda: engine.kv.num_free_blocks == total, timeout=30)  # the worker freed its KV
             assert not edge.router.streams
         finally:
             watcher.cancel()

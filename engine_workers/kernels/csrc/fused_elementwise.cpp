@@ -2,9 +2,9 @@
 //
 // Why: the residual add + RMSNorm is seven torch ops (add, pow, mean, add, rsqrt, mul, mul) and
 // SiLU-gating three (split view, silu, mul), each a full pass over the activations with its own
-// dispatch and allocation. Over the engine benchmark's workload they were ~0.5 s of ~6 s
-// (torch.profiler): at decode sizes the per-op overhead dominates, at prefill sizes the passes
-// over memory. Each fused op reads and writes every element once.
+// dispatch and allocation: at decode sizes the per-op overhead dominates, at prefill sizes the
+// passes over memory (profile in docs/design.md, "Fused residual add + RMSNorm and SiLU gating").
+// Each fused op reads and writes every element once.
 //
 // add_rms_norm(residual [T, H], delta [T, H] or None, weight [H], eps) -> [T, H]:
 //   residual += delta (in place: it is the layer stack's running residual stream), then
@@ -12,7 +12,8 @@
 // silu_mul(gate_up [T, 2I]) -> [T, I]: silu(gate_up[:, :I]) * gate_up[:, I:].
 // Rows are split over torch's intra-op pool; the loops are vectorised by GCC (-O3 -ffast-math).
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
-// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+// whole C++ frontend) makes each file that includes it several times slower to compile (build
+// times in docs/design.md, Paged attention). Only module.cpp binds.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

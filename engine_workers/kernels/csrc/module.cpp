@@ -1,4 +1,4 @@
-// The Python module of the engine's CPU kernels (engine_workers/cpu_kernels.py builds it).
+// The Python module of the engine's CPU kernels (engine_workers/kernels/cpu_kernels.py builds it).
 #include <torch/extension.h>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -14,7 +14,8 @@
 // through glibc's vector math library, libmvec); that assumes finite values, which holds: scores
 // are computed only for real context positions (no -inf masking) and the max is subtracted.
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
-// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+// whole C++ frontend) makes each file that includes it several times slower to compile (build
+// times in docs/design.md, Paged attention). Only module.cpp binds.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
@@ -71,8 +72,8 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const float sc = static_cast<float>(scale);
 
   // One task per sequence: its K/V rows are read whole (all KV heads, Hkv * D contiguous floats per
-  // token), so memory streams block by block; a task per (sequence, head) read a third of each row
-  // at a stride and measured 2.5x slower on cold caches.
+  // token), so memory streams block by block; a task per (sequence, head) reads a third of each row
+  // at a stride, which was much slower on cold caches (docs/benchmarks.md, Engine).
   const int64_t row = Hkv * D;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(Hq * D), inv(Hq);

@@ -1,14 +1,14 @@
 // Causal prefill attention for CPU, float32: one chunk of n query rows against its sequence's ctx
 // keys (ctx >= n; the chunk's own K/V are the last n of them). Query row i attends keys
-// 0 .. ctx - n + i. Called per chunk by engine_workers/attention.py.
+// 0 .. ctx - n + i. Called per chunk by engine_workers/model/attention.py.
 //
 // q    [n, Hq, D]   any row stride, unit stride in D (the engine passes a view of the fused QKV)
 // k, v [ctx, Hkv, D] likewise
 // returns [n, Hq, D] contiguous
 //
 // Why: SDPA's CPU kernel is built for long sequences with many heads; for the engine's chunks
-// (a few sequences of 8..512 tokens, 9 query heads over 3 KV heads) it ran at ~45 GFLOP/s, a
-// sixth of what a GEMM reaches on the benchmark machine, ~60 ms of every 512-token prefill step.
+// (a few sequences of 8..512 tokens, 9 query heads over 3 KV heads) it runs far below what a GEMM
+// reaches, and was a large share of every prefill step (docs/design.md, Paged attention).
 //
 // Per task = (KV head, block of BQ query rows): the task's keys are transposed once into
 // Kt[D][keys] (a thread-local buffer), then for each of the G query heads sharing the KV head and
@@ -20,7 +20,8 @@
 // Tasks run on torch's intra-op pool (at::parallel_for). Without AVX-512F a plain loop nest does
 // the same work; GCC vectorises it for whatever the CPU has.
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
-// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+// whole C++ frontend) makes each file that includes it several times slower to compile (build
+// times in docs/design.md, Paged attention). Only module.cpp binds.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>

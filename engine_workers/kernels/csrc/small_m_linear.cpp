@@ -18,7 +18,8 @@
 // computes the same; GCC vectorises it for whatever the CPU has. Results differ from oneDNN's
 // only in fp32 summation order.
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
-// whole C++ frontend) took ~30 s to compile per file; these take ~4 s. Only module.cpp binds.
+// whole C++ frontend) makes each file that includes it several times slower to compile (build
+// times in docs/design.md, Paged attention). Only module.cpp binds.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
