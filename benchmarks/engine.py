@@ -3,8 +3,13 @@
 (a) HF ``generate()`` in padded static batches of 8 (left padding; a batch runs until its longest
     request is done), (b) transformers' own continuous batching (its ``ContinuousBatchingManager``,
     per-request ``max_new_tokens``), (c) lockgate. Every engine runs on the engine's device in its
-    dtype (fp32 on a CPU, bf16 on CUDA by default), EOS ignored so every engine produces exactly the
-    requested tokens.
+    compute dtype (fp32 on a CPU, bf16 on CUDA by default), EOS ignored so every engine produces
+    exactly the requested tokens. ``--dtype bfloat16`` / ``--quantization int8`` on a CPU change
+    lockgate's linear weights only (the HF engines stay fp32: their bf16 CPU path is torch's slow
+    bf16 GEMM, not a like-for-like comparison).
+
+The JSON and the printout name the machine (:func:`machine_info`: CPU model and flags, cores,
+torch and oneDNN versions, load average at the start).
 
 Printed: output tokens/s of each and the ratios; lockgate's share of the machine's roofline (fp32
 GEMM FLOP/s measured in the same run vs the model FLOPs lockgate actually executed per second);
@@ -166,6 +171,40 @@ def capacity(wl: Workload, num_blocks: int, block_size: int, max_model_len: int)
     return int(num_blocks // mean_blocks), num_blocks * block_size // max_model_len
 
 
+MACHINE_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+                 "amx_bf16", "amx_int8")  # the CPU flags that decide which fast paths exist
+
+
+def machine_info() -> dict:
+    """What the figures were measured on: CPU model, the flags that matter (fast paths: AVX-512,
+    VNNI, AVX512-BF16, AMX), cores, torch / oneDNN versions and the load average at the start (the
+    benchmark machine is shared: a load above the core count means the figures are low)."""
+    import os
+    import platform
+    import re
+    from pathlib import Path
+
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("unknown", platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    dnn = re.search(r"MKL-DNN (v[\d.]+)|oneDNN (v[\d.]+)", torch.__config__.show())
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    affinity = getattr(os, "sched_getaffinity", None)
+    return {"cpu_model": model, "cpu_flags": {f: f in flags for f in MACHINE_FLAGS} if flags else None,
+            "cpu_count": os.cpu_count(), "usable_cores": len(affinity(0)) if affinity else os.cpu_count(),
+            "torch": torch.__version__, "onednn": (dnn.group(1) or dnn.group(2)) if dnn else None,
+            "loadavg_1_5_15_at_start": load}
+
+
 def run(args: argparse.Namespace) -> int:
     from engine_workers.engine import torch_thread
 
@@ -182,10 +221,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     config = engine_config_from_args(args)
+    machine = machine_info()  # before the engine loads: the load average is the other users'
     engine = Engine(config)
     spec = engine.loaded.spec
     wl = make_workload(spec.vocab_size, args.num_requests, args.seed)
-    results: dict = {"model": str(engine.loaded.path), "device": str(engine.device), "dtype": str(engine.dtype),
+    results: dict = {"machine": machine, "model": str(engine.loaded.path), "device": str(engine.device),
+                     "dtype": str(engine.dtype), "weights": engine.weight_format, "quantization": config.quantization,
                      "threads": torch.get_num_threads(), "requests": len(wl.prompts), "output_tokens": wl.output_tokens,
                      "prompt_tokens": sum(map(len, wl.prompts)), "repeat": args.repeat}
     hf = None if args.skip_hf else _hf_model(engine.loaded.path, engine.device, engine.dtype)
@@ -240,7 +281,15 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(results, indent=2))
         return 0
     print(f"workload: {results['requests']} requests, {results['prompt_tokens']} prompt + {results['output_tokens']} output tokens "
-          f"(seed {args.seed}); {results['model']} on {results['device']} {results['dtype']}, {results['threads']} threads")
+          f"(seed {args.seed}); {results['model']} on {results['device']} {results['dtype']} "
+          f"(weights {results['weights']}), {results['threads']} threads")
+    m = machine
+    have = ", ".join(f for f, on in (m["cpu_flags"] or {}).items() if on) or "unknown"
+    lacks = ", ".join(f for f, on in (m["cpu_flags"] or {}).items() if not on)
+    load = "/".join(f"{v:.2f}" for v in m["loadavg_1_5_15_at_start"]) if m["loadavg_1_5_15_at_start"] else "unknown"
+    print(f"machine: {m['cpu_model']}, {m['usable_cores']} of {m['cpu_count']} cores; flags {have}"
+          f"{'; lacks ' + lacks if lacks else ''}; torch {m['torch']}, oneDNN {m['onednn']}; "
+          f"load average at start {load} (1/5/15 min)")
     if args.repeat > 1:
         print(f"{args.repeat} rounds; every engine and the GEMM peak keep their best")
     rows = [("lockgate", results["lockgate"])] + [(k, results[k]) for k in ("hf_static_b8", "hf_continuous") if k in results]

@@ -236,12 +236,12 @@ async def bench(cfg: BenchConfig) -> dict:
             from producers.prompting import Tokenizer
 
             tok = (await asyncio.to_thread(Tokenizer.for_model, cfg.model)).tokenizer
-        target = OpenAITarget(cfg.url, dict(cfg.keys), timeout_s=cfg.request_timeout_s)
-        await target.start()
+        oa = OpenAITarget(cfg.url or "", dict(cfg.keys), timeout_s=cfg.request_timeout_s)
+        await oa.start()
         try:
-            result = await _measure(cfg, target, tok)
+            result = await _measure(cfg, oa, tok)
         finally:
-            await target.stop()
+            await oa.stop()
     elif cfg.target == "ws":
         tok = None
         if cfg.model:

@@ -175,7 +175,7 @@ class BusTarget:
         assert self.collector is not None
         rid = f"{self.owner}-{next(self._ids)}"
         req = InferenceRequest(request_id=rid, model=self.model, prompt_token_ids=p.token_ids,
-                               sampling=sampling_for(p.max_tokens), reply_to=self.collector.topic,
+                               sampling=sampling_for(p.max_tokens).seeded(), reply_to=self.collector.topic,
                                tenant="bench", tier=p.tier, enqueued_at=time.time())
         fut = self.collector.expect(rid)
         try:

@@ -109,9 +109,8 @@ def _compile_dataclass(cls: type) -> Converter:
     names = [f.name for f in fields(cls)]
     known = frozenset(names)
     plan: list[tuple[str, Converter]] = []
-    _CONVERTERS[cls] = lambda value, path: build(value, path)  # recursion guard for self-reference
 
-    def build(obj: Any, path: str) -> Any:
+    def build_one(obj: Any, path: str) -> Any:
         if obj.__class__ is not dict:
             raise DecodeError(f"{path}: expected an object, got {type(obj).__name__}")
         if not known.issuperset(obj):
@@ -122,5 +121,6 @@ def _compile_dataclass(cls: type) -> Converter:
         except TypeError as exc:  # missing required fields
             raise DecodeError(f"{path}: {exc}") from None
 
+    _CONVERTERS[cls] = build_one  # registered before the plan is filled: a self-referencing field finds it
     plan.extend((name, _converter(hints[name])) for name in names)
-    return build
+    return build_one

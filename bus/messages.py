@@ -11,7 +11,8 @@ consumers turn that into a dead-letter record and keep consuming.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import secrets
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
@@ -73,6 +74,14 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k == 0`` disables top-k. ``seed`` makes sampling
     reproducible (same seed, same prompt, same tokens). ``stop`` strings never appear in the output.
     ``logprobs`` asks for the top-n log-probabilities of each sampled position (0..20).
+
+    Sampling controls (vLLM / OpenAI semantics; the default of each disables it): ``min_p``
+    (0..1) drops tokens below ``min_p`` times the top token's probability; ``repetition_penalty``
+    (> 0) divides positive logits / multiplies negative ones of tokens seen in prompt or output;
+    ``presence_penalty`` / ``frequency_penalty`` (-2..2) subtract once per distinct output token /
+    per occurrence; ``logit_bias`` is (token id, bias) pairs, bias in -100..100, at most 300 ids,
+    each once; ``min_tokens`` (0..max_tokens) suppresses EOS and ``stop_token_ids`` until that
+    many output tokens exist.
     """
 
     max_tokens: int = 256
@@ -84,9 +93,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
+    MAX_LOGIT_BIAS = 300  # token ids in logit_bias (OpenAI's limit)
+    MAX_BIAS = 100.0  # |bias| per token, as OpenAI
+    MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, lo=1)
@@ -114,15 +132,64 @@ class SamplingParams:
             raise ValueError("ignore_eos must be a boolean")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=self.MAX_LOGPROBS)
+        min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        penalties = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            penalties[name] = value = _check_float(name, getattr(self, name))
+            if not -self.MAX_PENALTY <= value <= self.MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{self.MAX_PENALTY:g}, {self.MAX_PENALTY:g}], got {value}")
+        logit_bias = self._checked_bias()
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         # Normalise lists (from JSON) to tuples so the value stays hashable and frozen.
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "min_p", min_p)
+        object.__setattr__(self, "repetition_penalty", repetition_penalty)
+        for name, value in penalties.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def seeded(self) -> SamplingParams:
+        """These parameters with a seed: unchanged when one is set, else with a random one in the
+        wire's range. Whoever puts a request on the bus (the edge, every producer) calls this, so
+        each request on Kafka names its seed and any worker that re-runs or resumes it draws the
+        same tokens."""
+        return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
+
+    def _checked_bias(self) -> tuple[tuple[int, float], ...]:
+        bias = self.logit_bias
+        if not isinstance(bias, (tuple, list)):
+            raise ValueError(f"logit_bias must be a list of [token_id, bias] pairs, got {type(bias).__name__}")
+        if len(bias) > self.MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} token ids, at most {self.MAX_LOGIT_BIAS} allowed")
+        out: list[tuple[int, float]] = []
+        seen: set[int] = set()
+        for pair in bias:
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise ValueError(f"logit_bias must contain [token_id, bias] pairs, got {pair!r}")
+            tok, value = pair
+            _check_int("logit_bias token id", tok, lo=0)
+            if tok in seen:
+                raise ValueError(f"logit_bias has token id {tok} more than once")
+            seen.add(tok)
+            value = _check_float(f"logit_bias[{tok}]", value)
+            if not -self.MAX_BIAS <= value <= self.MAX_BIAS:
+                raise ValueError(f"logit_bias[{tok}] must be in [-{self.MAX_BIAS:g}, {self.MAX_BIAS:g}], got {value}")
+            out.append((tok, value))
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -59,13 +60,18 @@ class Admission:
         self.limiter = RateLimiter()
         self.shedder = LoadShedder(config.model, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)
         self.auth = Authenticator(config.keys, config.dev_tier)
-        self.router = ReplyRouter(bus, reply_topic, metrics)
+        self.router = ReplyRouter(bus, reply_topic, metrics, cancel=self.publish_cancel)
+        # Request ids: edge id, a random per-process nonce, a counter. The nonce keeps ids unique
+        # across restarts of an edge with a fixed --edge-id and across --reuse-port processes
+        # sharing one: a repeated id would be aborted by a worker's cancelled-set or routed to
+        # another client's stream.
+        self._nonce = secrets.token_hex(4)
         self._ids = itertools.count()
         self._cancels: asyncio.Queue[Cancel] | None = None
 
     # --- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
-        return f"{self.config.edge_id}-{next(self._ids):x}"
+        return f"{self.config.edge_id}-{self._nonce}-{next(self._ids):x}"
 
     def reject(self, code: str, api: str) -> None:
         self.metrics.rejections.labels(code, api).inc()
@@ -81,6 +87,10 @@ class Admission:
         if g.model is not None and g.model != cfg.model:
             raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
                                 "model", g.id)
+        bias = g.sampling.logit_bias
+        if bias and max(t for t, _ in bias) >= len(encoder.tokenizer):
+            raise ProtocolError(f"logit_bias token ids must be below the vocabulary size {len(encoder.tokenizer)}",
+                                "logit_bias", g.id)
         shed = self.shedder.check(principal.tier, time.monotonic())
         if shed is not None:
             raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
@@ -93,6 +103,7 @@ class Admission:
             return None
         max_tokens = min(g.sampling.max_tokens, encoder.context_len - len(ids))
         sampling = g.sampling if max_tokens == g.sampling.max_tokens else replace(g.sampling, max_tokens=max_tokens)
+        sampling = sampling.seeded()  # told to the client: the accepted frame, OpenAI's ``seed`` field
         limited = self.limiter.admit(principal.entry, len(ids) + max_tokens, time.monotonic())
         if limited is not None:
             raise ProtocolError(limited.message, limited.field, g.id, code=ErrorCode.RATE_LIMITED,

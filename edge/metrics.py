@@ -54,6 +54,9 @@ class EdgeMetrics:
                                   ["reason", "api"], registry=r)
         self.duplicates = Counter("lockgate:edge_duplicate_chunks", "Token chunks dropped as duplicates.",
                                   registry=r)
+        self.splice_mismatches = Counter(
+            "lockgate:edge_splice_mismatches",
+            "Streams ended because a re-run's tokens differed from those already sent.", registry=r)
         self.orphans = Counter("lockgate:edge_orphan_replies",
                                "Reply records for requests this edge no longer tracks.", registry=r)
         self.bad_records = Counter("lockgate:edge_undecodable_records", "Reply/status records not decodable.",

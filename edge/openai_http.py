@@ -153,7 +153,7 @@ class OpenAIServer:
             return _error(exc.code, exc.message, exc.field, exc.retry_after)
         assert admitted is not None
         s = admitted.stream
-        sink.bind(s)
+        sink.bind(s, admitted.request.sampling.seed)
         try:
             if req.stream:
                 return await self._stream(request, sink, admitted)
@@ -172,17 +172,20 @@ class OpenAIServer:
     async def _stream(self, request: web.Request, sink: OpenAIStream, admitted: Admitted) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
-        if sink.req.chat:
-            await resp.write(sink.role_event())
-        await self.adm.publish(admitted)
-        while True:
-            if not sink.pending and not sink.closed:
-                await sink.wait()
-            data = sink.take()
-            if data:
-                await resp.write(data)
-            if sink.closed and not sink.pending:
-                break
-        await resp.write_eof()
+        try:
+            if sink.req.chat:
+                await resp.write(sink.role_event())
+            await self.adm.publish(admitted)
+            while True:
+                if not sink.pending and not sink.closed:
+                    await sink.wait()
+                data = sink.take()
+                if data:
+                    await resp.write(data)
+                if sink.closed and not sink.pending:
+                    break
+            await resp.write_eof()
+        except ConnectionError:  # the client went away (or was cut off as too slow): the caller cancels
+            pass
         return resp
 

@@ -10,8 +10,8 @@ Policy on fields (see docs/protocol.md, "OpenAI-compatible API"):
 * supported: OpenAI's sampling fields and vLLM's extras (``top_k``, ``ignore_eos``,
   ``stop_token_ids``); ``max_completion_tokens`` wins over ``max_tokens``;
 * refused with a 400 naming the field when set to something the platform cannot honour (``n`` > 1,
-  ``echo``, ``best_of`` > 1, ``suffix``, ``tools``, non-text ``response_format``, penalties,
-  ``logit_bias``): silently ignoring them would return something the client did not ask for;
+  ``echo``, ``best_of`` > 1, ``suffix``, ``tools``, non-text ``response_format``): silently
+  ignoring them would return something the client did not ask for;
 * unknown fields are ignored, as vLLM does: SDKs add optional fields faster than servers learn
   them, and an unknown field cannot change what a supported one means.
 """
@@ -114,10 +114,6 @@ def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bo
     if n is not None and n != 1:
         raise ProtocolError("n must be 1: one choice per request is supported", "n")
     _refuse(obj, "best_of", 1, "one choice per request")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _num(obj, name):
-            raise ProtocolError(f"{name} is not supported (must be 0 or absent)", name)
-    _refuse(obj, "logit_bias", None, "no logit bias in the sampler")
     _refuse(obj, "tools", None, "no tool calling")
     _refuse(obj, "functions", None, "no function calling")
     stream = _bool(obj, "stream")
@@ -154,14 +150,35 @@ def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bo
         "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "off" -1
         "seed": seed, "stop": [s for s in stop or () if s], "stop_token_ids": stop_ids,
         "ignore_eos": _bool(obj, "ignore_eos"),
+        "presence_penalty": _num(obj, "presence_penalty"), "frequency_penalty": _num(obj, "frequency_penalty"),
+        "logit_bias": _logit_bias(obj.get("logit_bias")),
+        # vLLM's extras
+        "min_p": _num(obj, "min_p"), "repetition_penalty": _num(obj, "repetition_penalty"),
+        "min_tokens": _int(obj, "min_tokens", lo=0),
     }
     try:
         sampling = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except (ValueError, TypeError) as exc:
         msg = str(exc)
-        field = next((k for k in kwargs if msg.startswith(k)), None)
+        field = next((k for k in sorted(kwargs, key=len, reverse=True) if msg.startswith(k)), None)
         raise ProtocolError(msg[:300], field) from None
     return sampling, model, stream, include_usage
+
+
+def _logit_bias(v: object) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's ``{"<token id>": bias}`` as the sampler's (id, bias) pairs (ranges checked there)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ProtocolError(f"logit_bias must be an object of token id -> bias, got {_tname(v)}", "logit_bias")
+    out = []
+    for k, b in v.items():
+        if not k.isdigit() or len(k) > 12:
+            raise ProtocolError(f"logit_bias keys must be token ids, got {k[:40]!r}", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise ProtocolError(f"logit_bias[{k}] must be a finite number", "logit_bias")
+        out.append((int(k), float(b)))
+    return tuple(out)
 
 
 def _content(v: object, where: str) -> str:

@@ -44,6 +44,7 @@ class OpenAIStream:
         self.created = int(time.time())
         self.model = adm.config.model
         self.id = ""
+        self.seed: int | None = None
         self.stream: Stream | None = None
         self.pending: list[bytes] = []
         self.texts: list[str] = []
@@ -58,11 +59,15 @@ class OpenAIStream:
         self._text_offset = 0
 
     # --- set up -------------------------------------------------------------------------------
-    def bind(self, s: Stream) -> None:
+    def bind(self, s: Stream, seed: int | None) -> None:
+        """Start the answer of admitted stream ``s``; ``seed`` is the sampling seed the request
+        runs with (the client's, or the one the edge assigned), sent as the extension field
+        ``seed`` on every object so a client can reproduce the answer."""
         self.stream = s
+        self.seed = seed
         self.id = ("chatcmpl-" if self.req.chat else "cmpl-") + s.request_id
         kind = "chat.completion.chunk" if self.req.chat else "text_completion"
-        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "seed": seed}
         # Every token's event is prefix + JSON string + suffix: one orjson call per token.
         self._prefix = b"data: " + orjson.dumps(head)[:-1] + (
             b',"choices":[{"index":0,"delta":{"content":' if self.req.chat else b',"choices":[{"index":0,"text":')
@@ -72,7 +77,7 @@ class OpenAIStream:
 
     def head(self, **extra: Any) -> dict[str, Any]:
         obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.req.chat else "text_completion",
-                               "created": self.created, "model": self.model}
+                               "created": self.created, "model": self.model, "seed": self.seed}
         obj.update(extra)
         return obj
 
@@ -170,7 +175,7 @@ class OpenAIStream:
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
             kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "seed": self.seed,
                 "choices": [choice], "usage": self.usage}
 
     # --- logprobs -----------------------------------------------------------------------------

@@ -168,9 +168,9 @@ def _dumps(obj: dict) -> bytes:
     return orjson.dumps(obj)
 
 
-def accepted_frame(id: str, request_id: str, prompt_tokens: int, max_tokens: int) -> bytes:
+def accepted_frame(id: str, request_id: str, prompt_tokens: int, max_tokens: int, seed: int | None) -> bytes:
     return _dumps({"type": "accepted", "id": id, "request_id": request_id,
-                   "prompt_tokens": prompt_tokens, "max_tokens": max_tokens})
+                   "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "seed": seed})
 
 
 def delta_frame(id: str, seq: int, text: str, token_ids: Sequence[int] | None = None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import orjson
@@ -31,6 +32,7 @@ from bus.messages import (
     SCHEMA_VERSION,
     DecodeError,
     Error,
+    ErrorCode,
     Finished,
     Message,
     TokenChunk,
@@ -71,7 +73,8 @@ class Stream:
     """One request in flight: where its replies go and how far it got."""
 
     __slots__ = ("request_id", "client_id", "sink", "principal", "labels", "prompt_tokens", "max_tokens",
-                 "charged", "next_seq", "chars", "admitted_at", "first_at", "deadline", "token_ids", "ended")
+                 "charged", "next_seq", "chars", "admitted_at", "first_at", "deadline", "token_ids", "ended",
+                 "delivered")
 
     def __init__(self, request_id: str, client_id: str, sink: StreamSink, principal: Principal,
                  labels: tuple[str, str, str], prompt_tokens: int, max_tokens: int, admitted_at: float,
@@ -91,6 +94,7 @@ class Stream:
         self.deadline = deadline  # loop time
         self.token_ids = token_ids
         self.ended = False
+        self.delivered: list[int] = []  # output token ids handed to the sink, by seq
 
 
 _CHUNK_KEYS = frozenset(("request_id", "attempt", "seq", "token_ids", "text", "text_offset", "logprobs", "worker_id"))
@@ -136,11 +140,23 @@ def decode_reply(value: bytes) -> tuple[Message, ...]:
     return replies_of(decode(value))
 
 
+class SpliceMismatch(Exception):
+    """A chunk overlapping what a stream already delivered carries other token ids there: two
+    attempts of one request diverged (a re-run after a worker failure drew other tokens)."""
+
+
 def dedupe(stream: Stream, chunk: TokenChunk) -> tuple[int, str, tuple[int, ...], tuple | None] | None:
     """The new part of ``chunk`` for ``stream`` as (seq, text, token_ids, logprobs), advancing the
-    stream, or ``None`` when nothing in it is new. Pure apart from updating ``stream``."""
+    stream, or ``None`` when nothing in it is new. Pure apart from updating ``stream``.
+
+    Where the chunk overlaps tokens already delivered, its ids there must equal them: a stream is
+    never spliced from two different answers. A difference raises :class:`SpliceMismatch`."""
     n = len(chunk.token_ids)
     end = chunk.seq + n
+    if chunk.seq < stream.next_seq and n:
+        upto = min(end, stream.next_seq)
+        if list(chunk.token_ids[:upto - chunk.seq]) != stream.delivered[chunk.seq:upto]:
+            raise SpliceMismatch(f"seq {chunk.seq}..{upto - 1}")
     if end <= stream.next_seq and n:
         return None
     skip = max(0, stream.next_seq - chunk.seq)
@@ -157,14 +173,17 @@ def dedupe(stream: Stream, chunk: TokenChunk) -> tuple[int, str, tuple[int, ...]
         return None
     stream.next_seq = max(stream.next_seq, end)
     stream.chars = max(stream.chars, text_end)
+    stream.delivered.extend(token_ids)
     return seq, text, token_ids, logprobs
 
 
 class ReplyRouter:
-    def __init__(self, bus: Bus, topic: str, metrics: EdgeMetrics) -> None:
+    def __init__(self, bus: Bus, topic: str, metrics: EdgeMetrics,
+                 cancel: Callable[[str, str], None] = lambda _rid, _reason: None) -> None:
         self.bus = bus
         self.topic = topic
         self.metrics = metrics
+        self.cancel = cancel  # (request id, reason): stop a request on its worker
         self.streams: dict[str, Stream] = {}
         self.connected = False
         self._ready = asyncio.Event()
@@ -215,7 +234,11 @@ class ReplyRouter:
             self.metrics.orphans.inc()
             return
         if isinstance(msg, TokenChunk):
-            new = dedupe(stream, msg)
+            try:
+                new = dedupe(stream, msg)
+            except SpliceMismatch as exc:
+                self._diverged(stream, msg, str(exc))
+                return
             if new is None:
                 self.metrics.duplicates.inc()
                 return
@@ -226,3 +249,15 @@ class ReplyRouter:
             stream.sink.on_error(stream, msg)
         else:
             log.warning("unexpected %s on reply topic %s", type(msg).__name__, rec.topic)
+
+    def _diverged(self, stream: Stream, chunk: TokenChunk, where: str) -> None:
+        """End a stream whose re-run diverged from what its client already has: a retryable error,
+        never a mixed answer; the attempt still running is cancelled."""
+        self.metrics.splice_mismatches.inc()
+        log.warning("request %s: attempt %d diverged from the tokens already sent (%s); ending the stream",
+                    stream.request_id, chunk.attempt, where)
+        self.cancel(stream.request_id, "diverged")
+        stream.sink.on_error(stream, Error(
+            stream.request_id, ErrorCode.INTERNAL,
+            "the request was re-run after a worker failure and its output diverged from the tokens already "
+            "sent; retry the request", retry_after=0.0))

@@ -351,5 +351,5 @@ class Session:
             return
         s = admitted.stream
         self.streams[g.id] = s
-        self.push(accepted_frame(g.id, s.request_id, s.prompt_tokens, s.max_tokens))
+        self.push(accepted_frame(g.id, s.request_id, s.prompt_tokens, s.max_tokens, admitted.request.sampling.seed))
         await self.adm.publish(admitted)

@@ -32,7 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=env_default("model", "default"), help="HF folder, hub id, or 'default' (SmolLM2-135M-Instruct) [LOCKGATE_MODEL]")
     g.add_argument("--device", default=env_default("device", "auto"), help="auto|cpu|cuda[:N] [LOCKGATE_DEVICE]")
-    g.add_argument("--dtype", default=env_default("dtype", "auto"), help="auto (bf16 on CUDA, fp32 on CPU)|float32|bfloat16|float16 [LOCKGATE_DTYPE]")
+    g.add_argument("--dtype", default=env_default("dtype", "auto"),
+                   help="auto (bf16 on CUDA, fp32 on CPU)|float32|bfloat16|float16; bfloat16 on a CPU: bf16 weights "
+                        "in the linear layers (needs avx512_bf16), float32 everything else [LOCKGATE_DTYPE]")
+    g.add_argument("--quantization", choices=("none", "int8"), default=env_default("quantization", "none"),
+                   help="int8: weight-only int8 linear weights (per output row scales), float32 activations; "
+                        "CPU only [LOCKGATE_QUANTIZATION]")
     g.add_argument("--block-size", type=int, default=env_default("block-size", 16), help="tokens per KV block [LOCKGATE_BLOCK_SIZE]")
     g.add_argument("--kv-cache-bytes", type=_bytes, default=env_default("kv-cache-bytes", None), help="KV budget, e.g. 512M, 4G; default: a fraction of free memory [LOCKGATE_KV_CACHE_BYTES]")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=env_default("kv-cache-memory-fraction", 0.9), help="fraction of free GPU memory for KV [LOCKGATE_KV_CACHE_MEMORY_FRACTION]")
@@ -64,7 +69,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from engine_workers.engine.config import EngineConfig
 
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=args.model, device=args.device, dtype=args.dtype,
+        quantization=getattr(args, "quantization", "none"), block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,

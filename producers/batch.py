@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from bus.base import Bus
 from bus.messages import Cancel, ErrorCode, InferenceRequest, Tier, encode
 from bus.topics import TopicLayout
 from producers.collector import ReplyCollector
@@ -123,7 +124,7 @@ class OutputFile:
 class BatchJob:
     """One run of a job. Use :func:`run_batch`."""
 
-    def __init__(self, cfg: BatchConfig, bus, tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: BatchConfig, bus: Bus, tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         self.bus = bus
         self.tok = tokenizer
@@ -232,6 +233,7 @@ class BatchJob:
             return
         max_tokens = self.tok.room(len(ids), req.sampling.max_tokens)
         sampling = req.sampling if max_tokens == req.sampling.max_tokens else replace(req.sampling, max_tokens=max_tokens)
+        sampling = sampling.seeded()  # a retry re-runs with the same seed
         for attempt in range(cfg.max_retries + 1):
             rid = f"{cfg.job}.{self.nonce}.{req.line}" + (f".r{attempt}" if attempt else "")
             ir = InferenceRequest(request_id=rid, model=cfg.model, prompt_token_ids=tuple(ids), sampling=sampling,
@@ -271,13 +273,13 @@ class BatchJob:
             return
 
 
-async def run_batch(cfg: BatchConfig, bus=None, tokenizer: Tokenizer | None = None) -> BatchSummary:
+async def run_batch(cfg: BatchConfig, bus: Bus | None = None, tokenizer: Tokenizer | None = None) -> BatchSummary:
     """Run (or resume) a job. ``bus``: a started bus to use (else ``cfg.bus_url`` is connected)."""
     import bus as busmod
 
     tok = tokenizer if tokenizer is not None else await asyncio.to_thread(Tokenizer.for_model, cfg.model)
     own = bus is None
-    b = busmod.connect(cfg.bus_url) if own else bus
+    b = busmod.connect(cfg.bus_url) if bus is None else bus
     if own:
         await b.start()
     try:

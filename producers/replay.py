@@ -243,8 +243,9 @@ async def _run(cfg: ReplayConfig, source: Bus, target: Bus) -> dict:
             o = rec.request
             wall = time.time()
             deadline = None if o.deadline is None else wall + max(1.0, o.deadline - o.enqueued_at)
+            # A request recorded before seeds were always set gets one now, like any new request.
             req = replace(o, request_id=replay_id(o.request_id, run), reply_to=col.topic, enqueued_at=wall,
-                          deadline=deadline, attempt=0)
+                          deadline=deadline, attempt=0, sampling=o.sampling.seeded())
             tasks.append(loop.create_task(_replay_one(target, col, rec, req, cfg.request_timeout_s)))
         outcomes = list(await asyncio.gather(*tasks))
         originals = await originals_task

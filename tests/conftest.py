@@ -24,7 +24,7 @@ import pytest
 TEST_TOPIC = re.compile(r"t[.\-0-9a-f]")
 
 
-async def _with_bus(addr: str, use):  # noqa: ANN001, ANN202
+async def _with_bus(addr: str, use):
     from bus import connect
 
     async with connect(f"kafka://{addr}?client_id=lockgate-tests") as bus:
@@ -36,7 +36,7 @@ def _topics(addr: str) -> set[str]:
 
 
 def _delete_topics(addr: str, names: list[str]) -> None:
-    async def delete(bus) -> None:  # noqa: ANN001
+    async def delete(bus) -> None:
         for i in range(0, len(names), 100):
             await bus.delete_topics(names[i:i + 100])
 
@@ -52,7 +52,7 @@ def kafka_bootstrap():
         created = sorted(t for t in _topics(addr) - before if TEST_TOPIC.match(t))
         if created:
             _delete_topics(addr, created)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"\nkafka_bootstrap: could not delete this session's topics: {exc!r}", file=sys.stderr)
 
 
@@ -79,7 +79,7 @@ PRIVATE_KAFKA_PORT = 19392  # its controller on +100; the session broker's 9092/
 
 
 @pytest.fixture
-def private_kafka(kafka_bootstrap):  # noqa: ANN001, ANN201 - after the session broker (its jars fetched)
+def private_kafka(kafka_bootstrap):  # after the session broker (its jars fetched)
     """A fresh single-node broker for fault tests, on ``PRIVATE_KAFKA_PORT`` (data under the jar
     cache, removed afterwards). ~5 s to start on the 2-core box."""
     import shutil
@@ -103,7 +103,7 @@ def _broker_address() -> str:
     port = int(os.environ.get("LOCKGATE_TEST_KAFKA_PORT", "9092"))
     try:
         info = kafka_local.start(nodes=1, port=port)
-    except Exception as exc:  # noqa: BLE001 - any failure to get a broker fails the Kafka tests
+    except Exception as exc:  # any failure to get a broker fails the Kafka tests
         where = "in CI " if os.environ.get("CI") else ""
         pytest.fail(f"Kafka tests need a broker {where}and none could be started: {exc}", pytrace=False)
     return info.bootstrap

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str | None = None  # None/"default" = SmolLM2-135M-Instruct (converted on first use)
     device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; bfloat16 on CPU = bf16 linear weights, fp32 rest
+    quantization: str = "none"  # none | int8 (CPU: weight-only int8, per output row; fp32 activations)
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CPU: of a quarter of free RAM, <= 1 GiB)
@@ -34,6 +35,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

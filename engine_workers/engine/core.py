@@ -11,6 +11,7 @@ forward down once two threads have run torch work.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -22,10 +23,11 @@ from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.params import FinishReason, SamplingParams
-from engine_workers.engine.sampler import Sampler, TokenLogprobs, make_generator
+from engine_workers.engine.sampler import Sampler, TokenLogprobs
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.kernels import cpu_malloc
+from engine_workers.kernels.cpu_linear import cpu_weight_plan
 from engine_workers.model.loader import load_model
 from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype
 from kv_store import KVCacheManager
@@ -51,6 +53,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     times: SeqTimes | None = None  # set on the final output
+    seed: int | None = None  # the seed the request's draws use (its own or the engine's pick)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,7 @@ class CompletedRequest:
     text: str
     finish_reason: str
     num_cached_tokens: int
+    seed: int | None = None  # the seed the draws used (the request's own or the engine's pick)
 
 
 @dataclass(slots=True)
@@ -98,9 +102,13 @@ class Engine:
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cpu":
             cpu_malloc.tune()
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        # On a CPU, bf16 / int8 are weight formats of the linear layers; everything else runs in
+        # float32 (engine_workers/kernels/cpu_linear.py, cpu_weight_plan). weight_format says which.
+        self.dtype, lowp = cpu_weight_plan(resolve_dtype(config.dtype, self.device), config.quantization,
+                                           self.device, config.cpu_kernels)
+        self.weight_format = lowp or str(self.dtype).removeprefix("torch.")
         loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
-                            config.cpu_kernels)
+                            config.cpu_kernels, lowp)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptTokenizer(loaded.tokenizer, loaded.spec.max_position_embeddings)
@@ -116,13 +124,17 @@ class Engine:
             self.kv,
         )
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype, config.cpu_kernels)
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler = Sampler(self.device, sorted(self.eos_token_ids))
+        # Seeds for requests without one: every request's draws are counter-based on a seed (see
+        # engine.sampler), so an unseeded request is reproducible too once its seed is known.
+        self._seeds = random.Random(config.seed)
         self._reqs: dict[str, _Req] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self.stats = EngineStats()
         self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
-        log.info("engine ready: %s on %s/%s, max_model_len=%d, KV %d blocks (%d tokens)",
-                 loaded.path, self.device, self.dtype, self.max_model_len, num_blocks, num_blocks * config.block_size)
+        log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens)",
+                 loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
+                 num_blocks * config.block_size)
 
     # -- input ------------------------------------------------------------------------------------
 
@@ -150,9 +162,18 @@ class Engine:
         priority: float = 0.0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        resume_token_ids: Seq[int] = (),
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the field for bad input; the engine's
-        other requests are unaffected."""
+        other requests are unaffected.
+
+        ``resume_token_ids``: output tokens the request already produced (elsewhere, e.g. on a
+        worker that crashed). They become the start of its output, not of its prompt: generation
+        continues at output position ``len(resume_token_ids)`` with the same draws, penalties,
+        ``min_tokens``/``max_tokens`` counts and text as the uninterrupted run, whose tokens from
+        that position on it reproduces (same ``seed``). Outputs number tokens from that position
+        (``seq``) and their text continues where the first run's released text stopped
+        (``text_offset``)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -170,6 +191,16 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context limit is {self.max_model_len} "
                              f"(prompt must leave room for at least 1 new token)")
+        bad_bias = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})")
+        resumed = list(resume_token_ids)
+        bad = next((t for t in resumed if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"resume_token_ids: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if resumed and (len(resumed) >= params.max_tokens or len(ids) + len(resumed) >= self.max_model_len):
+            raise ValueError(f"resume_token_ids has {len(resumed)} tokens: the request already reached "
+                             f"max_tokens={params.max_tokens} or the context limit {self.max_model_len}")
         seq = Sequence(
             seq_id=request_id,
             prompt_token_ids=ids,
@@ -178,8 +209,15 @@ class Engine:
             cache_extra=self._extra + (b"|" + cache_salt.encode() if cache_salt else b""),
             times=SeqTimes(arrival_time if arrival_time is not None else time.monotonic()),
         )
-        seq.generator = make_generator(params, self.device)
-        self._reqs[request_id] = _Req(seq, IncrementalDetokenizer(self.tokenizer, ids, params.stop))
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        for t in resumed:
+            if t in params.stop_token_ids or (not params.ignore_eos and t in self.eos_token_ids) or detok.add(t):
+                raise ValueError("resume_token_ids already ends the request (EOS, stop token or stop string)")
+        seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        if resumed:
+            seq.output_token_ids.extend(resumed)
+            detok.release(final=False)  # the first run released exactly this much of their text
+        self._reqs[request_id] = _Req(seq, detok)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -225,7 +263,7 @@ class Engine:
         self.stats.computed_tokens += sched.num_batched_tokens
 
         sampling = [item.seq for item in sched.scheduled if item.samples]
-        result = self.sampler(logits, [s.params for s in sampling], [s.generator for s in sampling]) if sampling else None
+        result = self.sampler(logits, sampling) if sampling else None
         now = time.monotonic()
         for item in sched.scheduled:
             if not item.samples:
@@ -264,6 +302,7 @@ class Engine:
         outputs.append(RequestOutput(
             seq.seq_id, len(seq.output_token_ids) - 1, (token,), req.detok.release(final=False), offset,
             self._take_logprobs(req), False, None, seq.num_prompt_tokens, seq.num_cached_tokens, len(seq.output_token_ids),
+            seed=seq.seed,
         ))
 
     def _take_logprobs(self, req: _Req) -> tuple[TokenLogprobs, ...] | None:
@@ -284,7 +323,7 @@ class Engine:
         offset = req.detok.released
         outputs.append(RequestOutput(
             seq.seq_id, n - len(new), new, req.detok.release(final=True), offset, self._take_logprobs(req),
-            True, reason, seq.num_prompt_tokens, seq.num_cached_tokens, n, seq.times,
+            True, reason, seq.num_prompt_tokens, seq.num_cached_tokens, n, seq.times, seq.seed,
         ))
 
     # -- conveniences -----------------------------------------------------------------------------
@@ -314,7 +353,8 @@ class Engine:
                     done[out.request_id] = out
                     reasons[out.request_id] = out.finish_reason
         return [
-            CompletedRequest(rid, prompt_ids[rid], tuple(tokens[rid]), "".join(text[rid]), reasons[rid], done[rid].num_cached_tokens)
+            CompletedRequest(rid, prompt_ids[rid], tuple(tokens[rid]), "".join(text[rid]), reasons[rid],
+                             done[rid].num_cached_tokens, done[rid].seed)
             for rid in ids
         ]
 

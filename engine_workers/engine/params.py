@@ -9,6 +9,7 @@ codec, the CLI); the checks here guard the engine's own invariants and name the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -20,11 +21,23 @@ class FinishReason:
     ALL = (STOP, LENGTH, ABORT)
 
 
+LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, ids ascending and unique
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """``temperature == 0`` is greedy; ``top_k == 0`` disables top-k; ``seed`` makes sampling
     reproducible; ``stop`` strings never appear in the output; ``logprobs`` asks for the top-n
-    log-probabilities of each sampled position."""
+    log-probabilities of each sampled position.
+
+    Sampling controls (vLLM / OpenAI semantics; the neutral value of each disables it):
+    ``min_p`` drops tokens below ``min_p`` times the most likely token's probability;
+    ``repetition_penalty`` divides positive logits (multiplies negative ones) of every token seen in
+    the prompt or the output; ``presence_penalty`` / ``frequency_penalty`` subtract once per distinct
+    output token / once per occurrence; ``logit_bias`` adds a bias to chosen tokens' logits (a
+    mapping or (id, bias) pairs; stored as sorted pairs); ``min_tokens`` suppresses EOS and
+    ``stop_token_ids`` until that many output tokens exist.
+    """
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -35,6 +48,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: LogitBias = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -49,12 +68,48 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        object.__setattr__(self, "logit_bias", _normalise_bias(self.logit_bias))
         # Lists (from JSON or a caller) become tuples so the value stays hashable and frozen.
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+        for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """True when a repetition, presence or frequency penalty applies (the sampler then needs
+        the sequence's token counts)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _normalise_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]) -> LogitBias:
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"logit_bias must map token ids to biases, got entry {pair!r}")
+        tok, val = pair
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise ValueError(f"logit_bias token ids must be integers >= 0, got {tok!r}")
+        if tok in out:
+            raise ValueError(f"logit_bias has token id {tok} more than once")
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
+            raise ValueError(f"logit_bias[{tok}] must be a finite number, got {val!r}")
+        out[tok] = float(val)
+    # Sorted so equal biases give equal (hashable, comparable) params whatever order they came in.
+    return tuple(sorted(out.items()))

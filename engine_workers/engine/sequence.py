@@ -47,7 +47,9 @@ class Sequence:
     arrival_order: int = -1  # set once; FIFO tie-break among equal priorities
     num_preemptions: int = 0
     finish_reason: str | None = None
-    generator: object = None  # the sampler's per-request RNG (seeded requests)
+    # The seed the sampler's counter-based draws use (the request's own, or one the engine drew at
+    # add_request): the draw for output position k depends only on (seed, k), see engine.sampler.
+    seed: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

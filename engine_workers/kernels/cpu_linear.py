@@ -19,12 +19,17 @@ the weights with computing, and a decode step is mostly that (docs/benchmarks.md
 doubles the memory of the linear weights, so it is made only while it fits in a quarter of the
 memory available at load time; ``--no-cpu-kernels`` leaves everything on oneDNN.
 
-Only fp32 on CPU: CUDA has its own GEMMs, and on CPUs without AMX bf16 is slow either way.
+Low-precision weights on CPU (``--dtype bfloat16``, ``--quantization int8``): :class:`LowpLinear`
+keeps only a bf16 (or int8 + per-row scale) copy of each weight in the panel layout of
+``csrc/small_m_lowp.cpp`` and runs every row count through that kernel, activations float32 in and
+out; :func:`cpu_weight_plan` decides, from the CPU's flags and the kernels' build, what an engine
+gets and logs why when it falls back to float32 weights. docs/design.md, "Precision and devices".
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -134,5 +139,122 @@ def prepack_linears(model: nn.Module, small_m=None) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear.from_linear(child, small_m))
+                replaced += 1
+    return replaced
+
+
+# -- low-precision weights ---------------------------------------------------------------------------
+
+QUANTIZATIONS = ("none", "int8")  # --quantization values
+
+
+def cpu_weight_plan(dtype: torch.dtype, quantization: str, device: torch.device,
+                    cpu_kernels: bool = True) -> tuple[torch.dtype, str | None]:
+    """``(compute dtype, low-precision weight kind or None)`` for an engine asked for ``dtype`` and
+    ``quantization`` on ``device``. On a CPU, ``bfloat16`` means bf16 *weights* in the linear
+    layers with float32 everywhere else (norms, RoPE, attention, KV cache, activations), so the
+    compute dtype is float32 and the kind ``"bfloat16"``; ``int8`` likewise (weight-only, per
+    output row). Where the kernels cannot serve that (no AVX512-BF16, no build, ``--no-cpu-kernels``)
+    it logs a warning naming the reason and returns float32 weights. Raises ``ValueError`` for what
+    is never supported: an unknown quantization, int8 on CUDA, int8 with a non-float32 dtype."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "int8":
+        if device.type != "cpu":
+            raise ValueError("--quantization int8 (weight-only int8) is implemented for CPU only; "
+                             f"device is {device.type}")
+        if dtype != torch.float32:
+            raise ValueError(f"--quantization int8 keeps activations in float32; use --dtype auto or float32, not {dtype}")
+    if device.type != "cpu" or (dtype != torch.bfloat16 and quantization == "none"):
+        return dtype, None
+    kind = "int8" if quantization == "int8" else "bfloat16"
+    why = lowp_problem(kind, cpu_kernels)
+    if why is not None:
+        log.warning("%s weights on CPU unavailable (%s): linear weights stay float32", kind, why)
+        return torch.float32, None
+    return torch.float32, kind
+
+
+def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
+    """Why the ``kind`` (``"bfloat16"`` or ``"int8"``) weight kernel cannot run here, or ``None``."""
+    from engine_workers.kernels import cpu_kernels as kernels
+
+    if not cpu_kernels:
+        return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
+    flags = kernels.cpu_flags()
+    if kind == "bfloat16" and flags and "avx512_bf16" not in flags:
+        return "this CPU lacks the avx512_bf16 flag (AVX512-BF16 dot products) the bf16 kernel needs"
+    if kind == "int8" and flags and "avx512f" not in flags:
+        return "this CPU lacks the avx512f flag the int8 kernel needs"
+    ops = kernels.lowp()
+    if ops is None:
+        return kernels.lowp_problem()
+    if kind == "bfloat16" and not ops.bf16_native:
+        return "the kernels were built without AVX512-BF16 (compiler or CPU lacks avx512_bf16)"
+    return None
+
+
+class LowpLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` stored as bf16 or as int8 with one float32 scale per output
+    row, in ``csrc/small_m_lowp.cpp``'s panels; ``x`` and ``y`` float32, any leading shape.
+    Inference only. Built by :meth:`from_weight` (the float weight is not kept)."""
+
+    def __init__(self, kind: str, panels: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None,
+                 in_features: int, out_features: int, ops: Any) -> None:
+        super().__init__()
+        self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        self.panels, self.scales, self.bias = panels, scales, bias  # plain attributes: not parameters
+        self._ops = ops
+
+    @classmethod
+    def from_weight(cls, kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    ops: Any = None) -> LowpLinear:
+        from engine_workers.kernels import cpu_kernels as kernels
+
+        ops = ops if ops is not None else kernels.lowp()
+        if ops is None:
+            raise RuntimeError(f"low-precision linear kernels unavailable: {kernels.lowp_problem()}")
+        out_f, in_f = weight.shape
+        b = None if bias is None else bias.detach().float().contiguous()
+        if kind == "bfloat16":
+            return cls(kind, ops.pack_bf16(weight.detach()), None, b, in_f, out_f, ops)
+        if kind == "int8":
+            q, s = kernels.quantize_int8(weight)
+            scales = torch.zeros(-(-out_f // PANEL_COLS) * PANEL_COLS)
+            scales[:out_f] = s
+            return cls(kind, ops.pack_i8(q), scales, b, in_f, out_f, ops)
+        raise ValueError(f"unknown low-precision weight kind {kind!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        if self.kind == "bfloat16":
+            y = self._ops.linear_bf16(x2, self.panels, self.out_features, self.bias)
+        else:
+            y = self._ops.linear_i8(x2, self.panels, self.scales, self.out_features, self.bias)
+        return y.view(*lead, self.out_features)
+
+    def weight_bytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size() + (0 if self.scales is None else self.scales.numel() * 4)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weights={self.kind}")
+
+
+def lowp_linears(model: nn.Module, kind: str) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by a :class:`LowpLinear` of ``kind``, in place;
+    returns how many were replaced. The caller checks :func:`lowp_problem` first."""
+    from engine_workers.kernels import cpu_kernels as kernels
+
+    ops = kernels.lowp()
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, LowpLinear.from_weight(kind, child.weight, child.bias, ops))
                 replaced += 1
     return replaced

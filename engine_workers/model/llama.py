@@ -7,13 +7,18 @@ each, and the LM head runs only on the rows that sample. See docs/design.md for 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine_workers.model.attention import AttnMetadata, paged_attention
+
+if TYPE_CHECKING:
+    from engine_workers.kernels.cpu_kernels import FusedOps
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -113,7 +118,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         # (residual, delta, weight, eps) -> out: the fused CPU kernel (LlamaForPagedLM.use_fused)
-        self.fused = None
+        self.fused: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -162,7 +167,7 @@ class MLP(nn.Module):
         self.inter = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
-        self.fused = None  # (gate_up [T, 2I]) -> silu(gate) * up: the fused CPU kernel
+        self.fused: Callable[..., torch.Tensor] | None = None  # (gate_up [T, 2I]) -> silu(gate) * up: the fused CPU kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -207,14 +212,14 @@ class LlamaForPagedLM(nn.Module):
     def set_rope(self, table: torch.Tensor) -> None:
         self.rope_table = table
 
-    def use_fused(self, ops) -> None:
+    def use_fused(self, ops: FusedOps | None) -> None:
         """Run the layer norms (with their residual adds) and the SiLU gating on ``ops``
         (:class:`engine_workers.kernels.cpu_kernels.FusedOps`), or back on torch ops with ``None``."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = ops and ops.add_rms_norm
-            layer.mlp.fused = ops and ops.silu_mul
-        self.norm.fused = ops and ops.add_rms_norm
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = ops.add_rms_norm if ops else None
+            layer.mlp.fused = ops.silu_mul if ops else None
+        self.norm.fused = ops.add_rms_norm if ops else None
 
     def forward(
         self,

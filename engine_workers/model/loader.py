@@ -69,10 +69,13 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device, max_len: int | None = None,
-               weight_prepack: bool = True, cpu_kernels: bool = True) -> LoadedModel:
+               weight_prepack: bool = True, cpu_kernels: bool = True, lowp: str | None = None) -> LoadedModel:
     """Load ``spec`` (a folder, ``default`` or a hub id). ``weight_prepack``: on CPU in float32,
     run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.kernels.cpu_linear`);
-    with ``cpu_kernels`` too, decode-sized batches on the engine's own kernel where it builds."""
+    with ``cpu_kernels`` too, decode-sized batches on the engine's own kernel where it builds.
+    ``lowp``: ``"bfloat16"`` or ``"int8"`` (from :func:`engine_workers.kernels.cpu_linear.cpu_weight_plan`,
+    CPU, ``dtype`` float32): the linear layers keep only that copy of their weights, on the engine's
+    low-precision kernel; everything else stays ``dtype``."""
     from transformers import AutoConfig, AutoTokenizer
 
     resolved = resolve_model(spec)
@@ -104,11 +107,25 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     model = model.to(device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    if weight_prepack:
+    if lowp is not None:
+        _lowp(model, lowp)
+    elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
     length = max_len or mspec.max_position_embeddings
     model.set_rope(rope_tables(hf_config, mspec, max(length, 1), device))
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
+
+
+def _lowp(model: LlamaForPagedLM, kind: str) -> None:
+    from engine_workers.kernels.cpu_linear import LowpLinear, lowp_linears
+
+    n = lowp_linears(model, kind)
+    if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
+        model.lm_head = LowpLinear.from_weight(kind, model.embed_tokens.weight)
+        n += 1
+    size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, LowpLinear))
+    log.info("%d linear layers with %s weights (%.0f MB) on the engine's CPU kernel; activations float32",
+             n, kind, size / 1e6)
 
 
 def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True) -> None:

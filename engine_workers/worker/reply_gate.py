@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from bus.base import Bus, BusError, Record
 from bus.deadletter import send_dead_letter
@@ -82,7 +83,7 @@ class ReplyGate:
         """Dead-letter ``job`` (no longer in the engine) in the background, then finish its offset."""
         self._own(self._dead_letters, self._dead_letter(job, reason), f"dlq-{job.eid}")
 
-    def _own(self, tasks: set[asyncio.Task], coro, name: str) -> None:
+    def _own(self, tasks: set[asyncio.Task], coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         tasks.add(task)
         task.add_done_callback(tasks.discard)

@@ -10,7 +10,8 @@ replies for one reply partition travel as one record, as from a real worker); ho
 Output of a request is a pure function of its prompt and ``max_tokens`` (see :func:`expected_text`),
 so tests can compare what a client received. Knobs for tests: ``step_s`` (delay between steps; each
 step emits one token for every running request), ``replay_after`` (after that many tokens, behave
-like a restarted worker: re-send from seq 0 with ``attempt + 1``), ``est_wait_s`` / ``queue_depth``
+like a restarted worker: re-send from seq 0 with ``attempt + 1``; with ``diverge_on_replay`` the
+re-run's token ids differ, as an unseeded re-run's would), ``est_wait_s`` / ``queue_depth``
 (mutable, reported in heartbeats), ``token_text`` (custom token text, e.g. publish timestamps for
 latency benchmarks), ``error`` (answer every request with this error code), ``step_phase_s``
 (step on a fixed grid of the monotonic clock, offset by this phase: several fake workers with
@@ -27,7 +28,7 @@ import math
 import time
 from collections.abc import Callable
 
-from bus.base import Bus
+from bus.base import Bus, Consumer
 from bus.messages import (
     Cancel,
     DecodeError,
@@ -84,6 +85,7 @@ class FakeWorker:
         error: str | None = None,
         heartbeats: bool = True,
         step_phase_s: float | None = None,
+        diverge_on_replay: bool = False,
     ) -> None:
         self.bus = bus
         self.model = model
@@ -92,6 +94,7 @@ class FakeWorker:
         self.step_s = step_s
         self.heartbeat_s = heartbeat_s
         self.replay_after = replay_after
+        self.diverge_on_replay = diverge_on_replay
         self.token_text = token_text or token_piece
         self.error = error
         self.heartbeats = heartbeats
@@ -149,7 +152,7 @@ class FakeWorker:
             await self.send_status()
             await asyncio.sleep(self.heartbeat_s)
 
-    async def _consume(self, consumer) -> None:
+    async def _consume(self, consumer: Consumer) -> None:
         try:
             while True:
                 records = await consumer.getmany(timeout_ms=200)
@@ -171,7 +174,7 @@ class FakeWorker:
         finally:
             await consumer.stop()
 
-    async def _control(self, consumer) -> None:
+    async def _control(self, consumer: Consumer) -> None:
         try:
             while True:
                 records = await consumer.getmany(timeout_ms=200)
@@ -233,7 +236,8 @@ class FakeWorker:
                     run.replayed, run.pos, run.texts_len, run.attempt = True, 0, 0, run.attempt + 1
                 i = run.pos
                 text = self.token_text(req.prompt_token_ids, i)
-                self.replies.chunk(self._key(run), req.reply_to, rid, run.attempt, i, (i % 200 + 3,), text,
+                token = i % 200 + 3 + (run.attempt - req.attempt if self.diverge_on_replay else 0)
+                self.replies.chunk(self._key(run), req.reply_to, rid, run.attempt, i, (token,), text,
                                    run.texts_len)
                 self.tokens_sent += 1
                 run.pos += 1

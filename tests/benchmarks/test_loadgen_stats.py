@@ -43,8 +43,14 @@ def test_arrivals_mean_rate_and_burstiness():
         ts = arrival_times(5000, 4.0, kind, seed=3)
         assert ts[0] == 0 and all(b >= a for a, b in zip(ts, ts[1:]))
         assert 3.6 < (len(ts) - 1) / ts[-1] < 4.4
-    gaps = lambda k: [b - a for a, b in zip(*(lambda t: (t, t[1:]))(arrival_times(5000, 4.0, k, seed=3)))]
-    cv = lambda g: statistics.pstdev(g) / statistics.mean(g)
+
+    def gaps(kind: str) -> list[float]:
+        t = arrival_times(5000, 4.0, kind, seed=3)
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def cv(g: list[float]) -> float:
+        return statistics.pstdev(g) / statistics.mean(g)
+
     assert 0.9 < cv(gaps("poisson")) < 1.1 and cv(gaps("bursty")) > 1.5
     assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):

@@ -237,7 +237,7 @@ def test_cluster_ids_never_look_like_options() -> None:
 
 
 @pytest.mark.kafka
-def test_storage_with_a_dash_cluster_id_formats(kafka_bootstrap: str, tmp_path) -> None:  # noqa: ANN001
+def test_storage_with_a_dash_cluster_id_formats(kafka_bootstrap: str, tmp_path) -> None:
     """A cluster id written before that fix (starting with '-') still formats: it is passed as one
     `--cluster-id=ID` token. (The jars are the session broker's.)"""
     cdir = tmp_path / "cluster"

@@ -43,7 +43,7 @@ class _Client:
         self.fail = fail
         self.calls: list[float] = []
 
-    async def _metadata_update(self, cluster, topics) -> bool:  # noqa: ANN001
+    async def _metadata_update(self, cluster, topics) -> bool:
         self.calls.append(asyncio.get_running_loop().time())
         return len(self.calls) > self.fail
 

@@ -234,3 +234,28 @@ async def test_bench_serve_openai_target(encoder, tmp_path):
     assert sorted(r["output_tokens"] for r in rows) == sorted(r.sampling.max_tokens for r in fw.seen)
     assert all(r["ttft_ms"] is not None and r["prompt_tokens"] > 0 for r in rows)
     assert (tmp_path / "results.json").exists()
+
+
+async def test_sampling_controls_reach_the_worker(encoder):
+    async with api(encoder) as (edge, fw, client):
+        await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, presence_penalty=0.5,
+                                             frequency_penalty=-0.5, logit_bias={"5": -100}, seed=-1,
+                                             extra_body={"min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 1,
+                                                         "top_k": -1})
+        sp = fw.seen[-1].sampling
+        assert (sp.presence_penalty, sp.frequency_penalty, sp.logit_bias) == (0.5, -0.5, ((5, -100.0),))
+        assert (sp.min_p, sp.repetition_penalty, sp.min_tokens, sp.top_k) == (0.1, 1.2, 1, 0)
+        assert sp.seed == (1 << 63) - 1
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model=MODEL, messages=HELLO, logit_bias={"999999": 1})
+        assert _error(e.value)["param"] == "logit_bias"
+
+
+async def test_the_seed_used_is_returned_as_an_extension_field(encoder):
+    async with api(encoder) as (edge, fw, client):
+        r = await client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, temperature=0.8)
+        assigned = r.model_extra["seed"]
+        assert isinstance(assigned, int) and fw.seen[-1].sampling.seed == assigned
+        chunks = [c async for c in await client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=2, temperature=0.8, seed=99, stream=True)]
+        assert {c.model_extra["seed"] for c in chunks} == {99} and fw.seen[-1].sampling.seed == 99

@@ -20,7 +20,8 @@ from tests.edge.conftest import MODEL, running_edge
 
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
           "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "n", "stream",
-          "stream_options", "include_usage", "user", "echo", "role", "content", "type", "text", "response_format"]
+          "stream_options", "include_usage", "user", "echo", "role", "content", "type", "text", "response_format",
+          "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "repetition_penalty", "min_tokens"]
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40),
@@ -39,6 +40,8 @@ bodies = st.one_of(
     st.just(b'{"model":"tiny","prompt":"hi","max_tokens":123456789012345678901234567890}'),
     st.just(b'{"model":"tiny","prompt":"\\ud800"}'),
     st.just(b'{"model":"tiny","prompt":[99999999999]}'),
+    st.just(b'{"model":"tiny","prompt":"hi","logit_bias":{"99999999":5}}'),
+    st.just(b'{"model":"tiny","prompt":"hi","logit_bias":{"-1":5}}'),
 )
 
 

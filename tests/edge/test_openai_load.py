@@ -91,3 +91,37 @@ async def test_500_concurrent_sse_streams(edge_thread: dict) -> None:
     tokens = STREAMS * TOKENS
     print(f"\nopenai SSE load: {STREAMS} streams x {TOKENS} tokens in {wall:.2f}s; edge thread (edge + fake "
           f"worker) CPU {cpu:.2f}s = {cpu / tokens * 1e6:.1f} us/token")
+
+
+async def test_same_load_over_websocket_for_comparison(edge_thread: dict) -> None:
+    """The same 500 x 100 tokens over the WebSocket API (one connection per stream), so the OpenAI
+    figure above has its WebSocket twin from the same harness."""
+    from websockets.asyncio.client import connect
+
+    edge, fw = edge_thread["edge"], edge_thread["fw"]
+
+    async def stream(i: int) -> tuple[str, str]:
+        async with connect(f"ws://127.0.0.1:{edge.port}/ws", ping_interval=None, open_timeout=60) as ws:
+            await ws.send(orjson.dumps({"type": "generate", "id": "s", "max_tokens": TOKENS,
+                                        "messages": [{"role": "user", "content": f"question {i}"}]}).decode())
+            text, rid = [], ""
+            while True:
+                f = orjson.loads(await asyncio.wait_for(ws.recv(), 60))
+                if f["type"] == "accepted":
+                    rid = f["request_id"]
+                elif f["type"] == "delta":
+                    text.append(f["text"])
+                else:
+                    assert f["type"] == "done", f
+                    return rid, "".join(text)
+
+    clock = edge_thread["clock"]
+    cpu0, t0 = time.clock_gettime(clock), time.perf_counter()
+    results = await asyncio.gather(*(stream(i) for i in range(STREAMS)))
+    cpu, wall = time.clock_gettime(clock) - cpu0, time.perf_counter() - t0
+    by_rid = {r.request_id: r for r in fw.seen}
+    for rid, text in results:
+        assert text == expected_text(by_rid[rid].prompt_token_ids, TOKENS)
+    tokens = STREAMS * TOKENS
+    print(f"\nwebsocket load: {STREAMS} streams x {TOKENS} tokens in {wall:.2f}s; edge thread (edge + fake "
+          f"worker) CPU {cpu:.2f}s = {cpu / tokens * 1e6:.1f} us/token")

@@ -62,7 +62,9 @@ def test_mixed_batch_matches_dense_attention(kernel, groups):
             k_cache[slot], v_cache[slot] = k[p], v[p]
         seqs.append((q, k, v))
         chunks.append((before, total - before, blocks))
-        new_q.append(q[before:]); new_k.append(k[before:]); new_v.append(v[before:])
+        new_q.append(q[before:])
+        new_k.append(k[before:])
+        new_v.append(v[before:])
     meta, positions = build_metadata(chunks, BS, torch.device("cpu"), decode_kernel=fn, prefill_kernel=pf,
                                      max_decode_groups=groups)
     assert all(c.mask is None for c in meta.prefill) == kernel  # the kernel needs no masks

@@ -7,7 +7,7 @@ import torch
 
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.params import SamplingParams
-from engine_workers.engine.sampler import Sampler, make_generator
+from engine_workers.engine.sampler import Row, Sampler
 from lockgate.testing.tiny_model import build_tokenizer
 
 
@@ -48,24 +48,24 @@ def test_greedy_and_seeded_sampling():
     s = Sampler(torch.device("cpu"))
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]])
     greedy = SamplingParams(temperature=0)
-    assert s(logits, [greedy, greedy], [None, None]).token_ids == [1, 0]
+    assert s(logits, [Row(greedy), Row(greedy)]).token_ids == [1, 0]
     p = SamplingParams(temperature=1.0, seed=42)
     logits = torch.randn(1, 100)
-    a = [s(logits, [p], [g]).token_ids[0] for g in [make_generator(p, torch.device("cpu"))] for _ in range(20)]
-    g2 = make_generator(p, torch.device("cpu"))
-    b = [s(logits, [p], [g2]).token_ids[0] for _ in range(20)]
+    # the draw for position k depends on (seed, k) only: the same k gives the same token every time
+    a = [s(logits, [Row(p, 42, output_token_ids=[0] * k)]).token_ids[0] for k in range(20)]
+    b = [s(logits, [Row(p, 42, output_token_ids=[0] * k)]).token_ids[0] for k in range(20)]
     assert a == b and len(set(a)) > 1
 
 
 def test_top_k_top_p_restrict_support_and_logprobs():
-    s = Sampler(torch.device("cpu"), seed=1)
+    s = Sampler(torch.device("cpu"))
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     k2 = SamplingParams(temperature=1.0, top_k=2)
-    assert {s(logits, [k2], [None]).token_ids[0] for _ in range(200)} <= {0, 1}
+    assert {s(logits, [Row(k2, seed)]).token_ids[0] for seed in range(200)} == {0, 1}
     p = SamplingParams(temperature=1.0, top_p=0.5)  # token 0 alone has ~64% of the mass
-    assert {s(logits, [p], [None]).token_ids[0] for _ in range(100)} == {0}
+    assert {s(logits, [Row(p, seed)]).token_ids[0] for seed in range(100)} == {0}
     lp = SamplingParams(temperature=0, logprobs=2)
-    res = s(logits, [lp], [None])
+    res = s(logits, [Row(lp)])
     (entries,) = res.logprobs
     assert entries[0][0] == 0 and [e[0] for e in entries[1:]] == [0, 1]
     assert abs(sum(torch.tensor([e[1] for e in entries[1:]]).exp().tolist()) - 0.9) < 0.1

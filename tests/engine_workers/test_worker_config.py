@@ -34,7 +34,7 @@ def test_bad_settings_are_refused_naming_the_field(kwargs: dict, field: str) -> 
         WorkerConfig("m", **kwargs)
 
 
-def test_help_shows_each_default_as_it_applies(monkeypatch, capsys) -> None:  # noqa: ANN001
+def test_help_shows_each_default_as_it_applies(monkeypatch, capsys) -> None:
     """`lockgate worker --help` names every flag's default, and a LOCKGATE_* variable is that default."""
     import pytest
 

@@ -9,10 +9,13 @@ import dataclasses
 import logging
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -53,13 +56,31 @@ def new_layout(partitions: int = 4) -> TopicLayout:
     return TopicLayout(namespace=f"t{uuid.uuid4().hex[:10]}", partitions=partitions)
 
 
-def spawn_worker(bootstrap: str, model_dir: Path, layout: TopicLayout, worker_id: str, log: Path) -> subprocess.Popen:
+def spawn_worker(bootstrap: str, model_dir: Path, layout: TopicLayout, worker_id: str, log: Path,
+                 metrics_port: int | None = None) -> subprocess.Popen:
     cmd = [LOCKGATE, "--log-level", "WARNING", "worker", "--bus", kafka_url(bootstrap), "--model", str(model_dir),
            "--served-model-name", MODEL, "--namespace", layout.namespace, "--partitions", str(layout.partitions),
            "--worker-id", worker_id, "--max-num-seqs", "2", "--threads", "1", "--kv-cache-bytes", "4M",
            "--max-model-len", "512", "--drain-grace", "10"]
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     with log.open("w") as err:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assigned(port: int) -> bool:
+    """The worker behind ``port`` answers ``/readyz`` 200: started and holding partitions."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 async def wait_ready(proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -80,13 +101,14 @@ async def two_workers(bootstrap: str, model_dir: Path, layout: TopicLayout, logs
     reader of the ``test`` reply topic: yields (bus, procs, replies); kills what is left on exit."""
     async with connect(kafka_url(bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
-        procs = {w: spawn_worker(bootstrap, model_dir, layout, w, logs / f"{w}.log") for w in ("wa", "wb")}
+        ports = {w: free_port() for w in ("wa", "wb")}
+        procs = {w: spawn_worker(bootstrap, model_dir, layout, w, logs / f"{w}.log", ports[w]) for w in ("wa", "wb")}
         try:
             for p in procs.values():
                 await wait_ready(p)
-            # The second join's rebalance settles. Still a fixed wait: the workers are other
-            # processes (started without a health port) and nothing here shows their assignment.
-            await asyncio.sleep(2.0)
+            # the second join's rebalance settled: each worker holds partitions (its /readyz)
+            await wait_until(lambda: asyncio.to_thread(lambda: all(assigned(port) for port in ports.values())),
+                             timeout=30, interval=0.1, message="both workers holding partitions after the rebalance")
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
             yield bus, procs, replies
