@@ -184,7 +184,7 @@ def machine_info() -> dict:
     import re
     from pathlib import Path
 
-    model, flags = platform.processor() or "unknown", set()
+    model, flags = platform.processor() or "unknown", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and model in ("unknown", platform.processor()):

@@ -71,6 +71,7 @@ _KAFKA_OPTIONS = {
     "heartbeat_interval_ms": int,
     "assignment_timeout_s": float,
     "default_partitions": int,
+    "max_request_size": int,
 }
 
 

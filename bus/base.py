@@ -219,7 +219,17 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def partitions_for(self, topic: str) -> list[int]:
         """The topic's partition ids, never creating it. Raises :class:`UnknownTopicError` when it
-        does not exist, :class:`BusError` when the broker could not be asked."""
+        does not exist, :class:`BusError` when the broker could not be asked or a partition has no
+        leader (an election in progress: transient, never taken for a missing topic)."""
+
+    @abc.abstractmethod
+    async def read_partition(self, topic: str, partition: int, since_ms: int, limit: int = 100_000,
+                             timeout_s: float = 10.0) -> list[Record]:
+        """The records of one partition from the first whose timestamp is at or after ``since_ms``
+        up to the partition's end as of the call (records sent meanwhile are not waited for), at
+        most ``limit``, oldest first. No group, no commit. Raises :class:`UnknownTopicError` for a
+        missing topic, ``ValueError`` for a partition it does not have, :class:`BusError` when the
+        broker cannot be read within ``timeout_s``."""
 
     @abc.abstractmethod
     def consumer(

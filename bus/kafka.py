@@ -46,6 +46,7 @@ from bus.base import (
     Bus,
     BusError,
     RebalanceCallback,
+    Record,
     RecordMetadata,
     StartFrom,
     TopicSpec,
@@ -54,7 +55,9 @@ from bus.base import (
     checked_topic_names,
 )
 from bus.kafka_consumer import KafkaConsumer
+from bus.kafka_metadata import TopicNotReady, led_partitions
 from bus.kafka_outage import limit_repeated_logs, throttle_metadata_refresh
+from bus.kafka_reader import read_kafka_partition
 from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
@@ -125,6 +128,7 @@ class KafkaBus(Bus):
         fetch_max_wait_ms: int = 500,
         assignment_timeout_s: float = 60.0,
         default_partitions: int = 1,
+        max_request_size: int = 1 << 20,
     ) -> None:
         if connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
@@ -141,6 +145,7 @@ class KafkaBus(Bus):
         self.fetch_max_wait_ms = fetch_max_wait_ms
         self.assignment_timeout_s = assignment_timeout_s
         self.default_partitions = default_partitions
+        self.max_request_size = max_request_size  # the producer's max.request.size: larger records are refused
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._consumers: list[KafkaConsumer] = []
@@ -158,6 +163,7 @@ class KafkaBus(Bus):
                 enable_idempotence=True,
                 linger_ms=self.linger_ms,
                 request_timeout_ms=self.request_timeout_ms,
+                max_request_size=self.max_request_size,
             )
             throttle_metadata_refresh(p.client)  # its sender spun on refreshes while no broker answered
             try:
@@ -304,23 +310,35 @@ class KafkaBus(Bus):
         return found[0] if found else None
 
     async def _describe(self, topic: str, wait: bool = False) -> list[int] | None:
-        """Partitions of ``topic`` with a leader, or ``None`` when it does not exist. Never creates."""
+        """Partitions of ``topic``, or ``None`` when it does not exist (``UNKNOWN_TOPIC_OR_PARTITION``
+        only). Never creates. A partition without a leader raises :class:`TopicNotReady` (a
+        transient ``BusError``, :mod:`bus.kafka_metadata`); ``wait``: both a missing topic and a
+        leaderless one are asked again (backoff 50 ms doubling to 0.5 s) up to the request timeout."""
         assert self._admin is not None
         deadline = time.monotonic() + self.request_timeout_ms / 1000
+        backoff = 0.05
         while True:
             try:
                 meta = await self._topic_metadata(topic)
             except KafkaError as exc:
                 raise BusError(f"metadata for {topic} on {self.bootstrap} failed: {exc!r}") from exc
-            parts = meta["partitions"] if meta is not None else []
-            ready = meta is not None and meta["error_code"] == 0 and parts and all(p["leader"] >= 0 for p in parts)
-            found = sorted(p["partition"] for p in parts) if ready else None
-            if found is not None or not wait or time.monotonic() > deadline:
-                return found
-            await asyncio.sleep(0.05)
+            try:
+                found = led_partitions(topic, meta)
+            except TopicNotReady:
+                if not wait or time.monotonic() > deadline:
+                    raise
+                found = None
+            else:
+                if found is not None or not wait or time.monotonic() > deadline:
+                    return found
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
 
     async def _ensure_exists(self, topic: str) -> list[int]:
-        parts = await self._describe(topic)
+        try:
+            parts = await self._describe(topic)
+        except TopicNotReady:  # there, electing a leader: wait for it (raises if it takes too long)
+            parts = await self._describe(topic, wait=True)
         if parts is None:
             await self.ensure_topics([TopicSpec(topic, self.default_partitions)])
             parts = await self._describe(topic, wait=True)
@@ -381,6 +399,14 @@ class KafkaBus(Bus):
             self._untrack([topic])
             raise UnknownTopicError(f"{self.url}: unknown topic {topic!r}")
         return parts
+
+    async def read_partition(self, topic: str, partition: int, since_ms: int, limit: int = 100_000,
+                             timeout_s: float = 10.0) -> list[Record]:
+        parts = await self.partitions_for(topic)  # UnknownTopicError for a missing topic
+        if partition not in parts:
+            raise ValueError(f"topic {topic!r} has no partition {partition}")
+        return await read_kafka_partition(self.bootstrap, self.client_id, self.request_timeout_ms, topic, partition,
+                                          since_ms, limit, timeout_s)
 
     def consumer(
         self,

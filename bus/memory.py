@@ -329,6 +329,18 @@ class MemoryBus(Bus):
             raise UnknownTopicError(f"{self.url}: unknown topic {topic!r}")
         return list(range(len(t.partitions)))
 
+    async def read_partition(self, topic: str, partition: int, since_ms: int, limit: int = 100_000,
+                             timeout_s: float = 10.0) -> list[Record]:  # noqa: ARG002 - never waits
+        self._check_started()
+        t = self.broker.topics.get(topic)
+        if t is None:
+            raise UnknownTopicError(f"{self.url}: unknown topic {topic!r}")
+        if not 0 <= partition < len(t.partitions):
+            raise ValueError(f"topic {topic!r} has no partition {partition}")
+        log = t.partitions[partition]
+        start = log.offset_for_time(since_ms)
+        return log.read(start, min(limit, log.end - start))
+
     def consumer(
         self,
         topics: Sequence[str],

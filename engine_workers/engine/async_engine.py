@@ -136,7 +136,11 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. Cancelling the iteration aborts the request."""
         params = params or SamplingParams()
-        stream: asyncio.Queue = asyncio.Queue(maxsize=params.max_tokens + 2)  # bounded: <= 1 output per token + final
+        # Unbounded on purpose: the engine bounds it (<= 1 output per token + a final), and a
+        # maxsize only turned that into a QueueFull raised on the event loop by whichever put came
+        # last (``_deliver``, or ``_fail_all`` when the engine crashes), losing the crash for the
+        # streams after it.
+        stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         try:
             await self.add_request(request_id, prompt, params, **kwargs)
@@ -237,5 +241,7 @@ class AsyncEngine:
             self.on_outputs(outputs)
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Every open stream ends with the crash, after the outputs it already holds. Never raises
+        (the streams are unbounded), so no stream is left waiting for an output that never comes."""
         for stream in self._streams.values():
             stream.put_nowait(RuntimeError(f"engine crashed: {exc!r}"))

@@ -11,9 +11,11 @@
   computing (:mod:`engine_workers.kernels.cpu_linear`);
 * fused residual add + RMSNorm and SiLU gating (``csrc/fused_elementwise.cpp``);
 * linears with bf16 or weight-only int8 weights and float32 activations (``csrc/small_m_lowp.cpp``,
-  ``--dtype bfloat16`` / ``--quantization int8`` on a CPU): :func:`lowp`. The bf16 one needs the
-  CPU's AVX512-BF16 (``avx512_bf16`` in /proc/cpuinfo); the build is ``-march=native``, so on a CPU
-  without it the file still compiles (a plain loop instead) and :func:`lowp_problem` names the flag.
+  ``--dtype bfloat16`` / ``--quantization int8`` on a CPU): :func:`lowp`. The engine's bf16 and int8
+  kernels need AVX-512F; the bf16 variant on AVX512-BF16 dot products (``linear_bf16_dot``) needs
+  ``avx512_bf16``. The build is ``-march=native``, so on a CPU without a flag the file still
+  compiles (plain loops instead) and :func:`engine_workers.kernels.cpu_linear.lowp_problem` names
+  the missing flag.
 
 All run on torch's own thread pool and release the GIL; figures in docs/benchmarks.md, design in
 docs/design.md. CUDA and other dtypes keep torch's ops.
@@ -330,6 +332,9 @@ def _resolve_small_m() -> tuple[tuple[Callable, Callable] | None, str | None]:
 # -- low-precision weights (csrc/small_m_lowp.cpp) ---------------------------------------------------
 
 
+LOWP_PANEL_COLS = 96  # output columns per panel of csrc/small_m_lowp.cpp (its NR); scales are padded to it
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
@@ -346,10 +351,11 @@ class LowpOps:
     """The low-precision-weight linear kernels (``csrc/small_m_lowp.cpp``); x and y float32."""
 
     pack_bf16: Callable  # (weight [N, K] any float dtype) -> bf16 panels
-    linear_bf16: Callable  # (x [M, K] contiguous f32, panels, N, bias or None) -> [M, N]
+    linear_bf16: Callable  # (x [M, K] contiguous f32, panels, N, bias or None) -> [M, N]; f32 FMAs, AVX-512F
+    linear_bf16_dot: Callable  # the same through AVX512-BF16 dot products (x rounded to bf16)
     pack_i8: Callable  # (int8 weight [N, K]) -> int8 panels
     linear_i8: Callable  # (x [M, K] contiguous f32, panels, scales [P * 96] f32, N, bias or None) -> [M, N]
-    bf16_native: bool  # built with AVX512-BF16 (else linear_bf16 is a slow plain loop)
+    bf16_native: bool  # built with AVX512-BF16 (else linear_bf16_dot is a slow plain loop)
 
 
 def lowp() -> LowpOps | None:
@@ -378,20 +384,21 @@ def _check_lowp(ops: LowpOps) -> str | None:
     panel and k-block tails (odd K for the bf16 pairs), with and without bias."""
     import torch.nn.functional as F
 
-    from engine_workers.kernels.cpu_linear import PANEL_COLS
-
     gen = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 96, 64), (7, 100, 71), (13, 200, 300), (37, 97, 130)):
         w, b, x = (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen))
         wb, xb = w.bfloat16().float(), x.bfloat16().float()
         q, s = quantize_int8(w)
         panels, qpanels = ops.pack_bf16(w), ops.pack_i8(q)
-        scales = torch.zeros(-(-n // PANEL_COLS) * PANEL_COLS)
+        scales = torch.zeros(-(-n // LOWP_PANEL_COLS) * LOWP_PANEL_COLS)
         scales[:n] = s
         for bias in (None, b):
-            got, want = ops.linear_bf16(x, panels, n, bias), F.linear(xb, wb, bias)
+            got, want = ops.linear_bf16(x, panels, n, bias), F.linear(x, wb, bias)
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
                 return f"bf16 linear kernel disagrees with F.linear at M={m} N={n} K={k}"
+            got, want = ops.linear_bf16_dot(x, panels, n, bias), F.linear(xb, wb, bias)
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
+                return f"bf16 dot-product linear kernel disagrees with F.linear at M={m} N={n} K={k}"
             got, want = ops.linear_i8(x, qpanels, scales, n, bias), F.linear(x, q.float() * s[:, None], bias)
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
                 return f"int8 linear kernel disagrees with F.linear at M={m} N={n} K={k}"
@@ -399,5 +406,6 @@ def _check_lowp(ops: LowpOps) -> str | None:
 
 
 def _resolve_lowp() -> tuple[LowpOps | None, str | None]:
-    return _checked(lambda m: LowpOps(m.pack_bf16, m.linear_bf16, m.pack_i8, m.linear_i8, bool(m.bf16_native())),
+    return _checked(lambda m: LowpOps(m.pack_bf16, m.linear_bf16f, m.linear_bf16, m.pack_i8, m.linear_i8,
+                                      bool(m.bf16_native())),
                     _check_lowp, "bf16/int8 linear kernels")

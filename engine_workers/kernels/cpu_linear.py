@@ -146,6 +146,11 @@ def prepack_linears(model: nn.Module, small_m=None) -> int:
 # -- low-precision weights ---------------------------------------------------------------------------
 
 QUANTIZATIONS = ("none", "int8")  # --quantization values
+# bf16 weights through AVX512-BF16 dot products (x rounded to bf16) instead of widening each bf16
+# pair to float32 in registers and using FMAs. Off: on the benchmark machine (Xeon with
+# avx512_bf16, no AMX) the dot-product kernel was no faster at 1-2 rows and 1.4-1.5x slower at
+# 8-64 (docs/design.md, "Precision and devices"); kept, checked, for CPUs where it is faster.
+BF16_DOT_PRODUCTS = False
 
 
 def cpu_weight_plan(dtype: torch.dtype, quantization: str, device: torch.device,
@@ -182,14 +187,14 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     if not cpu_kernels:
         return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
     flags = kernels.cpu_flags()
-    if kind == "bfloat16" and flags and "avx512_bf16" not in flags:
+    if flags and "avx512f" not in flags:  # the plain-loop build would run, far slower than float32
+        return f"this CPU lacks the avx512f flag (AVX-512) the {kind} kernel needs"
+    if kind == "bfloat16" and BF16_DOT_PRODUCTS and flags and "avx512_bf16" not in flags:
         return "this CPU lacks the avx512_bf16 flag (AVX512-BF16 dot products) the bf16 kernel needs"
-    if kind == "int8" and flags and "avx512f" not in flags:
-        return "this CPU lacks the avx512f flag the int8 kernel needs"
     ops = kernels.lowp()
     if ops is None:
         return kernels.lowp_problem()
-    if kind == "bfloat16" and not ops.bf16_native:
+    if kind == "bfloat16" and BF16_DOT_PRODUCTS and not ops.bf16_native:
         return "the kernels were built without AVX512-BF16 (compiler or CPU lacks avx512_bf16)"
     return None
 
@@ -220,7 +225,7 @@ class LowpLinear(nn.Module):
             return cls(kind, ops.pack_bf16(weight.detach()), None, b, in_f, out_f, ops)
         if kind == "int8":
             q, s = kernels.quantize_int8(weight)
-            scales = torch.zeros(-(-out_f // PANEL_COLS) * PANEL_COLS)
+            scales = torch.zeros(-(-out_f // kernels.LOWP_PANEL_COLS) * kernels.LOWP_PANEL_COLS)
             scales[:out_f] = s
             return cls(kind, ops.pack_i8(q), scales, b, in_f, out_f, ops)
         raise ValueError(f"unknown low-precision weight kind {kind!r}")
@@ -232,7 +237,8 @@ class LowpLinear(nn.Module):
             x2 = x2.float()
         x2 = x2.contiguous()
         if self.kind == "bfloat16":
-            y = self._ops.linear_bf16(x2, self.panels, self.out_features, self.bias)
+            linear = self._ops.linear_bf16_dot if BF16_DOT_PRODUCTS else self._ops.linear_bf16
+            y = linear(x2, self.panels, self.out_features, self.bias)
         else:
             y = self._ops.linear_i8(x2, self.panels, self.scales, self.out_features, self.bias)
         return y.view(*lead, self.out_features)

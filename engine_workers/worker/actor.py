@@ -41,13 +41,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Set
 
 from bus.base import Bus, BusError, Consumer, TopicPartition
-from bus.deadletter import DeadLetterer, send_dead_letter
 from bus.messages import (
+    DecodeError,
     Error,
     ErrorCode,
     Finished,
@@ -56,6 +57,7 @@ from bus.messages import (
     Timings,
     Usage,
     WorkerStatus,
+    decode,
 )
 from bus.topics import safe_name
 from engine_workers.engine.async_engine import AsyncEngine
@@ -77,6 +79,8 @@ from engine_workers.worker.metrics import CONTENT_TYPE, WorkerMetrics
 from engine_workers.worker.offsets import OffsetTracker
 from engine_workers.worker.reply_gate import ReplyGate
 from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.resume import ResumeFinder
+from engine_workers.worker.send_failures import SendFailures
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +119,8 @@ class Worker:
         self.intake: IntakeQueue[Job] = IntakeQueue(self.policy)
         self.ledger = RequestLedger(config.worker_id, config.revoke_flush_s, on_lost=self._release)
         self.offsets: OffsetTracker[TopicPartition] = self.ledger.offsets
-        self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed)
-        self._dlq = DeadLetterer(bus, config.layout)
+        self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed,
+                                   max_record_bytes=config.max_reply_record_bytes)
         self._topics = config.layout.request_topics(config.model)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._admissions = RateMeter()
@@ -124,8 +128,13 @@ class Worker:
         self._consumer: Consumer | None = None
         self._control: Consumer | None = None
         self._tasks: list[asyncio.Task] = []
-        self._gate = ReplyGate(bus, config.layout, config.worker_id, self.replies, self.ledger, self._accept,
+        self._resume = ResumeFinder(bus, config.worker_id, self._accept, self._answered_before,
+                                    lambda tp: self.ledger.assigned_at.get(tp), self.replies.partition_count,
+                                    self.metrics.resumed)
+        self._gate = ReplyGate(bus, config.layout, config.worker_id, self.replies, self.ledger, self._resume.submit,
                                self.metrics.dead_letters.inc)
+        self._send_failures = SendFailures(config.worker_id, self.ledger, self._gate.dead_letters, self._rerun,
+                                           self._reply_error, reruns=config.send_failure_reruns)
         self._next_expiry_check = 0.0
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
@@ -173,6 +182,8 @@ class Worker:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._resume.stop()  # held lookups: their requests stay uncommitted
+        self._send_failures.stop()  # failed requests waiting to run again: uncommitted too
         await self._gate.stop(STOP_COMMIT_S)  # a dead letter acknowledged finishes its offset: before the commit
         if was in ("started", "draining"):
             # Work finished since the intake loop's last periodic commit: without this a clean
@@ -302,13 +313,16 @@ class Worker:
             return  # re-delivered after a rebalance that left us the partition: we have it
         if self.state != "started":
             return  # draining: stays uncommitted
-        msg = await self._dlq.decode(rec)
-        if msg is not None and not isinstance(msg, InferenceRequest):
-            await send_dead_letter(self.bus, self.config.layout, rec, f"expected a request, got {type(msg).__name__}")
-            msg = None
-        if msg is None:
-            self.metrics.dead_letters.inc()
-            self.offsets.finish(tp, rec.offset)
+        try:
+            msg = decode(rec.value)
+        except DecodeError as exc:
+            msg, why = None, str(exc)
+        else:
+            why = f"expected a request, got {type(msg).__name__}"
+        if not isinstance(msg, InferenceRequest):
+            # In the background, retried until acknowledged, then its offset finished: a
+            # dead-letter topic that cannot be written never stops the intake (dead_letters.py).
+            self._gate.dead_letters.send(rec, why)
             return
         now = time.time()
         arrival = msg.enqueued_at if 0 < msg.enqueued_at <= now else now
@@ -356,15 +370,24 @@ class Worker:
                 break
             self.intake.pop()
             job.pending = None
-            self._submit(job)
+            if not self._submit(job):
+                break
 
-    def _submit(self, job: Job) -> None:
-        self.ledger.admitted(job)
-        self._admissions.record(time.time())
+    def _submit(self, job: Job) -> bool:
+        """Hand ``job`` to the engine; False when the engine's command queue is full: the job is
+        back in the intake (admitted again by a later ``_admit``), never left marked admitted."""
         r = job.req
         arrival_mono = job.arrival - (time.time() - time.monotonic())
-        fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), engine_params(r.sampling), cache_salt=r.cache_salt,
-                                  priority=self.policy.engine_priority(r.tier, job.arrival), arrival_time=arrival_mono)
+        try:
+            fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), engine_params(r.sampling),
+                                      cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.arrival),
+                                      arrival_time=arrival_mono, resume_token_ids=list(job.resume))
+        except queue.Full:
+            log.warning("worker %s: engine command queue full; %s waits in the intake", self.config.worker_id, job.eid)
+            job.pending = self.intake.push(r.request_id, r.tier, job.arrival, r.deadline, job)
+            return False
+        self.ledger.admitted(job)
+        self._admissions.record(time.time())
         loop = asyncio.get_running_loop()
 
         def done(f) -> None:  # engine thread
@@ -372,9 +395,18 @@ class Worker:
                 loop.call_soon_threadsafe(self._on_rejected, job, f.exception())
 
         fut.add_done_callback(done)
+        return True
 
     def _on_rejected(self, job: Job, exc: BaseException) -> None:
         self.ledger.left_engine(job)
+        if job.resume and isinstance(exc, ValueError):
+            # The published prefix cannot be continued (it ends in EOS or a stop string, or fills
+            # the context): run the request from the start; the edge drops what it already has.
+            log.info("worker %s: resuming %s failed (%s); running it from the start", self.config.worker_id,
+                     job.eid, exc)
+            job.resume = ()
+            self._submit(job)
+            return
         code = ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
         self._reply_error(job, code, str(exc))
         self._admit()
@@ -443,6 +475,14 @@ class Worker:
         msg = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.config.worker_id)
         self._close(job, msg)
 
+    def _answered_before(self, job: Job, final: Finished | Error) -> None:
+        """The request's final reply is already on its reply topic (its worker died before the
+        commit): commit it without running or replying again."""
+        log.info("worker %s: %s was answered already (%s); committing it", self.config.worker_id, job.eid,
+                 getattr(final, "finish_reason", None) or getattr(final, "code", ""))
+        self.metrics.answered_before.inc()
+        self.ledger.answered(job)
+
     def _reply_error(self, job: Job, code: str, message: str) -> None:
         self.metrics.observe_error(code)
         r = job.req
@@ -458,23 +498,27 @@ class Worker:
         self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, lambda: self.ledger.answered(job))
 
     def _on_send_failed(self, eid: str, undeliverable: str | None) -> None:
-        """ReplySender's ``on_failed``. The bus failed (``undeliverable`` None): the request stays
-        in flight, never committed here, and runs again after a restart or rebalance. Its reply
-        topic does not exist: no other worker could answer it either, so it is dead-lettered and
-        its offset finished once the dead letter is acknowledged (else one such request would
-        pin its partition's commits, and every restart would re-run all after it)."""
+        """ReplySender's ``on_failed``. The bus failed (``undeliverable`` None): the request runs
+        again, then is answered with an error, then dead-lettered (:class:`SendFailures`), its
+        offset in flight until one of them succeeds. Its reply topic does not exist: no other
+        worker could answer it either, so it is dead-lettered and its offset finished once the
+        dead letter is acknowledged. Either way it never pins its partition's commits."""
         job = self.ledger.get(eid)
         if job is None:
             return
-        job.lost = True  # publish nothing more of it
+        job.lost = True  # publish nothing more of this run
         if job.admitted:
             self.aengine.abort(job.eid)
         else:
             self.ledger.forget(job)
         if undeliverable is None:
-            log.error("worker %s: replies of %s could not be sent; leaving it uncommitted", self.config.worker_id, eid)
-            return
-        self._gate.dead_letter(job, undeliverable)
+            self._send_failures.failed(job)
+        else:
+            self._gate.dead_letter(job, undeliverable)
+
+    def _rerun(self, job: Job) -> None:
+        """A request whose replies failed, queued again from the start (the intake's checks apply)."""
+        self._accept(job, True)
 
     # -- cancel, rebalance ------------------------------------------------------------------------
 

@@ -37,6 +37,13 @@ class WorkerConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None = no HTTP server; 0 = any free port
     send_retries: int = 3
+    # A request whose replies still failed after send_retries runs again this many times, then is
+    # answered with an error, then dead-lettered (send_failures.py): never left pinning its partition.
+    send_failure_reruns: int = 2
+    # Reply records are split to stay under this many bytes: the producer's max request size
+    # (Kafka's max.request.size, 1 MiB by default; a bigger one needs ?max_request_size= on the bus
+    # URL and the broker's message.max.bytes raised too).
+    max_reply_record_bytes: int = 1 << 20
     group_id: str | None = None  # default ``<ns>.workers.<model>``
 
     def __post_init__(self) -> None:
@@ -48,6 +55,10 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.prefetch_per_tier < 1:
             raise ValueError(f"prefetch_per_tier must be >= 1, got {self.prefetch_per_tier}")
+        if self.send_failure_reruns < 0:
+            raise ValueError(f"send_failure_reruns must be >= 0, got {self.send_failure_reruns}")
+        if self.max_reply_record_bytes < 16 << 10:
+            raise ValueError(f"max_reply_record_bytes must be >= 16384, got {self.max_reply_record_bytes}")
 
     @property
     def group(self) -> str:

@@ -64,6 +64,8 @@ class Job:
     closing: bool = False  # final reply queued
     lost: bool = False  # partition revoked: publish nothing more
     expiring: bool = False  # aborted in the engine at its deadline: its final reply is Error(expired)
+    send_failures: int = 0  # earlier runs of this record whose replies could not be sent (send_failures.py)
+    resume: tuple[int, ...] = ()  # output tokens another worker already published (worker.resume)
 
 
 class RequestLedger:
@@ -83,6 +85,7 @@ class RequestLedger:
         self._jobs: dict[str, Job] = {}
         self._by_rid: dict[str, set[str]] = {}
         self._revoking: set[TopicPartition] = set()
+        self.assigned_at: dict[TopicPartition, float] = {}  # wall clock each owned partition came here
 
     # -- records and jobs -------------------------------------------------------------------------
 
@@ -190,6 +193,8 @@ class RequestLedger:
         log.info("worker %s assigned %d partitions: %s", self.worker_id, len(tps),
                  ", ".join(f"{tp.topic}[{tp.partition}]" for tp in sorted(tps)) or "none")
         lost, self._revoking = self._revoking - tps, set()
+        now = time.time()
+        self.assigned_at = {tp: self.assigned_at.get(tp, now) for tp in tps}
         if not lost:
             return
         self.on_lost(lost)

@@ -85,11 +85,25 @@ class WorkerMetrics:
         self.errors = Counter("lockgate:request_errors", "Requests answered with an Error.", ["model", "code"],
                               registry=r)
         self.dead_letters = Counter("lockgate:dead_letters", "Records sent to the dead-letter topic: undecodable, or naming a reply topic that does not exist.", registry=r)
+        self.resumed_requests = Counter(
+            "lockgate:resumed_requests", "Requests taken over from another worker that continued after the tokens "
+            "already published for them (engine_workers.worker.resume).", registry=r)
+        self.resumed_tokens = Counter(
+            "lockgate:resumed_tokens", "Output tokens already published by another worker, not generated again.",
+            registry=r)
+        self.answered_before = Counter(
+            "lockgate:answered_before_takeover", "Requests taken over whose final reply was already published: "
+            "committed without running.", registry=r)
         self.iteration_tokens = Histogram("lockgate:iteration_tokens_total", "Tokens per engine step.", m,
                                           buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.iteration_seqs = Histogram("lockgate:iteration_seqs", "Sequences per engine step.", m,
                                         buckets=BATCH_SEQ_BUCKETS, registry=r)
         self._last = EngineSnapshot()
+
+    def resumed(self, tokens: int) -> None:
+        """A request resumes after ``tokens`` output tokens another worker published."""
+        self.resumed_requests.inc()
+        self.resumed_tokens.inc(tokens)
 
     def observe_finished(self, tier: int, reason: str, queue: float, ttft: float | None, tpot: float | None,
                          e2e: float) -> None:

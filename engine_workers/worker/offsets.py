@@ -67,6 +67,11 @@ class OffsetTracker(Generic[K]):
         part.inflight.discard(offset)
         return True
 
+    def holds(self, tp: K, offset: int) -> bool:
+        """True while ``offset`` is tracked and not finished (its partition not forgotten)."""
+        part = self._parts.get(tp)
+        return part is not None and offset in part.inflight
+
     def seen(self, tp: K, offset: int) -> bool:
         """True when ``offset`` was tracked before (in flight or finished) and the partition was not
         forgotten since: a re-delivery after a rebalance that kept the partition here."""

@@ -11,9 +11,10 @@ dead-lettered (``reply topic ... does not exist``) without a prefill. A topic de
 requests run is found by the reply rounds instead, which report the requests through the worker's
 ``on_failed`` to :meth:`dead_letter`.
 
-Concurrency: event loop only. Owned tasks: one per held request (while its topic is checked) and
-one per dead letter in flight; :meth:`stop` cancels the first and gives the second a bounded wait
-(a dead letter acknowledged finishes its offset, which the worker's final commit then includes).
+Concurrency: event loop only. Owned tasks: one per held request (while its topic is checked), and
+the worker's :class:`DeadLetters` (one task per dead letter in flight, retried until acknowledged);
+:meth:`stop` cancels the first and gives the second a bounded wait (a dead letter acknowledged
+finishes its offset, which the worker's final commit then includes).
 A held request whose partition was revoked meanwhile (``job.lost``) is dropped, not queued.
 """
 
@@ -24,10 +25,9 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from bus.base import Bus, BusError, Record
-from bus.deadletter import send_dead_letter
-from bus.messages import encode
+from bus.base import Bus
 from bus.topics import TopicLayout
+from engine_workers.worker.dead_letters import DeadLetters, job_record
 from engine_workers.worker.ledger import Job, RequestLedger
 from engine_workers.worker.reply_sender import ReplySender
 
@@ -48,7 +48,8 @@ class ReplyGate:
         self.accept = accept
         self.on_dead_letter = on_dead_letter
         self._held: set[asyncio.Task] = set()  # requests waiting for their reply topic's check
-        self._dead_letters: set[asyncio.Task] = set()  # undeliverable requests being dead-lettered
+        # Every dead letter of the worker (undecodable records too): retried until acknowledged.
+        self.dead_letters = DeadLetters(bus, layout, worker_id, ledger.offsets, on_dead_letter)
 
     def __len__(self) -> int:
         """Requests held while their reply topic is checked."""
@@ -77,35 +78,18 @@ class ReplyGate:
             self.accept(job, True)
         else:
             self.ledger.forget(job)
-            await self._dead_letter(job, reason)
+            self.dead_letter(job, reason)
 
     def dead_letter(self, job: Job, reason: str) -> None:
-        """Dead-letter ``job`` (no longer in the engine) in the background, then finish its offset."""
-        self._own(self._dead_letters, self._dead_letter(job, reason), f"dlq-{job.eid}")
+        """Dead-letter ``job`` (no longer in the engine) in the background, retried until
+        acknowledged (:class:`DeadLetters`), then finish its offset."""
+        if job.tp is not None:
+            self.dead_letters.send(job_record(job), reason)
 
     def _own(self, tasks: set[asyncio.Task], coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-
-    async def _dead_letter(self, job: Job, reason: str) -> None:
-        """Publish ``job``'s request to the dead-letter topic (its provenance in the headers), then
-        finish its offset. A failure leaves it uncommitted, as a failed reply does."""
-        if job.tp is None:
-            return
-        r = job.req
-        # The request re-encoded (the record's bytes are not kept); its timestamp is the request's
-        # arrival, which is its enqueued_at (the record's own stamp differs by the publish latency).
-        rec = Record(job.tp.topic, job.tp.partition, job.offset, r.request_id.encode(), encode(r), int(job.arrival * 1000))
-        try:
-            await send_dead_letter(self.bus, self.layout, rec, reason)
-        except BusError as exc:
-            log.error("worker %s: dead letter of %s failed (%s); leaving it uncommitted", self.worker_id, job.eid, exc)
-            return
-        self.on_dead_letter()
-        # Safe even if the partition was revoked and came back since: the only record at this
-        # offset is this same request, whose reply topic is missing wherever it runs.
-        self.ledger.offsets.finish(job.tp, job.offset)
 
     async def stop(self, grace_s: float) -> None:
         """Cancel the held checks (their requests stay uncommitted); wait up to ``grace_s`` for the
@@ -114,9 +98,4 @@ class ReplyGate:
         for t in held:
             t.cancel()
         await asyncio.gather(*held, return_exceptions=True)
-        if self._dead_letters:
-            await asyncio.wait(list(self._dead_letters), timeout=grace_s)
-            rest = list(self._dead_letters)
-            for t in rest:
-                t.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
+        await self.dead_letters.stop(grace_s)

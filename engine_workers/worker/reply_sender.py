@@ -50,8 +50,9 @@ import logging
 from collections.abc import Callable
 
 from bus.base import Bus, BusError, UnknownTopicError
-from bus.messages import Error, Finished, ReplyBatch, TokenChunk, encode
+from bus.messages import Error, Finished, TokenChunk
 from bus.partitioner import partition_for_key
+from engine_workers.worker.reply_split import RECORD_OVERHEAD, Piece, reply_records
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ def missing_topic_reason(topic: str) -> str:
 class _Pending:
     """One request's replies queued for the next round."""
 
-    __slots__ = ("request_id", "attempt", "seq", "tokens", "text", "text_offset", "logprobs", "final", "on_acked")
+    __slots__ = ("request_id", "attempt", "seq", "tokens", "text", "calls", "text_offset", "logprobs", "final",
+                 "on_acked")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -81,6 +83,7 @@ class _Pending:
         self.seq = -1  # index of tokens[0]
         self.tokens: list[int] = []
         self.text: list[str] = []
+        self.calls: list[tuple[int, int]] = []  # per chunk() call: (tokens, text characters), to split a chunk
         self.text_offset = 0
         self.logprobs: list | None = None
         self.final: Finished | Error | None = None
@@ -104,11 +107,13 @@ class _Topic:
 
 class ReplySender:
     def __init__(self, bus: Bus, worker_id: str, retries: int = 3,
-                 on_failed: Callable[[str, str | None], None] | None = None) -> None:
+                 on_failed: Callable[[str, str | None], None] | None = None, *,
+                 max_record_bytes: int = 1 << 20) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.retries = retries
         self.on_failed = on_failed
+        self.max_record_bytes = max_record_bytes  # the producer's limit: records are split under it (reply_split.py)
         self._topics: dict[str, _Topic] = {}
         self._keys: dict[str, _Topic] = {}  # request key -> its topic, until its final is acknowledged
         self._closing: set[str] = set()  # keys whose final is queued: no more chunks
@@ -144,8 +149,11 @@ class ReplySender:
             p.seq, p.text_offset, p.attempt = seq, text_offset, attempt
         p.tokens.extend(token_ids)
         p.text.append(text)
+        p.calls.append((len(token_ids), len(text)))
         if logprobs is not None:
-            p.logprobs = (p.logprobs or []) + [tuple(tuple(x) for x in lp) for lp in logprobs]
+            if p.logprobs is None:
+                p.logprobs = []
+            p.logprobs.extend(tuple(tuple(x) for x in lp) for lp in logprobs)  # in place: a lagging bus coalesces many steps
         self._kick(t)
 
     def final(self, key: str, topic: str, request_id: str, msg: Finished | Error,
@@ -241,6 +249,10 @@ class ReplySender:
                 await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
+    def partition_count(self, topic: str) -> int | None:
+        """``topic``'s partition count when cached (it existed when last asked), else None."""
+        return self._counts.get(topic)
+
     def known(self, topic: str) -> bool:
         """True when ``topic``'s partition count is cached: it existed when last asked."""
         return topic in self._counts
@@ -299,27 +311,26 @@ class ReplySender:
         return False
 
     async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
-        """Send one partition's record of a round; never raises (but ``CancelledError``): a
-        request whose record could not be sent is failed, the others of the round go on."""
+        """Send one partition's record of a round (several, in order, when it would pass
+        ``max_record_bytes``: :mod:`~engine_workers.worker.reply_split`); never raises (but
+        ``CancelledError``): a request whose record could not be sent is failed, the others of
+        the round go on."""
         try:
-            chunks = [c for _, p in items if (c := p.take_chunk(self.worker_id)) is not None]
-            finals = [p.final for _, p in items if p.final is not None]
-            n = len(chunks) + len(finals)
-            if n == 1:
-                value = encode((chunks or finals)[0])
-            else:
-                value = encode(ReplyBatch(tuple(chunks), tuple(f for f in finals if isinstance(f, Finished)),
-                                          tuple(f for f in finals if isinstance(f, Error))))
+            pieces = [Piece(c, tuple(p.calls)) for _, p in items if (c := p.take_chunk(self.worker_id)) is not None]
+            pieces += [Piece(p.final) for _, p in items if p.final is not None]
+            n = len(pieces)
             key = items[0][1].request_id.encode()  # every request here maps to ``part``
-            try:
-                await self._send(t.name, value, key, part)
-            except ValueError:  # the topic was re-created with fewer partitions: the count is stale
-                if part is None:
-                    raise
-                self._counts.pop(t.name, None)
-                for k, _ in items:
-                    self._partition.pop(k, None)
-                await self._send(t.name, value, key, None)  # keyed; later rounds use the new count
+            for value in reply_records(pieces, self.max_record_bytes - RECORD_OVERHEAD - len(key)):
+                try:
+                    await self._send(t.name, value, key, part)
+                except ValueError:  # the topic was re-created with fewer partitions: the count is stale
+                    if part is None:
+                        raise
+                    self._counts.pop(t.name, None)
+                    for k, _ in items:
+                        self._partition.pop(k, None)
+                    part = None
+                    await self._send(t.name, value, key, None)  # keyed; later rounds use the new count
         except Exception as exc:  # BusError after the retries, or a bug: fail these requests
             self._fail(t, [k for k, _ in items], exc)
             return

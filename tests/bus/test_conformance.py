@@ -386,3 +386,26 @@ async def test_commit_without_group_is_an_error(bus: Bus, name: str) -> None:
         rec = (await drain(c, 1))[0]
         with pytest.raises(BusError, match="group"):
             await c.commit({rec.tp: rec.offset + 1})
+
+
+async def test_read_partition_from_a_time_to_the_end_as_of_the_call(bus: Bus, name: str) -> None:
+    await bus.ensure_topics([TopicSpec(name, 2)])
+    assert await bus.read_partition(name, 1, 0) == []  # empty partition: nothing, at once
+    early = [await bus.send(name, b"e%d" % i, partition=1) for i in range(3)]
+    await bus.send(name, b"other", partition=0)
+    cut = int(time.time() * 1000) + 5
+    while int(time.time() * 1000) <= cut:  # the next records get strictly later timestamps
+        await asyncio.sleep(0.002)  # pacing the clock past `cut`, not waiting for a condition
+    late = [await bus.send(name, b"l%d" % i, partition=1) for i in range(4)]
+    everything = await bus.read_partition(name, 1, 0)
+    assert [r.value for r in everything] == [b"e0", b"e1", b"e2", b"l0", b"l1", b"l2", b"l3"]
+    assert [r.offset for r in everything] == [m.offset for m in early + late]
+    assert all(r.partition == 1 and r.topic == name for r in everything)
+    since = await bus.read_partition(name, 1, cut)
+    assert [r.value for r in since] == [b"l0", b"l1", b"l2", b"l3"]
+    assert [r.value for r in await bus.read_partition(name, 1, 0, limit=2)] == [b"e0", b"e1"]
+    assert await bus.read_partition(name, 1, int(time.time() * 1000) + 60_000) == []  # nothing that late
+    with pytest.raises(ValueError, match="no partition 5"):
+        await bus.read_partition(name, 5, 0)
+    with pytest.raises(UnknownTopicError):
+        await bus.read_partition(name + ".missing", 0, 0)

@@ -33,6 +33,7 @@ from bus.messages import (
 )
 from bus.partitioner import partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
+from engine_workers.worker.convert import engine_params
 from tests.engine_workers.test_worker_memory import (
     MODEL,
     Replies,
@@ -57,10 +58,10 @@ def new_layout(partitions: int = 4) -> TopicLayout:
 
 
 def spawn_worker(bootstrap: str, model_dir: Path, layout: TopicLayout, worker_id: str, log: Path,
-                 metrics_port: int | None = None) -> subprocess.Popen:
+                 metrics_port: int | None = None, max_num_seqs: int = 2) -> subprocess.Popen:
     cmd = [LOCKGATE, "--log-level", "WARNING", "worker", "--bus", kafka_url(bootstrap), "--model", str(model_dir),
            "--served-model-name", MODEL, "--namespace", layout.namespace, "--partitions", str(layout.partitions),
-           "--worker-id", worker_id, "--max-num-seqs", "2", "--threads", "1", "--kv-cache-bytes", "4M",
+           "--worker-id", worker_id, "--max-num-seqs", str(max_num_seqs), "--threads", "1", "--kv-cache-bytes", "4M",
            "--max-model-len", "512", "--drain-grace", "10"]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
@@ -96,13 +97,14 @@ def seeded_work(seed: int, n: int, max_tokens: tuple[int, int]) -> tuple[list[tu
 
 
 @contextlib.asynccontextmanager
-async def two_workers(bootstrap: str, model_dir: Path, layout: TopicLayout, logs: Path):
+async def two_workers(bootstrap: str, model_dir: Path, layout: TopicLayout, logs: Path, max_num_seqs: int = 2):
     """Workers ``wa`` and ``wb`` in their own processes, ready and settled in one group, and a
     reader of the ``test`` reply topic: yields (bus, procs, replies); kills what is left on exit."""
     async with connect(kafka_url(bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
         ports = {w: free_port() for w in ("wa", "wb")}
-        procs = {w: spawn_worker(bootstrap, model_dir, layout, w, logs / f"{w}.log", ports[w]) for w in ("wa", "wb")}
+        procs = {w: spawn_worker(bootstrap, model_dir, layout, w, logs / f"{w}.log", ports[w], max_num_seqs)
+                 for w in ("wa", "wb")}
         try:
             for p in procs.values():
                 await wait_ready(p)
@@ -134,7 +136,7 @@ def assert_exact_streams(replies: Replies, reqs: list[InferenceRequest], ref) ->
 async def test_kill9_one_of_two_workers_streams_exact(kafka_bootstrap: str, tiny_dir: Path, tmp_path: Path) -> None:
     layout = new_layout()
     prompts, params = seeded_work(7, 24, (16, 32))
-    ref = make_engine(tiny_dir).generate(prompts, params)
+    ref = make_engine(tiny_dir).generate(prompts, [engine_params(p) for p in params])
     async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path) as (bus, procs, replies):
         reqs = [InferenceRequest(f"k{i}", MODEL, p, sp, layout.reply_topic("test"), tier=i % 3, enqueued_at=time.time())
                 for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -176,7 +178,7 @@ async def test_sigterm_busy_worker_finishes_running_and_hands_over_the_rest(kafk
     # the worker signalled runs two and still holds the rest of its partition.
     layout = new_layout(partitions=2)
     prompts, params = seeded_work(11, 24, (64, 96))
-    ref = make_engine(tiny_dir).generate(prompts, params)
+    ref = make_engine(tiny_dir).generate(prompts, [engine_params(p) for p in params])
     async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path) as (bus, procs, replies):
         reqs = [InferenceRequest(f"t{i}", MODEL, p, sp, layout.reply_topic("test"), tier=1, enqueued_at=time.time())
                 for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -381,7 +383,7 @@ async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_d
     monkeypatch.setattr(aiokafka.client.AIOKafkaClient, "_metadata_update", counted)
     engine = make_engine(tiny_dir)
     prompts, params = seeded_work(11, 8, (120, 160))
-    ref = engine.generate(prompts, params)
+    ref = engine.generate(prompts, [engine_params(p) for p in params])
     layout = new_layout(partitions=2)
     async with connect(kafka_url(private_kafka.bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
@@ -410,3 +412,72 @@ async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_d
     # ~8 failed refreshes per client in 4 s with the backoff (0.1 s doubling to 1 s), a few clients
     assert 0 < failed < 100, f"{failed} failed metadata refreshes in {outage_s}s"
     assert len(aiokafka_errors) < 40, [r.getMessage() for r in aiokafka_errors][:10]
+
+
+def metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+@pytest.mark.parametrize(("max_num_seqs", "n", "lengths"), [
+    (2, 16, (24, 40)),  # decode batches of 1-2 rows: the small-batch linear kernel
+    (40, 48, (40, 64)),  # up to 40 rows: oneDNN above 32 rows, the small-batch kernel below
+])
+async def test_kill9_under_sampled_traffic_resumes_exactly(kafka_bootstrap: str, tiny_dir: Path, tmp_path: Path,
+                                                           max_num_seqs: int, n: int, lengths: tuple[int, int]) -> None:
+    """kill -9 one of two workers mid-stream under sampled traffic (temperature 0.8; half the seeds
+    chosen by the client, half drawn as the edge draws them): every stream equals what the same
+    request (same seed) produces on a healthy engine, with no seq missing or repeated, and the
+    survivor re-runs no decode step of a request whose published tokens it found."""
+    layout = new_layout()
+    rng = random.Random(11)
+    prompts = [tuple(rng.randrange(3, 500) for _ in range(rng.randint(8, 48))) for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(*lengths), temperature=0.8, ignore_eos=True,
+                             seed=rng.randrange(2**32) if i % 2 else None).seeded() for i in range(n)]
+    ref = make_engine(tiny_dir, max_num_seqs=8).generate(prompts, [engine_params(p) for p in params])
+    async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path, max_num_seqs) as (bus, procs, replies):
+        ports = {w: int(p.args[p.args.index("--metrics-port") + 1]) for w, p in procs.items()}
+        reqs = [InferenceRequest(f"s{i}", MODEL, p, sp, layout.reply_topic("test"), tier=1, enqueued_at=time.time())
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        for r in reqs:
+            await publish(bus, layout, r)
+        # kill -9 a worker once it has published a few tokens of several requests
+        victim = None
+        deadline = time.monotonic() + 60
+        while victim is None:
+            assert time.monotonic() < deadline, "no worker streamed"
+            await replies.poll(20)
+            per_worker: dict[str, set[str]] = {}
+            for c in replies.chunks:
+                per_worker.setdefault(c.worker_id, set()).add(c.request_id)
+            busy = [w for w, rids in per_worker.items() if len(rids) >= min(2, max_num_seqs)
+                    and sum(1 for c in replies.chunks if c.worker_id == w) >= 4]
+            if busy:
+                victim = busy[0]
+                procs[victim].send_signal(signal.SIGKILL)
+        await asyncio.to_thread(procs[victim].wait, 10)
+        await replies.wait([r.request_id for r in reqs], 120)
+        survivor = next(w for w in procs if w != victim)
+        for r, expected in zip(reqs, ref):
+            fin = replies.final[r.request_id]
+            assert isinstance(fin, Finished) and fin.num_tokens == len(expected.token_ids), fin
+        assert_exact_streams(replies, reqs, ref)  # equal to the reference; no seq missing or repeated
+        # decode steps re-run: tokens the survivor generated at a seq the victim had already published
+        published: dict[str, int] = {}
+        for c in replies.chunks:
+            if c.worker_id == victim:
+                published[c.request_id] = max(published.get(c.request_id, 0), c.seq + len(c.token_ids))
+        taken_over = {rid for rid in published if replies.final[rid].worker_id == survivor}
+        rerun = {rid: max(0, published[rid] - min(c.seq for c in replies.chunks
+                                                  if c.request_id == rid and c.worker_id == survivor))
+                 for rid in taken_over if any(c.request_id == rid and c.worker_id == survivor for c in replies.chunks)}
+        resumed = metric(ports[survivor], "lockgate:resumed_requests_total")
+        print(f"victim {victim}: {len(published)} started, {len(taken_over)} taken over by {survivor}, "
+              f"{resumed:g} resumed, decode steps re-run: {sum(rerun.values())}")
+        assert taken_over, "the victim had requests in hand"
+        assert resumed >= 1 and sum(rerun.values()) == 0, rerun
+        procs[survivor].send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(procs[survivor].wait, 30) == 0

@@ -12,6 +12,7 @@ torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor panels, int64_t n, c
 bool bf16_native();
 torch::Tensor pack_bf16(torch::Tensor w);
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias);
+torch::Tensor linear_bf16f(torch::Tensor x, torch::Tensor panels, int64_t n, c10::optional<torch::Tensor> bias);
 torch::Tensor pack_i8(torch::Tensor w);
 torch::Tensor linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n,
                         c10::optional<torch::Tensor> bias);
@@ -33,6 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_native", &bf16_native, "whether linear_bf16 was built with AVX512-BF16 (else a slow plain loop)");
   m.def("pack_bf16", &pack_bf16, "pack a weight [N, K] into linear_bf16's bf16 panels");
   m.def("linear_bf16", &linear_bf16, "x @ W^T (+ bias), float32 x and y, bf16 weight panels (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_bf16f", &linear_bf16f, "as linear_bf16, x unrounded and float32 FMAs instead of bf16 dot products",
         py::call_guard<py::gil_scoped_release>());
   m.def("pack_i8", &pack_i8, "pack an int8 weight [N, K] into linear_i8's panels");
   m.def("linear_i8", &linear_i8, "x @ (scales * W)^T (+ bias), float32 x and y, int8 weight panels (CPU)",

@@ -9,18 +9,22 @@
 // panels split over torch's pool), with these weight layouts:
 //
 // * bf16: panels[P][K2][96][2] (K2 = ceil(K / 2), odd K zero-padded): the two k of a pair side by
-//   side per column, which is the operand layout of AVX512-BF16's _mm512_dpbf16_ps (acc[i] +=
-//   a[2i] * b[2i] + a[2i+1] * b[2i+1], float32 accumulation). x is rounded to bf16 once per call
-//   (round to nearest even) and each k pair of a row is broadcast as one 32-bit value: per k pair,
-//   6 loads, R broadcasts, 6R dot products, i.e. twice the k per instruction of the fp32 FMA kernel.
-//   Without AVX512-BF16 (the build is -march=native) a plain loop computes the same (slowly); the
-//   Python side only uses these kernels where the CPU has the flag (bf16_native()).
+//   side per column. linear_bf16f (what the engine uses) loads 16 such pairs per vector and widens
+//   them to float32 in registers, exactly: w[k] is the 32-bit lane shifted left by 16, w[k+1] the
+//   lane with its low half cleared; then the fp32 kernel's FMAs with x in float32 (not rounded).
+//   linear_bf16 uses the same panels as the operand layout of AVX512-BF16's _mm512_dpbf16_ps
+//   (acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1], float32 accumulation; x rounded to bf16 once per
+//   call, each row's k pair broadcast as one 32-bit value): half the instructions, but on the
+//   benchmark Xeon no faster at 1-2 rows and 1.4-1.5x slower from 8 rows (cpu_linear.py,
+//   BF16_DOT_PRODUCTS). Both read half the bytes of the fp32 kernel. Without AVX512-BF16 (the build
+//   is -march=native) linear_bf16 is a plain loop, without AVX-512F both are.
 // * int8: panels[P][K][96] int8 and scales[P * 96]: each k loads 6 x 16 bytes, widens them to
 //   float32 in registers (vpmovsxbd + vcvtdq2ps) and does the same FMAs as the fp32 kernel with x
 //   kept in float32; the per-row scale multiplies the accumulators once, at the end.
 //
-// Results: bf16 products are exact in float32, so the only rounding beyond fp32 summation order
-// is that of x and W to bf16 (relative ~2^-9 each); int8 is exact given its dequantized weight.
+// Results: bf16 x bf16 (and fp32 x bf16) products are exact in float32, so the only rounding beyond
+// fp32 summation order is that of W (and, in linear_bf16, x) to bf16, relative ~2^-9 each; int8 is
+// exact given its dequantized weight.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -130,6 +134,66 @@ inline void tile_bf16(const uint32_t* __restrict x, int64_t ldx, const uint16_t*
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.f);
 }
+#endif
+
+#ifdef __AVX512F__
+// The same bf16 panels with float32 x and FMAs: each 32-bit lane of a loaded vector holds column
+// c's pair (w[k], w[k+1]); w[k] as float32 is the lane shifted left by 16, w[k+1] the lane with its
+// low half cleared, both exact. Twice the FMAs of a dot-product instruction per k pair but each at
+// the FMA units' full rate; x is not rounded.
+template <int R>
+inline void tile_bf16f(const float* __restrict x, int64_t ldx, const uint16_t* __restrict panel, int64_t K2,
+                       float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, bool first,
+                       const char* pf, int64_t pf_lines) {
+  __m512 acc[R][6];
+  uint16_t mk[6];
+  masks(ncols, mk);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 6; ++v)
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk[v], y + r * ldy + 16 * v);
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  int64_t line = 0;
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint16_t* w = panel + k * NR * 2;
+    if (pf) {
+      const int64_t upto = (k + 1) * pf_lines / K2;
+      for (; line < upto; ++line) _mm_prefetch(pf + 64 * line, _MM_HINT_T0);
+    }
+    for (int v = 0; v < 6; ++v) {
+      const __m512i raw = _mm512_loadu_si512(w + 32 * v);
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(raw, hi));
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * k]), we, acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + 2 * k + 1]), wo, acc[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < 6; ++v) {
+    if (!mk[v]) break;
+    __m512 b = bias ? _mm512_maskz_loadu_ps(mk[v], bias + 16 * v) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mk[v], _mm512_add_ps(acc[r][v], b));
+  }
+}
+#else
+template <int R>
+inline void tile_bf16f(const float* __restrict x, int64_t ldx, const uint16_t* __restrict panel, int64_t K2,
+                       float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, bool first,
+                       const char*, int64_t) {
+  float acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < NR; ++c) acc[r][c] = (first || c >= ncols) ? 0.f : y[r * ldy + c];
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint16_t* w = panel + k * NR * 2;
+    for (int r = 0; r < R; ++r) {
+      const float x0 = x[r * ldx + 2 * k], x1 = x[r * ldx + 2 * k + 1];
+      for (int64_t c = 0; c < NR; ++c) acc[r][c] += x0 * from_bf16(w[2 * c]) + x1 * from_bf16(w[2 * c + 1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < ncols; ++c) y[r * ldy + c] = acc[r][c] + (bias ? bias[c] : 0.f);
+}
+
 #endif
 
 #ifdef __AVX512F__
@@ -275,6 +339,45 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor panels, int64_t n, c10::optional
            case 3: tile_bf16<3>(xr, K2, block, kn, yr, n, ncols, pb, first, pf, lines); break;
            case 2: tile_bf16<2>(xr, K2, block, kn, yr, n, ncols, pb, first, pf, lines); break;
            default: tile_bf16<1>(xr, K2, block, kn, yr, n, ncols, pb, first, pf, lines); break;
+         }
+       });
+  return y;
+}
+
+// As linear_bf16, x kept in float32 (no rounding) and FMAs instead of dot products (tile_bf16f).
+at::Tensor linear_bf16f(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == NR && panels.size(3) == 2 && panels.scalar_type() == at::kBFloat16 &&
+              panels.is_contiguous(), "panels must come from pack_bf16");
+  const int64_t M = x.size(0), K = x.size(1), P = panels.size(0), K2 = panels.size(1);
+  TORCH_CHECK((K + 1) / 2 == K2, "x has ", K, " features, the weight ", 2 * K2, " (padded)");
+  TORCH_CHECK(n > (P - 1) * NR && n <= P * NR, "n=", n, " does not match ", P, " panels");
+  at::Tensor keep;
+  const float* b = bias_ptr(bias, n, keep);
+  auto y = at::empty({M, n}, x.options());
+  if (M == 0) return y;
+  at::Tensor xpad = x;  // odd K: one zero column, so every k pair of x exists
+  if (K & 1) {
+    xpad = at::zeros({M, K + 1}, x.options());
+    xpad.narrow(1, 0, K).copy_(x);
+  }
+  const int64_t ldx = 2 * K2;
+  const float* xp = xpad.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const char*>(panels.data_ptr());
+  float* yp = y.data_ptr<float>();
+  walk(M, K2, P, KB_BF16 / 2, NR * 2 * 2, wp,
+       [&](int64_t p, int64_t kb, int64_t kn, int64_t rows, int64_t m0, const char* pf, int64_t lines, bool first,
+           bool last) {
+         const auto* block = reinterpret_cast<const uint16_t*>(wp + (p * K2 + kb) * NR * 4);
+         const int64_t c0 = p * NR, ncols = std::min<int64_t>(NR, n - c0);
+         const float* xr = xp + m0 * ldx + 2 * kb;
+         float* yr = yp + m0 * n + c0;
+         const float* pb = (b && last) ? b + c0 : nullptr;
+         switch (rows) {
+           case 4: tile_bf16f<4>(xr, ldx, block, kn, yr, n, ncols, pb, first, pf, lines); break;
+           case 3: tile_bf16f<3>(xr, ldx, block, kn, yr, n, ncols, pb, first, pf, lines); break;
+           case 2: tile_bf16f<2>(xr, ldx, block, kn, yr, n, ncols, pb, first, pf, lines); break;
+           default: tile_bf16f<1>(xr, ldx, block, kn, yr, n, ncols, pb, first, pf, lines); break;
          }
        });
   return y;
