@@ -23,6 +23,12 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_recovery(args: argparse.Namespace) -> int:
+    from benchmarks.recovery import run
+
+    return run(args)
+
+
 def _bench_priority(args: argparse.Namespace) -> int:
     from benchmarks.priority import run
 
@@ -139,6 +145,12 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
                    help="rounds of every path; each path keeps its fastest run (noisy machines)")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=_bench_e2e)
+
+    from benchmarks.recovery import add_args as add_recovery_args
+
+    rc = bench.add_parser("recovery", help="kill -9 a worker mid-stream, repeatedly: time to the next token, re-run steps")
+    add_recovery_args(rc)
+    rc.set_defaults(func=_bench_recovery)
 
     pr = bench.add_parser("priority", help="fifo vs strict vs aging intake under the same overload (PNG plot)")
     add_priority_args(pr)

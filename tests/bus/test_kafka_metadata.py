@@ -3,6 +3,7 @@ reading of one topic's metadata (``bus.kafka_metadata``), and ``partitions_for``
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -49,3 +50,72 @@ async def test_partitions_for_on_kafka_missing_vs_present(kafka_bootstrap: str) 
         assert name not in await bus.list_topics(prefix=name)
         await bus.ensure_topics([TopicSpec(name, 3)])
         assert await bus.partitions_for(name) == [0, 1, 2]
+
+
+THREE_NODE_PORT = 19492  # its controllers on +100..+102; apart from the session broker and private_kafka
+
+
+@pytest.fixture
+def three_brokers(kafka_bootstrap: str):  # after the session broker (its jars fetched)
+    """A fresh 3-node cluster of this test's own (data removed afterwards); ~60 s to start on 2 cores."""
+    import shutil
+
+    from bus import kafka_local
+
+    info = kafka_local.start(3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR, fresh=True, timeout_s=180)
+    try:
+        yield info
+    finally:
+        kafka_local.stop(3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR)
+        shutil.rmtree(info.directory, ignore_errors=True)
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+async def test_a_partition_whose_leader_is_down_is_not_a_missing_topic(three_brokers) -> None:
+    """3 brokers, a 3-partition topic with one replica each; one broker stops (SIGTERM, as in a
+    rolling restart): its partition has no leader. ``partitions_for`` raises a transient
+    ``BusError`` (never ``UnknownTopicError``), the worker's reply sender does not take the topic
+    for missing (its requests would have been dead-lettered and committed), and once the broker is
+    back the topic answers again."""
+    import os
+    import signal
+
+    from bus import kafka_local
+    from engine_workers.worker.reply_sender import ReplySender
+    from tests.waiting import wait_until
+
+    name = f"t.{uuid.uuid4().hex[:12]}"
+    async with connect(f"kafka://{three_brokers.bootstrap}?client_id=lockgate-tests") as bus:
+        await bus.ensure_topics([TopicSpec(name, 3, replication=1)])
+        assert await bus.partitions_for(name) == [0, 1, 2]
+        victim = next(i for i, pid in enumerate(three_brokers.pids) if i != 0 and pid is not None)
+        os.kill(three_brokers.pids[victim], signal.SIGTERM)  # a broker this test started
+
+        async def leaderless() -> bool:
+            try:
+                await bus.partitions_for(name)
+            except TopicNotReady:
+                return True
+            return False
+
+        await wait_until(leaderless, timeout=60, interval=0.5, message="a partition without a leader")
+        sender = ReplySender(bus, "w")
+        assert await sender.verify(name) is None  # not "reply topic ... does not exist"
+        with pytest.raises(BusError) as exc:
+            await bus.partitions_for(name)
+        assert not isinstance(exc.value, UnknownTopicError)
+        await sender.stop()
+        pid = three_brokers.pids[victim]
+        await wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60, interval=0.2,
+                         message="the stopped broker's process gone")  # else start() takes it for running
+        await asyncio.to_thread(kafka_local.start, 3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR, 180.0)
+        parts = await wait_until(lambda: _led(bus, name), timeout=60, interval=0.5, message="every partition led again")
+        assert parts == [0, 1, 2]
+
+
+async def _led(bus, name: str) -> list[int] | None:
+    try:
+        return await bus.partitions_for(name)
+    except TopicNotReady:
+        return None

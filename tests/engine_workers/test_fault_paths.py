@@ -266,3 +266,34 @@ async def test_a_reply_batch_over_1mib_is_delivered_whole_split_across_records(k
             assert sum(len(m.logprobs or ()) for m in chunks) == n
         assert len(got["big"]) >= 3  # the request over the limit by itself was split too (2+ chunks, a final)
         await sender.stop()
+
+
+def test_reply_records_split_in_order_under_the_limit_and_reassemble() -> None:
+    """The pure split (``reply_split``): under the limit one value, as ever; over it, values each
+    under the limit whose messages, read in order, are the round's: chunks contiguous by ``seq``
+    and ``text_offset``, logprobs one per token, each final after its request's tokens."""
+    from engine_workers.worker.reply_split import Piece, reply_records
+
+    lp = ((7, -0.5), (8, -1.5))
+
+    def piece(rid: str, n: int) -> Piece:
+        texts = [f"t{s}" for s in range(n)]
+        chunk = TokenChunk(rid, 0, 0, tuple(range(n)), "".join(texts), 0, tuple(lp for _ in range(n)), "w")
+        return Piece(chunk, tuple((1, len(t)) for t in texts))
+
+    pieces = [piece("big", 400), piece("a", 10), piece("b", 30),
+              Piece(Finished("a", 0, "length", 10, Usage(1, 10))), Piece(Error("b", "expired", "late"))]
+    assert len(reply_records(pieces, 1 << 20)) == 1
+    values = reply_records(pieces, 4096)
+    assert len(values) > 3 and all(len(v) <= 4096 for v in values)
+    seen = [m for v in values for m in replies_of(decode(v))]
+    for rid, n in (("big", 400), ("a", 10), ("b", 30)):
+        chunks = [m for m in seen if isinstance(m, TokenChunk) and m.request_id == rid]
+        assert [t for c in chunks for t in c.token_ids] == list(range(n))
+        assert all(c.seq == sum(len(d.token_ids) for d in chunks[:i]) for i, c in enumerate(chunks))
+        assert all(c.text_offset == len("".join(d.text for d in chunks[:i])) for i, c in enumerate(chunks))
+        assert "".join(c.text for c in chunks) == "".join(f"t{s}" for s in range(n))
+        assert all(len(c.logprobs or ()) == len(c.token_ids) for c in chunks)
+    order = [(m.request_id, type(m).__name__) for m in seen]
+    assert order.index(("a", "Finished")) > max(i for i, o in enumerate(order) if o == ("a", "TokenChunk"))
+    assert order.index(("b", "Error")) > max(i for i, o in enumerate(order) if o == ("b", "TokenChunk"))
