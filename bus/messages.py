@@ -82,6 +82,11 @@ class SamplingParams:
     per occurrence; ``logit_bias`` is (token id, bias) pairs, bias in -100..100, at most 300 ids,
     each once; ``min_tokens`` (0..max_tokens) suppresses EOS and ``stop_token_ids`` until that
     many output tokens exist.
+
+    Structured output (vLLM's names; at most one of them): ``guided_json`` a JSON schema (JSON
+    text of an object), ``guided_json_object`` any JSON object, ``guided_regex`` a regular
+    expression, ``guided_choice`` one of these strings, ``guided_grammar`` an EBNF grammar
+    (xgrammar's dialect; the edge builds these for tool calls). Texts up to 64 KiB in all.
     """
 
     max_tokens: int = 256
@@ -99,12 +104,19 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    guided_json: str | None = None
+    guided_json_object: bool = False
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] | None = None
+    guided_grammar: str | None = None
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
     MAX_LOGIT_BIAS = 300  # token ids in logit_bias (OpenAI's limit)
     MAX_BIAS = 100.0  # |bias| per token, as OpenAI
     MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
+    MAX_GUIDED_CHARS = 65536  # a guided_* text (schema, regex, grammar; choices together)
+    MAX_GUIDED_CHOICES = 256
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, lo=1)
@@ -157,10 +169,51 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_guided()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def guided(self) -> bool:
+        """True when one of the structured-output fields is set."""
+        return self.guided_json_object or any(
+            v is not None for v in (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar))
+
+    def _check_guided(self) -> None:
+        if not isinstance(self.guided_json_object, bool):
+            raise ValueError("guided_json_object must be a boolean")
+        given = [n for n in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, n) is not None] + (["guided_json_object"] if self.guided_json_object else [])
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} cannot be combined: give at most one guided_* constraint")
+        for name in ("guided_json", "guided_regex", "guided_grammar"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{name} must be a non-empty string")
+            if len(v) > self.MAX_GUIDED_CHARS:
+                raise ValueError(f"{name} is longer than {self.MAX_GUIDED_CHARS} characters")
+        if self.guided_json is not None:
+            try:
+                schema = orjson.loads(self.guided_json)
+            except orjson.JSONDecodeError as exc:
+                raise ValueError(f"guided_json is not valid JSON: {str(exc)[:200]}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("guided_json must be a JSON schema (an object)")
+        choices = self.guided_choice
+        if choices is not None:
+            if isinstance(choices, (str, bytes)) or not isinstance(choices, (tuple, list)) or not choices:
+                raise ValueError("guided_choice must be a non-empty list of strings")
+            if len(choices) > self.MAX_GUIDED_CHOICES:
+                raise ValueError(f"guided_choice has {len(choices)} strings, at most {self.MAX_GUIDED_CHOICES} allowed")
+            if not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("guided_choice must contain non-empty strings")
+            if sum(len(c) for c in choices) > self.MAX_GUIDED_CHARS:
+                raise ValueError(f"guided_choice is longer than {self.MAX_GUIDED_CHARS} characters in all")
+            object.__setattr__(self, "guided_choice", tuple(choices))
 
     def seeded(self) -> SamplingParams:
         """These parameters with a seed: unchanged when one is set, else with a random one in the

@@ -28,11 +28,13 @@ from bus.base import Bus
 from bus.messages import Cancel, Error, ErrorCode, Finished, InferenceRequest, encode
 from edge.auth import Authenticator, Principal
 from edge.config import EdgeConfig
+from edge.guided import GrammarChecker
 from edge.metrics import EdgeMetrics
 from edge.protocol import Generate, PromptEncoder, ProtocolError
 from edge.ratelimit import RateLimiter
 from edge.router import ReplyRouter, Stream, StreamSink
 from edge.shedding import LoadShedder
+from edge.tool_parsers import ToolParser, get_parser, parser_for_model
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,14 @@ class Admission:
         self._nonce = secrets.token_hex(4)
         self._ids = itertools.count()
         self._cancels: asyncio.Queue[Cancel] | None = None
+        self._grammars: GrammarChecker | None = None  # structured-output compile check, on first use
 
     # --- requests -----------------------------------------------------------------------------
+    def tool_parser(self) -> ToolParser:
+        """The tool-call format of the OpenAI chat API: ``--tool-call-parser``, else the served model's."""
+        cfg = self.config
+        return get_parser(cfg.tool_call_parser or parser_for_model(f"{cfg.model} {cfg.model_path or ''}"))
+
     def new_request_id(self) -> str:
         return f"{self.config.edge_id}-{self._nonce}-{next(self._ids):x}"
 
@@ -94,6 +102,12 @@ class Admission:
         shed = self.shedder.check(principal.tier, time.monotonic())
         if shed is not None:
             raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
+        if g.sampling.guided:  # a constraint the grammar engine cannot compile never reaches the bus
+            if self._grammars is None or self._grammars.tokenizer is not encoder.tokenizer:
+                self._grammars = GrammarChecker(encoder.tokenizer)
+            problem = await self._grammars.check(g.sampling)
+            if problem is not None:
+                raise ProtocolError(f"cannot compile the output constraint: {problem}", problem.split(":", 1)[0], g.id)
         size = len(g.prompt) if g.prompt is not None else sum(len(m.content) for m in g.messages or ())
         if size > THREAD_TOKENIZE_CHARS:
             ids = await asyncio.to_thread(encoder.encode, g)

@@ -159,6 +159,9 @@ class EdgeConfig:
     reuse_port: bool = False
     # the OpenAI-compatible HTTP API's port (same host); None = not served, 0 = any free port
     openai_port: int | None = None
+    # the tool-call format of /v1/chat/completions (edge.tool_parsers: hermes, llama3_json, mistral);
+    # None = the served model's (by its name)
+    tool_call_parser: str | None = None
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None
@@ -188,6 +191,8 @@ class EdgeConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.openai_port is not None and not 0 <= self.openai_port <= 65535:
             raise ConfigError(f"openai_port must be in 0..65535, got {self.openai_port}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in ("hermes", "llama3_json", "mistral"):
+            raise ConfigError(f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}")
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -25,6 +26,7 @@ from edge.admission import Admission, Admitted
 from edge.auth import AuthError, Principal
 from edge.openai_schema import error_body, parse_chat, parse_completion
 from edge.openai_stream import OpenAIStream
+from edge.openai_tools import prepare
 from edge.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,9 @@ class OpenAIServer:
                 adm.reject("model_not_found", API)
                 return _error("model_not_found", f"the model {model[:200]!r} does not exist; "
                               f"this server serves {adm.config.model!r}", "model")
+            if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.openai_tools
+                g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, adm.tool_parser())
+                req = replace(req, generate=g)
         except ProtocolError as exc:
             adm.reject(exc.code, API)
             return _error(exc.code, exc.message, exc.field, exc.retry_after)
@@ -150,7 +155,10 @@ class OpenAIServer:
             admitted = await adm.admit(req.generate, principal, sink, API, client_id="")
         except ProtocolError as exc:
             adm.reject(exc.code, API)
-            return _error(exc.code, exc.message, exc.field, exc.retry_after)
+            field = exc.field
+            if field is not None and field.startswith("guided_") and body.get("response_format") is not None:
+                field = "response_format"  # the constraint came as OpenAI's response_format
+            return _error(exc.code, exc.message, field, exc.retry_after)
         assert admitted is not None
         s = admitted.stream
         sink.bind(s, admitted.request.sampling.seed)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from edge.guided import FieldError, guided_fields
+from edge.openai_tools import ToolRequest, history_message, parse_tools
 from edge.protocol import MAX_MESSAGES, Generate, ProtocolError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -60,6 +62,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    tools: ToolRequest | None = None  # chat with tools or tool turns in the history (edge.openai_tools)
 
 
 def _tname(v: object) -> str:
@@ -114,7 +117,6 @@ def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bo
     if n is not None and n != 1:
         raise ProtocolError("n must be 1: one choice per request is supported", "n")
     _refuse(obj, "best_of", 1, "one choice per request")
-    _refuse(obj, "tools", None, "no tool calling")
     _refuse(obj, "functions", None, "no function calling")
     stream = _bool(obj, "stream")
     opts = obj.get("stream_options")
@@ -156,11 +158,17 @@ def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bo
         "min_p": _num(obj, "min_p"), "repetition_penalty": _num(obj, "repetition_penalty"),
         "min_tokens": _int(obj, "min_tokens", lo=0),
     }
+    try:  # structured output: response_format, vLLM's guided_* (edge.guided)
+        kwargs.update(guided_fields(obj))
+    except FieldError as exc:
+        raise ProtocolError(exc.message, exc.field) from None
     try:
         sampling = SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
     except (ValueError, TypeError) as exc:
         msg = str(exc)
         field = next((k for k in sorted(kwargs, key=len, reverse=True) if msg.startswith(k)), None)
+        if field is not None and field.startswith("guided_") and obj.get("response_format") is not None:
+            field = "response_format"
         raise ProtocolError(msg[:300], field) from None
     return sampling, model, stream, include_usage
 
@@ -206,7 +214,7 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         raise ProtocolError("messages must be a non-empty array of {role, content}", "messages")
     if len(raw) > MAX_MESSAGES:
         raise ProtocolError(f"messages has {len(raw)} entries, at most {MAX_MESSAGES}", "messages")
-    msgs = []
+    msgs, history = [], []
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -215,9 +223,10 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         if not isinstance(role, str) or role not in ROLES:
             raise ProtocolError(f"{where}.role must be one of {sorted(ROLES)}", f"{where}.role")
         msgs.append(ChatMessage(ROLES[role], _content(m.get("content"), f"{where}.content")))
-    fmt = obj.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ProtocolError("response_format is not supported (only {\"type\": \"text\"})", "response_format")
+        history.append(history_message(m, ROLES[role], msgs[-1].content, where))
+    tools, choice = parse_tools(obj)
+    tool_turns = any("tool_calls" in h or h["role"] == "tool" for h in history)
+    tool_req = ToolRequest(tools, choice, tuple(history)) if tools or tool_turns else None
     logprobs = None
     top = _int(obj, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if _bool(obj, "logprobs"):
@@ -227,7 +236,7 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     if logprobs is not None:
         sampling = _with_logprobs(sampling, logprobs)
     return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model), stream, include_usage,
-                         logprobs)
+                         logprobs, tool_req)
 
 
 def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
@@ -237,6 +246,7 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     sampling, model, stream, include_usage = _common(obj, default_max_tokens)
     if _bool(obj, "echo"):
         raise ProtocolError("echo is not supported", "echo")
+    _refuse(obj, "tools", None, "tools need /v1/chat/completions")
     _refuse(obj, "suffix", None, "no insertion")
     prompt = obj.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

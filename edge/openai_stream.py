@@ -20,6 +20,7 @@ import orjson
 from bus.messages import Error, ErrorCode, Finished
 from edge.admission import Admission
 from edge.openai_schema import OpenAIRequest, error_body
+from edge.openai_tools import ToolStream, message_calls
 from edge.protocol import PromptEncoder
 from edge.router import Stream
 
@@ -57,6 +58,8 @@ class OpenAIStream:
         self._prefix = b""
         self._suffix = b""
         self._text_offset = 0
+        # tools offered: the output is read for calls (streamed: incrementally, edge.openai_tools)
+        self.tools = ToolStream(adm.tool_parser()) if req.tools is not None and req.tools.active else None
 
     # --- set up -------------------------------------------------------------------------------
     def bind(self, s: Stream, seed: int | None) -> None:
@@ -97,7 +100,10 @@ class OpenAIStream:
             if lp is not None:
                 self.lp_entries.append(lp)
             return
-        if lp is None:
+        if self.tools is not None:
+            for i, delta in enumerate(self.tools.feed(text)):
+                self._delta_event(delta, lp if i == 0 else None)
+        elif lp is None:
             self.pending.append(self._prefix + orjson.dumps(text) + self._suffix)
         else:
             choice: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": None}
@@ -122,7 +128,12 @@ class OpenAIStream:
         self.finish_reason = msg.finish_reason
         self.adm.release(s, s.next_seq)
         if self.req.stream:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": msg.finish_reason}
+            if self.tools is not None:
+                for delta in self.tools.finish():
+                    self._delta_event(delta, None)
+                if self.tools.calls and msg.finish_reason == "stop":
+                    self.finish_reason = "tool_calls"
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason}
             if self.req.chat:
                 choice["delta"] = {}
             else:
@@ -134,6 +145,10 @@ class OpenAIStream:
             self.pending.append(DONE)
         self.closed = True
         self._wake.set()
+
+    def _delta_event(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> None:
+        self.pending.append(_sse(self.head(choices=[{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}],
+                                           **({"usage": None} if self.req.include_usage else {}))))
 
     def on_error(self, s: Stream, msg: Error) -> None:  # noqa: ARG002 - bound in bind()
         self._fail(msg.code, msg.message, msg.retry_after, None)
@@ -169,8 +184,14 @@ class OpenAIStream:
             lp = {"content": [e for c in self.lp_entries for e in c["content"]], "refusal": None} if self.req.chat \
                 else _merge_completion_logprobs(self.lp_entries)
         if self.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": lp, "finish_reason": self.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            finish_reason = self.finish_reason
+            if self.tools is not None:
+                content, calls = self.tools.parser.parse(text)
+                if calls:
+                    message.update(content=content, tool_calls=message_calls(calls))
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}
             kind = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}

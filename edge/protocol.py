@@ -16,14 +16,18 @@ from typing import Any
 import orjson
 
 from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from edge.guided import GUIDED_FIELDS, FieldError, guided_fields, logit_bias
 from tokenization.prompts import PromptTokenizer
 
 MAX_ID_LEN = 128
 MAX_MESSAGES = 512
 ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                    "ignore_eos", "logprobs")
-_GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids") + _SAMPLING_FIELDS)
+                    "ignore_eos", "logprobs", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "min_tokens")
+# logit_bias, response_format and the guided_* fields are converted by edge.guided (as for OpenAI)
+_GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids", "logit_bias", "response_format")
+                             + _SAMPLING_FIELDS + GUIDED_FIELDS)
 _CANCEL_FIELDS = frozenset(("type", "id", "request_id"))
 
 
@@ -149,15 +153,22 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
     for k in ("stop", "stop_token_ids"):
         if k in kwargs and not isinstance(kwargs[k], list):
             raise ProtocolError(f"{k} must be an array, got {_tname(kwargs[k])}", k, cid)
-    for k in ("temperature", "top_p"):
+    for k in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         v = kwargs.get(k)
         if isinstance(v, float) and not math.isfinite(v):
             raise ProtocolError(f"{k} must be finite", k, cid)
     try:
+        kwargs.update(guided_fields(obj))
+        bias = logit_bias(obj.get("logit_bias"))
+    except FieldError as exc:
+        raise ProtocolError(exc.message, exc.field, cid) from None
+    if bias is not None:
+        kwargs["logit_bias"] = bias
+    try:
         sampling = SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         msg = str(exc)
-        field = next((k for k in _SAMPLING_FIELDS if msg.startswith(k)), None)
+        field = next((k for k in sorted(kwargs, key=len, reverse=True) if msg.startswith(k)), None)
         raise ProtocolError(msg[:300], field, cid) from None
     return Generate(cid, sampling, messages, prompt, model, "max_tokens" in obj, token_ids)
 

@@ -171,3 +171,22 @@ def run_until_signalled(tmp_path):
         return rc, err.read_text()
 
     return run
+
+
+THREE_NODE_PORT = 19492  # its controllers on +100..+102; apart from the session broker and private_kafka
+
+
+@pytest.fixture(scope="session")
+def three_brokers(kafka_bootstrap: str):  # after the session broker (its jars fetched)
+    """A fresh 3-node cluster shared by the leader-failover tests (data removed afterwards); ~60 s to
+    start on 2 cores. A test that stops a node brings it back before it ends."""
+    import shutil
+
+    from bus import kafka_local
+
+    info = kafka_local.start(3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR, fresh=True, timeout_s=180)
+    try:
+        yield info
+    finally:
+        kafka_local.stop(3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR)
+        shutil.rmtree(info.directory, ignore_errors=True)

@@ -87,6 +87,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}
+        self._compiling: dict[str, bool] = {}  # request id -> aborted, while its grammar compiles
+        self._compile_lock = threading.Lock()
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
         self.snapshot = EngineSnapshot(max_num_seqs=engine.config.max_num_seqs,
                                        kv_blocks_total=engine.kv.num_blocks, kv_blocks_free=engine.kv.num_free_blocks)
@@ -122,14 +124,44 @@ class AsyncEngine:
         """Queue a request; the future resolves to ``None`` once it is in the engine, or raises the
         engine's ``ValueError`` for bad input. Raises ``queue.Full`` if the command queue is full."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put_nowait(_Add(request_id, dict(prompt=prompt, params=params, **kwargs), fut))
+        add = _Add(request_id, dict(prompt=prompt, params=params, **kwargs), fut)
+        spec = params.guided if isinstance(params, SamplingParams) else None
+        compiling = self.engine.grammars().compile_async(spec) if spec is not None else None
+        if compiling is not None and not compiling.done():
+            # Structured output: the grammar compiles on the grammar pool, not between two steps;
+            # the request enters the engine once it has compiled (the batch never waits for it).
+            if self._commands.full():
+                raise queue.Full
+            with self._compile_lock:
+                self._compiling[request_id] = False
+            compiling.add_done_callback(lambda _f: self._compiled(add))
+            return fut
+        self._commands.put_nowait(add)
         self._wake.set()
         return fut
+
+    def _compiled(self, add: _Add) -> None:
+        """On a grammar-pool thread: queue the request whose grammar is ready (a compile error
+        comes back from ``add_request`` through its future), then its abort if one came meanwhile."""
+        with self._compile_lock:
+            aborted = self._compiling.pop(add.request_id, False)
+        try:
+            self._commands.put(add, timeout=5.0)
+            if aborted:
+                self._commands.put(("abort", add.request_id), timeout=5.0)
+        except queue.Full as exc:
+            if add.future.set_running_or_notify_cancel():
+                add.future.set_exception(exc)
+        self._wake.set()
 
     async def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> None:
         await asyncio.wrap_future(self.submit(request_id, prompt, params, **kwargs))
 
     def abort(self, request_id: str) -> None:
+        with self._compile_lock:
+            if request_id in self._compiling:  # its grammar is compiling: abort once it is queued
+                self._compiling[request_id] = True
+                return
         self._commands.put_nowait(("abort", request_id))
         self._wake.set()
 

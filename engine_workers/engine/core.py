@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -22,6 +23,7 @@ import torch
 from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
+from engine_workers.engine.guided import GrammarCache, Guide, MaskBuffer
 from engine_workers.engine.params import FinishReason, SamplingParams
 from engine_workers.engine.sampler import Sampler, TokenLogprobs
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
@@ -81,12 +83,13 @@ class EngineStats:
 
 
 class _Req:
-    __slots__ = ("seq", "detok", "pending_logprobs")
+    __slots__ = ("seq", "detok", "pending_logprobs", "guide")
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer) -> None:
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, guide: Guide | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.pending_logprobs: list[TokenLogprobs] = []
+        self.guide = guide  # the structured-output matcher of a guided_* request
 
 
 class Engine:
@@ -130,6 +133,12 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self._reqs: dict[str, _Req] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
+        # Structured output (engine.guided): the grammar cache is built on first use; the mask
+        # stage runs only while some live request is guided.
+        self._grammars: GrammarCache | None = None
+        self._grammar_lock = threading.Lock()
+        self._masks = MaskBuffer(loaded.spec.vocab_size)
+        self._num_guided = 0
         self.stats = EngineStats()
         self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
         log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens)",
@@ -151,6 +160,14 @@ class Engine:
         if isinstance(prompt, str):
             return self.prompts.text_ids(prompt)
         return list(prompt)
+
+    def grammars(self) -> GrammarCache:
+        """The compile cache of guided_* constraints for this engine's tokenizer (thread-safe;
+        :class:`AsyncEngine` compiles through it off the step thread before ``add_request``)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.tokenizer, self.loaded.spec.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     def add_request(
         self,
@@ -213,11 +230,18 @@ class Engine:
         for t in resumed:
             if t in params.stop_token_ids or (not params.ignore_eos and t in self.eos_token_ids) or detok.add(t):
                 raise ValueError("resume_token_ids already ends the request (EOS, stop token or stop string)")
+        guide = None
+        if params.guided is not None:  # compiled already (cache hit) when AsyncEngine submitted it
+            guide = Guide(self.grammars().compile(params.guided))
+            for t in resumed:  # a resumed request's matcher first walks the tokens it already produced
+                if not guide.accept(t) or guide.terminated:
+                    raise ValueError("resume_token_ids do not follow the request's guided_* constraint")
         seq.seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         if resumed:
             seq.output_token_ids.extend(resumed)
             detok.release(final=False)  # the first run released exactly this much of their text
-        self._reqs[request_id] = _Req(seq, detok)
+        self._reqs[request_id] = _Req(seq, detok, guide)
+        self._num_guided += guide is not None
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -263,7 +287,13 @@ class Engine:
         self.stats.computed_tokens += sched.num_batched_tokens
 
         sampling = [item.seq for item in sched.scheduled if item.samples]
-        result = self.sampler(logits, sampling) if sampling else None
+        mask = None
+        if self._num_guided and sampling:
+            guided = [(i, g) for i, s in enumerate(sampling) if (g := self._reqs[s.seq_id].guide) is not None]
+            if guided:
+                def mask(x: torch.Tensor) -> None:
+                    self._masks.apply(x, guided)
+        result = self.sampler(logits, sampling, mask) if sampling else None
         now = time.monotonic()
         for item in sched.scheduled:
             if not item.samples:
@@ -289,6 +319,8 @@ class Engine:
             reason = FinishReason.STOP
         elif req.detok.add(token):
             reason = FinishReason.STOP
+        elif req.guide is not None and (not req.guide.accept(token) or req.guide.terminated):
+            reason = FinishReason.STOP  # the grammar ended (or, never expected, refused a masked token)
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if logprobs is not None:
@@ -313,6 +345,7 @@ class Engine:
 
     def _finish(self, req: _Req, reason: str, now: float, outputs: list) -> None:
         seq = req.seq
+        self._num_guided -= req.guide is not None
         seq.finish_reason = reason
         seq.status = SeqStatus.FINISHED
         seq.times.finished = now

@@ -8,6 +8,7 @@ codec, the CLI); the checks here guard the engine's own invariants and name the 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -54,6 +55,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: LogitBias = ()
     min_tokens: int = 0
+    # Structured output (vLLM's names; at most one): a JSON schema (JSON text), any JSON object, a
+    # regular expression, one of some strings, or an EBNF grammar (xgrammar's dialect). See
+    # engine.guided; ``guided`` is the (kind, text) the grammar cache compiles.
+    guided_json: str | None = None
+    guided_json_object: bool = False
+    guided_regex: str | None = None
+    guided_choice: tuple[str, ...] | None = None
+    guided_grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,6 +94,25 @@ class SamplingParams:
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.guided_choice is not None:
+            object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
+        _check_guided(self)
+
+    @property
+    def guided(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the request's output constraint, or ``None``: the key the engine's
+        grammar cache compiles (kinds ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``)."""
+        if self.guided_json is not None:
+            return ("json", self.guided_json)
+        if self.guided_json_object:
+            return ("json_object", "")
+        if self.guided_regex is not None:
+            return ("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            return ("choice", json.dumps(list(self.guided_choice)))
+        if self.guided_grammar is not None:
+            return ("grammar", self.guided_grammar)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +123,19 @@ class SamplingParams:
         """True when a repetition, presence or frequency penalty applies (the sampler then needs
         the sequence's token counts)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check_guided(p: SamplingParams) -> None:
+    given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+             if getattr(p, name) is not None] + (["guided_json_object"] if p.guided_json_object else [])
+    if len(given) > 1:
+        raise ValueError(f"{given[0]} and {given[1]} cannot be combined: give at most one guided_* constraint")
+    for name in ("guided_json", "guided_regex", "guided_grammar"):
+        v = getattr(p, name)
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"{name} must be a non-empty string")
+    if p.guided_choice is not None and (not p.guided_choice or not all(isinstance(c, str) and c for c in p.guided_choice)):
+        raise ValueError("guided_choice must be a non-empty list of non-empty strings")
 
 
 def _normalise_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]) -> LogitBias:

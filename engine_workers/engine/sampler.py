@@ -19,7 +19,7 @@ engine gives every request a seed (its own, or one drawn from the engine's RNG a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,11 +81,18 @@ class Sampler:
         self.device = device
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SampleResult:
-        """``logits`` ``[B, V]`` float32, one row per entry of ``rows``; one token per row."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow],
+                 mask: Callable[[torch.Tensor], None] | None = None) -> SampleResult:
+        """``logits`` ``[B, V]`` float32, one row per entry of ``rows``; one token per row.
+        ``mask``: the structured-output stage (engine.guided), applied in place after the other
+        logit stages and before greedy/sampled selection; ``None`` when no row is constrained."""
         b = logits.shape[0]
         params = [r.params for r in rows]
         x = self.process(logits, rows)
+        if mask is not None:
+            if x is logits:  # the raw logits stay intact for the logprobs
+                x = logits.clone()
+            mask(x)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = x.argmax(dim=-1)

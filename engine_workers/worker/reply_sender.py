@@ -24,8 +24,11 @@ acknowledged only after all of its tokens are.
 
 Failure: a record is retried ``retries`` times (backoff 0.1 s doubling); then every request in it
 is forgotten here (what it still had queued too, so no later chunk leaves a gap) and
-``on_failed(key, None)`` is called for each: the worker leaves it uncommitted, so it runs again
-elsewhere. While one partition's record is being retried, the topic's next round waits.
+``on_failed(key, None)`` is called for each: the worker runs it again, then answers it with an
+error, then dead-letters it (engine_workers/worker/send_failures.py), never leaving it to pin its
+partition's commits. While one partition's record is being retried, the topic's next round waits.
+A round's record over ``max_record_bytes`` (the producer's limit) is sent as several records of
+that partition, in order (engine_workers/worker/reply_split.py).
 A reply topic that does not exist is not a failure that a retry or another worker can mend: its
 requests are *undeliverable*, and ``on_failed(key, reason)`` says so (the worker dead-letters and
 commits them, so one request naming a missing topic cannot pin its partition's commits). The

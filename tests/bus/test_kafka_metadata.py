@@ -10,6 +10,7 @@ import pytest
 
 from bus import BusError, TopicSpec, UnknownTopicError, connect
 from bus.kafka_metadata import TopicNotReady, led_partitions
+from tests.conftest import THREE_NODE_PORT
 
 
 def meta(code: int = 0, leaders: tuple[int, ...] = (1, 2, 3)) -> dict:
@@ -52,24 +53,6 @@ async def test_partitions_for_on_kafka_missing_vs_present(kafka_bootstrap: str) 
         assert await bus.partitions_for(name) == [0, 1, 2]
 
 
-THREE_NODE_PORT = 19492  # its controllers on +100..+102; apart from the session broker and private_kafka
-
-
-@pytest.fixture
-def three_brokers(kafka_bootstrap: str):  # after the session broker (its jars fetched)
-    """A fresh 3-node cluster of this test's own (data removed afterwards); ~60 s to start on 2 cores."""
-    import shutil
-
-    from bus import kafka_local
-
-    info = kafka_local.start(3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR, fresh=True, timeout_s=180)
-    try:
-        yield info
-    finally:
-        kafka_local.stop(3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR)
-        shutil.rmtree(info.directory, ignore_errors=True)
-
-
 @pytest.mark.kafka
 @pytest.mark.slow
 async def test_a_partition_whose_leader_is_down_is_not_a_missing_topic(three_brokers) -> None:
@@ -89,8 +72,11 @@ async def test_a_partition_whose_leader_is_down_is_not_a_missing_topic(three_bro
     async with connect(f"kafka://{three_brokers.bootstrap}?client_id=lockgate-tests") as bus:
         await bus.ensure_topics([TopicSpec(name, 3, replication=1)])
         assert await bus.partitions_for(name) == [0, 1, 2]
-        victim = next(i for i, pid in enumerate(three_brokers.pids) if i != 0 and pid is not None)
-        os.kill(three_brokers.pids[victim], signal.SIGTERM)  # a broker this test started
+        pids = kafka_local.status(3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR).pids  # now: a node may have restarted
+        victim = next(i for i, pid in enumerate(pids) if i != 0 and pid is not None)
+        pid = pids[victim]
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)  # a broker of the test cluster
 
         async def leaderless() -> bool:
             try:
@@ -106,7 +92,6 @@ async def test_a_partition_whose_leader_is_down_is_not_a_missing_topic(three_bro
             await bus.partitions_for(name)
         assert not isinstance(exc.value, UnknownTopicError)
         await sender.stop()
-        pid = three_brokers.pids[victim]
         await wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60, interval=0.2,
                          message="the stopped broker's process gone")  # else start() takes it for running
         await asyncio.to_thread(kafka_local.start, 3, THREE_NODE_PORT, kafka_local.DEFAULT_DIR, 180.0)

@@ -1,0 +1,61 @@
+"""Constrained decoding (structured output) in the engine: per-request matchers and the batched
+token mask. The grammars and their compile cache are shared with the edge (tokenization.grammars).
+
+A request asks for at most one constraint (``SamplingParams.guided``): a JSON schema, any JSON
+object, a regular expression, a choice among strings, or an EBNF grammar (the edge builds those for
+tool calls). :class:`GrammarCache` compiles it against the served tokenizer on a small thread pool
+(never on the engine's step thread when the request comes through :class:`AsyncEngine`) and keeps
+the result per ``(kind, text)``; a :class:`Guide` is one request's matcher, advanced with every
+token the request produces (resumed tokens first); :class:`MaskBuffer` fills one bitmask per step
+for the constrained rows and applies it to their logits in place (xgrammar's kernel, no Python
+loop over the vocabulary). See docs/design.md, "Structured output".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xgrammar as xgr
+
+from tokenization.grammars import GrammarCache, GuidedSpec
+
+__all__ = ["GrammarCache", "Guide", "GuidedSpec", "MaskBuffer"]
+
+
+class Guide:
+    """One request's matcher. ``accept`` advances it by a token (False: the grammar does not
+    allow it); ``terminated`` once the grammar has ended (its stop token accepted)."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+class MaskBuffer:
+    """The per-step bitmask, reused while the batch fits (one ``[B, ceil(V/32)]`` int32 tensor)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._buf: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor, guided: Sequence[tuple[int, Guide]]) -> None:
+        """Mask in place the rows ``i`` of ``logits`` for each ``(i, guide)``: tokens the guide's
+        grammar does not allow next become ``-inf``. Other rows are untouched."""
+        rows = logits.shape[0]
+        if self._buf is None or self._buf.shape[0] < rows:
+            self._buf = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
+        buf = self._buf
+        for i, g in guided:
+            g.matcher.fill_next_token_bitmask(buf, i)
+        mask = buf if logits.device.type == "cpu" else buf.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[-1]),
+                                        indices=[i for i, _ in guided])
