@@ -21,6 +21,7 @@ import base64
 import hashlib
 import os
 from collections.abc import Callable
+from typing import cast
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
@@ -68,8 +69,8 @@ class RawWsClient(asyncio.Protocol):
 
     # --- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        transport.write(self._request)  # type: ignore[attr-defined]
+        self.transport = cast(asyncio.Transport, transport)  # create_connection: a stream transport
+        self.transport.write(self._request)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.opened.done():
@@ -111,7 +112,8 @@ class RawWsClient(asyncio.Protocol):
             if opcode == 0x1:
                 self.on_text(payload)
             elif opcode == 0x9:
-                self.transport.write(mask_frame(0xA, payload))  # type: ignore[union-attr]
+                assert self.transport is not None  # data comes only after connection_made
+                self.transport.write(mask_frame(0xA, payload))
             elif opcode == 0x8:
                 self.close()
                 break
@@ -119,7 +121,8 @@ class RawWsClient(asyncio.Protocol):
 
     # --- client API ----------------------------------------------------------------------------
     def send_text(self, payload: bytes) -> None:
-        self.transport.write(mask_frame(0x1, payload))  # type: ignore[union-attr]
+        assert self.transport is not None  # connect_raw returns only after connection_made
+        self.transport.write(mask_frame(0x1, payload))
 
     def close(self) -> None:
         """Send a normal close frame (1000) and close the socket (no wait for the echo)."""
@@ -129,22 +132,24 @@ class RawWsClient(asyncio.Protocol):
             t.close()
 
     def _handshake(self, head: bytes) -> None:
+        assert self.transport is not None  # data comes only after connection_made
         lines = head.split(b"\r\n")
         if not lines[0].startswith(b"HTTP/1.1 101"):
             self.opened.set_exception(WsClientError(f"handshake refused: {lines[0][:80]!r}"))
-            self.transport.close()  # type: ignore[union-attr]
+            self.transport.close()
             return
         headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:])}
         want = base64.b64encode(hashlib.sha1(self._key + _GUID).digest())
         if headers.get(b"sec-websocket-accept") != want or headers.get(b"sec-websocket-extensions"):
             self.opened.set_exception(WsClientError("bad Sec-WebSocket-Accept or an unrequested extension"))
-            self.transport.close()  # type: ignore[union-attr]
+            self.transport.close()
             return
         self.opened.set_result(None)
 
     def _fail(self, why: str) -> None:
         self.error = why
-        self.transport.abort()  # type: ignore[union-attr]
+        assert self.transport is not None  # data comes only after connection_made
+        self.transport.abort()
 
 
 async def connect_raw(host: str, port: int, path: str, on_text: Callable[[bytes], None],
@@ -154,7 +159,8 @@ async def connect_raw(host: str, port: int, path: str, on_text: Callable[[bytes]
     _, proto = await loop.create_connection(lambda: RawWsClient(f"{host}:{port}", path, on_text), host, port)
     done, _ = await asyncio.wait({proto.opened}, timeout=timeout)
     if not done:
-        proto.transport.abort()  # type: ignore[union-attr]
+        assert proto.transport is not None  # create_connection returned: connection_made ran
+        proto.transport.abort()
         raise WsClientError(f"handshake with {host}:{port} timed out after {timeout} s")
     proto.opened.result()
     return proto

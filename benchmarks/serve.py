@@ -170,6 +170,7 @@ async def embedded(model_spec: str | None, fake_worker: bool = False,
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"embedded edge not ready: {edge.readiness()[1]}")
                 await asyncio.sleep(0.05)
+            assert edge.encoder is not None  # the edge loads its tokenizer when it starts
             yield f"ws://127.0.0.1:{edge.port}/ws", keys, edge.encoder.tokenizer
     finally:
         if worker is not None:
@@ -184,9 +185,9 @@ async def start_worker(bus, model_spec: str | None, name: str, fake: bool, engin
     if fake:
         from lockgate.testing.fake_worker import FakeWorker
 
-        w = FakeWorker(bus, name)
-        await w.start()
-        return w
+        fw = FakeWorker(bus, name)
+        await fw.start()
+        return fw
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from engine_workers.worker.actor import Worker, WorkerConfig
@@ -248,6 +249,7 @@ async def bench(cfg: BenchConfig) -> dict:
             from producers.prompting import Tokenizer
 
             tok = (await asyncio.to_thread(Tokenizer.for_model, cfg.model)).tokenizer
+        assert cfg.url is not None  # BenchConfig requires --url for this target
         target = WsTarget(cfg.url, dict(cfg.keys), cfg.connections_per_tier)
         await target.start()
         try:
@@ -259,17 +261,18 @@ async def bench(cfg: BenchConfig) -> dict:
         from producers.prompting import Tokenizer
         from tokenization.model_store import model_name
 
+        assert cfg.model is not None and cfg.bus_url is not None  # BenchConfig requires both for --bus
         tok = (await asyncio.to_thread(Tokenizer.for_model, cfg.model)).tokenizer
         b = busmod.connect(cfg.bus_url)
         await b.start()
         from bus.topics import TopicLayout
 
-        target = BusTarget(b, model_name(cfg.model), TopicLayout(namespace=cfg.namespace))
+        bt = BusTarget(b, model_name(cfg.model), TopicLayout(namespace=cfg.namespace))
         try:
-            await target.start()
-            result = await _measure(cfg, target, tok)
+            await bt.start()
+            result = await _measure(cfg, bt, tok)
         finally:
-            await target.stop()
+            await bt.stop()
             await b.stop()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))

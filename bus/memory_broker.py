@@ -181,7 +181,7 @@ def named_broker(name: str, **options: int | None) -> MemoryBroker:
     """The process-wide broker called ``name`` (created on first use with ``options``)."""
     broker = _NAMED.get(name)
     if broker is None:
-        broker = _NAMED[name] = MemoryBroker(**options)  # type: ignore[arg-type]
+        broker = _NAMED[name] = MemoryBroker(**options)  # type: ignore[arg-type]  # MemoryBroker's own keywords, checked by it
     return broker
 
 

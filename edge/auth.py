@@ -14,9 +14,12 @@ Pure: no I/O. Comparison is by SHA-256 digest lookup, so timing does not leak ke
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import parse_qsl, urlsplit
+
+from websockets.typing import Subprotocol
 
 from edge.config import KeyEntry, hash_key
 
@@ -44,16 +47,22 @@ class AuthError(Exception):
     """Handshake refused with HTTP 401; the message says why (never echoes the key)."""
 
 
-def extract_key(path: str, headers: Mapping[str, str] | object) -> str | None:
+class HeaderLookup(Protocol):
+    """What :func:`extract_key` reads of a handshake's headers (websockets' ``Headers``, a dict)."""
+
+    def get(self, key: str, /) -> str | None: ...
+
+
+def extract_key(path: str, headers: HeaderLookup) -> str | None:
     """The API key offered by a handshake, or ``None``. ``headers`` needs ``.get(name)``
     (and ``get_all`` for repeated headers, as websockets' ``Headers`` has)."""
-    auth = headers.get("Authorization")  # type: ignore[attr-defined]
+    auth = headers.get("Authorization")
     if auth:
         scheme, _, value = auth.strip().partition(" ")
         if scheme.lower() == "bearer" and value.strip():
             return value.strip()
     get_all = getattr(headers, "get_all", None)
-    protos = get_all("Sec-WebSocket-Protocol") if get_all else [headers.get("Sec-WebSocket-Protocol") or ""]  # type: ignore[attr-defined]
+    protos = get_all("Sec-WebSocket-Protocol") if get_all else [headers.get("Sec-WebSocket-Protocol") or ""]
     for line in protos:
         for proto in line.split(","):
             proto = proto.strip()
@@ -90,7 +99,7 @@ class Authenticator:
         return Principal(entry)
 
 
-def select_subprotocol(offered: list[str] | tuple[str, ...]) -> str | None:
+def select_subprotocol(offered: Sequence[str]) -> Subprotocol | None:
     """The subprotocol to answer: ``lockgate.v1`` when offered, none otherwise (``bearer.*`` is
     never echoed). A browser that offered ``bearer.<key>`` must also offer ``lockgate.v1``."""
-    return SUBPROTOCOL if SUBPROTOCOL in offered else None
+    return Subprotocol(SUBPROTOCOL) if SUBPROTOCOL in offered else None

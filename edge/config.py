@@ -173,7 +173,7 @@ class EdgeConfig:
     default_max_tokens: int = 256
     request_timeout_s: float = 300.0  # deadline on the bus; the edge gives up (error expired) after it
     # load shedding
-    slo_wait_s: tuple[float, float, float] = (2.0, 5.0, 60.0)
+    slo_wait_s: tuple[float, ...] = (2.0, 5.0, 60.0)  # one per tier: checked in __post_init__
     max_queue_depth: tuple[int, int, int] = (0, 0, 0)  # per tier, 0 = no depth limit
     heartbeat_stale_s: float = 3.0
     # slow clients

@@ -8,9 +8,11 @@ raise only :class:`~edge.protocol.ProtocolError` whose ``field`` is the OpenAI p
 Policy on fields (see docs/protocol.md, "OpenAI-compatible API"):
 
 * supported: OpenAI's sampling fields and vLLM's extras (``top_k``, ``ignore_eos``,
-  ``stop_token_ids``); ``max_completion_tokens`` wins over ``max_tokens``;
+  ``stop_token_ids``); ``max_completion_tokens`` wins over ``max_tokens``; structured output
+  (``response_format``, ``guided_*``: edge.guided); chat ``tools`` / ``tool_choice`` and tool turns
+  (edge.openai_tools);
 * refused with a 400 naming the field when set to something the platform cannot honour (``n`` > 1,
-  ``echo``, ``best_of`` > 1, ``suffix``, ``tools``, non-text ``response_format``): silently
+  ``echo``, ``best_of`` > 1, ``suffix``, ``functions``, ``tools`` on completions): silently
   ignoring them would return something the client did not ask for;
 * unknown fields are ignored, as vLLM does: SDKs add optional fields faster than servers learn
   them, and an unknown field cannot change what a supported one means.
@@ -117,7 +119,7 @@ def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bo
     if n is not None and n != 1:
         raise ProtocolError("n must be 1: one choice per request is supported", "n")
     _refuse(obj, "best_of", 1, "one choice per request")
-    _refuse(obj, "functions", None, "no function calling")
+    _refuse(obj, "functions", None, "use tools")
     stream = _bool(obj, "stream")
     opts = obj.get("stream_options")
     include_usage = False

@@ -91,7 +91,7 @@ class OpenAIStream:
                               **({"usage": None} if self.req.include_usage else {})))
 
     # --- router callbacks ---------------------------------------------------------------------
-    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002
+    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the router's callback signature
                  logprobs: tuple | None) -> None:
         self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
         lp = self._logprobs(logprobs) if self.req.logprobs is not None else None

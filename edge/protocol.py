@@ -120,6 +120,7 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
         name = sorted(unknown)[0]
         raise ProtocolError(f"unknown field {name[:40]!r}", name[:40], fid)
     cid = _str(obj, "id", fid, required=True, max_len=MAX_ID_LEN)
+    assert cid is not None  # required: _str raised otherwise
     model = _str(obj, "model", cid)
     prompt = _str(obj, "prompt", cid)
     messages = None

@@ -244,6 +244,7 @@ class Session:
 
     async def _writer(self) -> None:
         q, ws, loop = self.queue, self.ws, self._loop
+        assert q is not None  # _enqueue creates the queue before it starts this task
         while True:
             items = [await q.get()]
             while not q.empty() and len(items) < MAX_COALESCE:

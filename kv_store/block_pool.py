@@ -67,8 +67,9 @@ class BlockPool:
         return out
 
     def _evict(self, block: Block) -> None:
-        if self._cached.get(block.hash) == block.block_id:  # type: ignore[arg-type]
-            del self._cached[block.hash]  # type: ignore[arg-type]
+        h = block.hash
+        if h is not None and self._cached.get(h) == block.block_id:
+            del self._cached[h]
         block.hash = None
         block.token_ids = None
         self.evictions += 1

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import Any
 
 from lockgate.options import env_default
 
@@ -43,9 +44,9 @@ class _Parser(argparse.ArgumentParser):
     """Every parser of the CLI, subcommands included (``add_subparsers`` makes its parsers of its
     parent's class), formats help with :class:`_DefaultsHelp`."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # argparse.ArgumentParser's, passed on
         kwargs.setdefault("formatter_class", _DefaultsHelp)
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        super().__init__(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -126,7 +126,7 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         add = _Add(request_id, dict(prompt=prompt, params=params, **kwargs), fut)
         spec = params.guided if isinstance(params, SamplingParams) else None
-        compiling = self.engine.grammars().compile_async(spec) if spec is not None else None
+        compiling = self.engine.compile_async(spec) if spec is not None else None
         if compiling is not None and not compiling.done():
             # Structured output: the grammar compiles on the grammar pool, not between two steps;
             # the request enters the engine once it has compiled (the batch never waits for it).

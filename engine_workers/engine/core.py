@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
-from engine_workers.engine.guided import GrammarCache, Guide, MaskBuffer
+from engine_workers.engine.guided import GrammarCache, Guide, GuidedSpec, LazyGrammars, MaskBuffer
 from engine_workers.engine.params import FinishReason, SamplingParams
 from engine_workers.engine.sampler import Sampler, TokenLogprobs
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
@@ -135,8 +135,7 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         # Structured output (engine.guided): the grammar cache is built on first use; the mask
         # stage runs only while some live request is guided.
-        self._grammars: GrammarCache | None = None
-        self._grammar_lock = threading.Lock()
+        self._grammars = LazyGrammars(loaded.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
         self._masks = MaskBuffer(loaded.spec.vocab_size)
         self._num_guided = 0
         self.stats = EngineStats()
@@ -162,12 +161,13 @@ class Engine:
         return list(prompt)
 
     def grammars(self) -> GrammarCache:
-        """The compile cache of guided_* constraints for this engine's tokenizer (thread-safe;
-        :class:`AsyncEngine` compiles through it off the step thread before ``add_request``)."""
-        with self._grammar_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCache(self.tokenizer, self.loaded.spec.vocab_size, sorted(self.eos_token_ids))
-            return self._grammars
+        """The compile cache of guided_* constraints for this engine's tokenizer (thread-safe)."""
+        return self._grammars.get()
+
+    def compile_async(self, spec: GuidedSpec) -> Future:
+        """The compiled grammar of ``spec`` as a future; compiles off the calling thread
+        (:class:`AsyncEngine` calls it before queueing a guided request)."""
+        return self._grammars.compile_async(spec)
 
     def add_request(
         self,

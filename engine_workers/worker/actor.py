@@ -1,33 +1,22 @@
 """The worker actor: one per engine. Bus records in, engine work, reply streams out.
 
-A thin asyncio shell around three pure parts (``intake``, ``offsets``, the engine's own step loop,
-which runs on the :class:`AsyncEngine` thread so nothing here waits on a forward pass):
+A thin asyncio shell; each stage is a module of its own (``docs/worker.md`` walks through them):
 
 * **intake** — a consumer in group ``<ns>.workers.<model>`` reads the model's three priority topics.
-  Records are decoded (undecodable -> dead letter), checked (wrong model -> ``invalid_request``,
-  past deadline -> ``expired``, cancelled earlier -> ``abort``; a running request past its
-  deadline is aborted -> ``expired``) and queued in the
-  :class:`IntakeQueue`. A tier's partitions are paused while the intake holds
-  ``prefetch_per_tier + free sequence slots`` of that tier, so the worker holds a few requests
-  per tier beyond what it can run (enough to choose by priority, never a hoard).
-* **admission** — from the intake into the engine by effective priority, only while the engine has
-  a free sequence slot and free KV blocks for the prompt (the head of the queue waits for room; no
-  lower-priority request jumps it). The engine ``ValueError`` -> ``invalid_request``.
-* **replies** — the engine's per-step outputs become one ``TokenChunk`` per request per step (more
-  coalesced when the bus lags) and a final ``Finished`` to ``reply_to``, in order, all of a step's
-  replies for one partition of a reply topic in one record (:class:`ReplySender`: one task per
-  reply topic with something to send, never blocking the engine). A request runs only once its
-  reply topic is known to exist (one check per new topic, :class:`ReplyGate`); one naming a missing
-  topic is dead-lettered (``reply topic ... does not exist``) and committed without running, and
-  one whose topic is deleted while it runs is aborted and dead-lettered the same way.
+  Records are decoded (undecodable -> dead letter, ``dead_letters``), wait for their reply topic's
+  check (``reply_gate``) and, when another worker may have started them, for the tokens already
+  published (``resume``), are checked (wrong model -> ``invalid_request``, past deadline ->
+  ``expired``, cancelled earlier -> ``abort``) and queued in the :class:`IntakeQueue` (``intake``).
+* **admission** — into the engine by effective priority while it has room, and the intake's flow
+  control (``admission``).
+* **replies** — per-step outputs become ``TokenChunk`` records, one per reply partition per step
+  (``reply_sender``, split under the record size limit), and a final ``Finished``/``Error``
+  (``answers``); a failed send re-runs the request (``send_failures``).
 * **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
-  commits its low watermark. Revoked partitions: their requests are aborted and forgotten (the new
-  owner re-runs them from the committed offset). Jobs, offsets, commits and rebalance are kept by
-  the :class:`RequestLedger` (``engine_workers.worker.ledger``).
-* **control** — a group-less consumer of the control topic from ``latest``: ``Cancel`` aborts the
-  request (intake or engine, freeing KV within one engine step).
-* **heartbeat** — ``WorkerStatus`` every ``heartbeat_s``; Prometheus metrics; optional
-  ``/healthz``/``/readyz``/``/metrics`` server.
+  commits its low watermark; rebalance aborts the requests of partitions that moved (``ledger``).
+* **control** — ``Cancel`` aborts the request wherever it is, freeing KV within one engine step;
+  **heartbeat** — ``WorkerStatus`` every ``heartbeat_s`` (``loops``); metrics and
+  ``/healthz``/``/readyz``/``/metrics`` (``metrics``, ``health``).
 
 Lifecycle: ``start``/``stop`` idempotent, ``async with``; ``drain()`` stops intake, lets what the
 engine holds finish (up to ``drain_grace_s``), commits it and stops; requests still queued stay
@@ -41,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Set
@@ -49,28 +37,22 @@ from collections.abc import Callable, Set
 from bus.base import Bus, BusError, Consumer, TopicPartition
 from bus.messages import (
     DecodeError,
-    Error,
     ErrorCode,
-    Finished,
     FinishReason,
     InferenceRequest,
-    Timings,
-    Usage,
     WorkerStatus,
     decode,
 )
 from bus.topics import safe_name
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.core import Engine, RequestOutput
+from engine_workers.worker.admission import EngineAdmission
+from engine_workers.worker.answers import Answers
 from engine_workers.worker.config import WorkerConfig
-from engine_workers.worker.convert import engine_params
 from engine_workers.worker.health import HealthServer
 from engine_workers.worker.intake import (
-    NUM_TIERS,
     IntakePolicy,
     IntakeQueue,
-    RateMeter,
-    estimate_wait,
     parse_intake_mode,
 )
 from engine_workers.worker.ledger import Job, RequestLedger
@@ -121,20 +103,22 @@ class Worker:
         self.offsets: OffsetTracker[TopicPartition] = self.ledger.offsets
         self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed,
                                    max_record_bytes=config.max_reply_record_bytes)
+        self.answers = Answers(self.replies, self.ledger, self.metrics, config.worker_id)
+        self.admission = EngineAdmission(config.worker_id, self.aengine, self.ledger, self.intake, self.policy,
+                                         self.answers, config.prefetch_per_tier, lambda: self.state == "started")
         self._topics = config.layout.request_topics(config.model)
         self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._admissions = RateMeter()
         self._eids = itertools.count()
         self._consumer: Consumer | None = None
         self._control: Consumer | None = None
         self._tasks: list[asyncio.Task] = []
-        self._resume = ResumeFinder(bus, config.worker_id, self._accept, self._answered_before,
+        self._resume = ResumeFinder(bus, config.worker_id, self._accept, self.answers.answered_before,
                                     lambda tp: self.ledger.assigned_at.get(tp), self.replies.partition_count,
                                     self.metrics.resumed)
         self._gate = ReplyGate(bus, config.layout, config.worker_id, self.replies, self.ledger, self._resume.submit,
                                self.metrics.dead_letters.inc)
         self._send_failures = SendFailures(config.worker_id, self.ledger, self._gate.dead_letters, self._rerun,
-                                           self._reply_error, reruns=config.send_failure_reruns)
+                                           self.answers.error, reruns=config.send_failure_reruns)
         self._next_expiry_check = 0.0
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
@@ -268,44 +252,19 @@ class Worker:
         assert self._consumer is not None
         last_commit = time.monotonic()
         while True:
-            self._flow_control()
+            self.admission.flow_control(self._consumer, self._topics)
             try:
-                records = await self._consumer.getmany(timeout_ms=POLL_MS, max_records=self._fetch_room())
+                records = await self._consumer.getmany(timeout_ms=POLL_MS, max_records=self.admission.fetch_room())
             except BusError as exc:
                 log.warning("worker %s: fetch failed (%s); retrying", self.config.worker_id, exc)
                 await asyncio.sleep(0.5)
                 continue
             for rec in records:
                 await self._on_record(rec)
-            self._admit()
+            self.admission.admit()
             if time.monotonic() - last_commit >= self.config.commit_interval_s:
                 last_commit = time.monotonic()
                 await self.ledger.commit()
-
-    def _room(self) -> int:
-        """Free engine sequence slots (0 when the KV blocks are all spoken for)."""
-        snap, ledger = self.aengine.snapshot, self.ledger
-        if ledger.in_engine and snap.kv_blocks_free - ledger.reserved_blocks <= 0:
-            return 0
-        return max(0, self.engine.config.max_num_seqs - ledger.in_engine)
-
-    def _fetch_room(self) -> int:
-        limit = self.config.prefetch_per_tier + self._room()
-        return max(1, sum(max(0, limit - d) for d in self.intake.depth()))
-
-    def _flow_control(self) -> None:
-        c = self._consumer
-        assert c is not None  # flow control runs once started
-        assigned, paused = c.assignment(), c.paused()
-        limit = self.config.prefetch_per_tier + self._room()
-        depth = self.intake.depth()
-        for tier, topic in enumerate(self._topics):
-            tps = {tp for tp in assigned if tp.topic == topic}
-            if self.state != "started" or depth[tier] >= limit:
-                if tps - paused:
-                    c.pause(*(tps - paused))
-            elif tps & paused:
-                c.resume(*(tps & paused))
 
     async def _on_record(self, rec) -> None:
         tp = rec.tp
@@ -341,75 +300,15 @@ class Worker:
             return  # draining or stopped: stays uncommitted for the next owner
         msg, now = job.req, time.time()
         if safe_name(msg.model) != safe_name(self.config.model):
-            self._reply_error(job, ErrorCode.INVALID_REQUEST, f"model {msg.model!r} is not served here ({self.config.model!r})")
+            self.answers.error(job, ErrorCode.INVALID_REQUEST, f"model {msg.model!r} is not served here ({self.config.model!r})")
         elif msg.request_id in self._cancelled:
-            self._reply_unrun(job, FinishReason.ABORT)
+            self.answers.unrun(job, FinishReason.ABORT)
         elif msg.deadline is not None and msg.deadline <= now:
-            self._reply_error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
+            self.answers.error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
         else:
             job.pending = self.intake.push(msg.request_id, msg.tier, job.arrival, msg.deadline, job)
             if held:
-                self._admit()
-
-    # -- admission --------------------------------------------------------------------------------
-
-    def _admit(self) -> None:
-        """Move requests from the intake into the engine while it has room. Sync, never blocks."""
-        if self.state != "started":
-            return
-        now = time.time()
-        for gone in self.intake.expire(now):
-            assert gone.deadline is not None  # expire() returns only requests with a deadline
-            gone.item.pending = None
-            self._reply_error(gone.item, ErrorCode.EXPIRED, f"deadline passed {now - gone.deadline:.3f}s before admission")
-        ledger = self.ledger
-        while (p := self.intake.peek()) is not None:
-            job = p.item
-            if ledger.in_engine and (self._room() == 0 or
-                                     job.blocks + ledger.reserved_blocks > self.aengine.snapshot.kv_blocks_free):
-                break
-            self.intake.pop()
-            job.pending = None
-            if not self._submit(job):
-                break
-
-    def _submit(self, job: Job) -> bool:
-        """Hand ``job`` to the engine; False when the engine's command queue is full: the job is
-        back in the intake (admitted again by a later ``_admit``), never left marked admitted."""
-        r = job.req
-        arrival_mono = job.arrival - (time.time() - time.monotonic())
-        try:
-            fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), engine_params(r.sampling),
-                                      cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.arrival),
-                                      arrival_time=arrival_mono, resume_token_ids=list(job.resume))
-        except queue.Full:
-            log.warning("worker %s: engine command queue full; %s waits in the intake", self.config.worker_id, job.eid)
-            job.pending = self.intake.push(r.request_id, r.tier, job.arrival, r.deadline, job)
-            return False
-        self.ledger.admitted(job)
-        self._admissions.record(time.time())
-        loop = asyncio.get_running_loop()
-
-        def done(f) -> None:  # engine thread
-            if f.exception() is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._on_rejected, job, f.exception())
-
-        fut.add_done_callback(done)
-        return True
-
-    def _on_rejected(self, job: Job, exc: BaseException) -> None:
-        self.ledger.left_engine(job)
-        if job.resume and isinstance(exc, ValueError):
-            # The published prefix cannot be continued (it ends in EOS or a stop string, or fills
-            # the context): run the request from the start; the edge drops what it already has.
-            log.info("worker %s: resuming %s failed (%s); running it from the start", self.config.worker_id,
-                     job.eid, exc)
-            job.resume = ()
-            self._submit(job)
-            return
-        code = ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
-        self._reply_error(job, code, str(exc))
-        self._admit()
+                self.admission.admit()
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -436,14 +335,14 @@ class Worker:
             if out.finished:
                 self.ledger.left_engine(job)
                 if job.expiring:
-                    self._reply_error(job, ErrorCode.EXPIRED, f"deadline passed while running; stopped after "
+                    self.answers.error(job, ErrorCode.EXPIRED, f"deadline passed while running; stopped after "
                                       f"{out.num_output_tokens} tokens")
                 else:
-                    self._finish(job, out)
+                    self.answers.finished(job, out)
         self.metrics.observe_tokens(prompt, generated)
         self._expire_running()
         self._observe()
-        self._admit()
+        self.admission.admit()
 
     def _expire_running(self) -> None:
         """Abort admitted requests past their deadline (checked at most every ``EXPIRY_CHECK_S``,
@@ -457,45 +356,6 @@ class Worker:
         for job in self.ledger.overdue(now):
             job.expiring = True
             self.aengine.abort(job.eid)  # frees its KV before the next step; the final output follows
-
-    def _finish(self, job: Job, out: RequestOutput) -> None:
-        assert out.finish_reason is not None  # a finished output always says why
-        t, n = out.times, out.num_output_tokens
-        timings = Timings()
-        ttft = tpot = None
-        if t is not None:
-            arr = t.arrival
-            end = t.finished if t.finished is not None else time.monotonic()
-            queue = max(0.0, (t.first_scheduled if t.first_scheduled is not None else end) - arr)
-            ttft = max(0.0, t.first_token - arr) if t.first_token is not None else None
-            tpot = (t.last_token - t.first_token) / (n - 1) if n > 1 and t.first_token and t.last_token else None
-            timings = Timings(queue, ttft or 0.0, tpot or 0.0, max(0.0, end - arr))
-            self.metrics.observe_finished(job.req.tier, out.finish_reason, queue, ttft, tpot, timings.e2e)
-        usage = Usage(out.num_prompt_tokens, n, out.num_cached_tokens)
-        msg = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.config.worker_id)
-        self._close(job, msg)
-
-    def _answered_before(self, job: Job, final: Finished | Error) -> None:
-        """The request's final reply is already on its reply topic (its worker died before the
-        commit): commit it without running or replying again."""
-        log.info("worker %s: %s was answered already (%s); committing it", self.config.worker_id, job.eid,
-                 getattr(final, "finish_reason", None) or getattr(final, "code", ""))
-        self.metrics.answered_before.inc()
-        self.ledger.answered(job)
-
-    def _reply_error(self, job: Job, code: str, message: str) -> None:
-        self.metrics.observe_error(code)
-        r = job.req
-        self._close(job, Error(r.request_id, code, message, r.attempt, worker_id=self.config.worker_id))
-
-    def _reply_unrun(self, job: Job, reason: str) -> None:
-        r = job.req
-        self._close(job, Finished(r.request_id, r.attempt, reason, 0, Usage(len(r.prompt_token_ids), 0),
-                                  worker_id=self.config.worker_id))
-
-    def _close(self, job: Job, msg: Finished | Error) -> None:
-        job.closing = True
-        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, lambda: self.ledger.answered(job))
 
     def _on_send_failed(self, eid: str, undeliverable: str | None) -> None:
         """ReplySender's ``on_failed``. The bus failed (``undeliverable`` None): the request runs
@@ -531,7 +391,7 @@ class Worker:
         for job in self.ledger.of_request(request_id):
             if job.pending is not None and self.intake.remove(job.pending):
                 job.pending = None
-                self._reply_unrun(job, FinishReason.ABORT)
+                self.answers.unrun(job, FinishReason.ABORT)
                 n += 1
             elif job.admitted and not job.closing:
                 self.aengine.abort(job.eid)  # frees its KV before the next step; Finished(abort) follows
@@ -556,25 +416,11 @@ class Worker:
     # -- status -----------------------------------------------------------------------------------
 
     def queue_depth(self) -> tuple[int, ...]:
-        """Waiting requests per tier: in the intake plus admitted but not yet running."""
-        return self.ledger.queue_depth(self.intake.depth())
-
-    def running_by_tier(self) -> tuple[int, ...]:
-        """Requests the engine has started (first output seen) and not finished, per tier."""
-        return self.ledger.running_by_tier()
+        return self.admission.queue_depth()
 
     def status(self) -> WorkerStatus:
-        snap, now = self.aengine.snapshot, time.time()
-        engine_waiting = self.ledger.engine_waiting()
-        rate = self._admissions.rate(now)
-        est = tuple(estimate_wait(self.intake.ahead_of(t, now) + engine_waiting if self._room() == 0 else 0, rate)
-                    for t in range(NUM_TIERS))
-        return WorkerStatus(
-            self.config.worker_id, self.config.model, now, self.queue_depth(), est, snap.running,
-            self.engine.config.max_num_seqs, snap.kv_usage, snap.kv_blocks_total, snap.kv_blocks_free,
-            snap.tokens_per_s, self.state == "draining",
-        )
+        return self.admission.status(self.config.worker_id, self.config.model, self.state == "draining")
 
     def _observe(self) -> None:
         """Refresh the gauges (queue depth and running per tier, KV usage) from current state."""
-        self.metrics.observe_snapshot(self.aengine.snapshot, self.queue_depth(), self.running_by_tier())
+        self.metrics.observe_snapshot(self.aengine.snapshot, self.admission.queue_depth(), self.ledger.running_by_tier())

@@ -38,6 +38,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--commit-interval", type=float, default=env_default("commit-interval", 1.0),
                    help="commit finished work at most every N s; drain, rebalance and stop commit at once "
                         "[LOCKGATE_COMMIT_INTERVAL]")
+    g.add_argument("--send-failure-reruns", type=int, default=env_default("send-failure-reruns", 2),
+                   help="a request whose replies could not be sent runs again this many times, then is answered "
+                        "with an error [LOCKGATE_SEND_FAILURE_RERUNS]")
+    g.add_argument("--max-reply-record-bytes", type=int, default=env_default("max-reply-record-bytes", 1 << 20),
+                   help="split a step's coalesced replies into records of at most this size; keep it at or under "
+                        "the producer's max_request_size [LOCKGATE_MAX_REPLY_RECORD_BYTES]")
     g.add_argument("--heartbeat", type=float, default=env_default("heartbeat", 0.5), help="status period, s [LOCKGATE_HEARTBEAT]")
     g.add_argument("--metrics-host", default=env_default("metrics-host", "127.0.0.1"), help="[LOCKGATE_METRICS_HOST]")
     g.add_argument("--metrics-port", type=int, default=env_default("metrics-port", None),
@@ -55,6 +61,7 @@ def worker_config_from_args(args: argparse.Namespace):
         layout=TopicLayout(namespace=args.namespace, partitions=args.partitions),
         intake_mode=args.intake_mode, aging_period_s=args.aging_period, prefetch_per_tier=args.prefetch_per_tier,
         heartbeat_s=args.heartbeat, drain_grace_s=args.drain_grace, commit_interval_s=args.commit_interval,
+        send_failure_reruns=args.send_failure_reruns, max_reply_record_bytes=args.max_reply_record_bytes,
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, **kw,
     )

@@ -7,8 +7,8 @@ import pytest
 
 from bus.messages import Cancel, SamplingParams, TokenChunk
 from edge.config import EdgeConfig
-from edge.server import Edge
 from edge.router import SpliceMismatch, Stream, dedupe
+from edge.server import Edge
 from tests.edge.conftest import client, collect, recv, running_edge, send, wait_for
 
 

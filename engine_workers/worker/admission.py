@@ -1,0 +1,145 @@
+"""The worker's admission stage: from the intake into the engine, by effective priority, only
+while the engine has a free sequence slot and free KV blocks for the prompt (the head of the queue
+waits for room; no lower-priority request jumps it); and the intake's flow control, which pauses a
+tier's partitions while the intake holds ``prefetch_per_tier + free slots`` of that tier.
+
+A request is handed to :class:`AsyncEngine` with its engine parameters (``worker.convert``) and,
+when another worker had started it, the tokens it already published (``resume_token_ids``). The
+engine refusing it (``ValueError``) answers ``invalid_request``; a refused resume runs the request
+from the start instead. Concurrency: event loop only; the engine thread reaches it through
+``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import time
+from collections.abc import Callable, Sequence
+
+from bus.base import Consumer
+from bus.messages import ErrorCode, WorkerStatus
+from engine_workers.engine.async_engine import AsyncEngine
+from engine_workers.worker.answers import Answers
+from engine_workers.worker.convert import engine_params
+from engine_workers.worker.intake import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
+from engine_workers.worker.ledger import Job, RequestLedger
+
+log = logging.getLogger(__name__)
+
+
+class EngineAdmission:
+    """``serving()``: True while the worker takes work (started, not draining)."""
+
+    def __init__(self, worker_id: str, aengine: AsyncEngine, ledger: RequestLedger, intake: IntakeQueue[Job],
+                 policy: IntakePolicy, answers: Answers, prefetch_per_tier: int, serving: Callable[[], bool]) -> None:
+        self.worker_id = worker_id
+        self.aengine = aengine
+        self.ledger = ledger
+        self.intake = intake
+        self.policy = policy
+        self.answers = answers
+        self.prefetch_per_tier = prefetch_per_tier
+        self.serving = serving
+        self.rate = RateMeter()  # admissions per second: the heartbeat's wait estimate
+
+    def room(self) -> int:
+        """Free engine sequence slots (0 when the KV blocks are all spoken for)."""
+        snap, ledger = self.aengine.snapshot, self.ledger
+        if ledger.in_engine and snap.kv_blocks_free - ledger.reserved_blocks <= 0:
+            return 0
+        return max(0, self.aengine.engine.config.max_num_seqs - ledger.in_engine)
+
+    def fetch_room(self) -> int:
+        limit = self.prefetch_per_tier + self.room()
+        return max(1, sum(max(0, limit - d) for d in self.intake.depth()))
+
+    def flow_control(self, c: Consumer, topics: Sequence[str]) -> None:
+        """Pause the partitions of each tier whose intake is full (all of them when not serving),
+        resume the others."""
+        assigned, paused = c.assignment(), c.paused()
+        limit = self.prefetch_per_tier + self.room()
+        depth = self.intake.depth()
+        for tier, topic in enumerate(topics):
+            tps = {tp for tp in assigned if tp.topic == topic}
+            if not self.serving() or depth[tier] >= limit:
+                if tps - paused:
+                    c.pause(*(tps - paused))
+            elif tps & paused:
+                c.resume(*(tps & paused))
+
+    def admit(self) -> None:
+        """Move requests from the intake into the engine while it has room. Sync, never blocks."""
+        if not self.serving():
+            return
+        now = time.time()
+        for gone in self.intake.expire(now):
+            assert gone.deadline is not None  # expire() returns only requests with a deadline
+            gone.item.pending = None
+            self.answers.error(gone.item, ErrorCode.EXPIRED, f"deadline passed {now - gone.deadline:.3f}s before admission")
+        ledger = self.ledger
+        while (p := self.intake.peek()) is not None:
+            job = p.item
+            if ledger.in_engine and (self.room() == 0 or
+                                     job.blocks + ledger.reserved_blocks > self.aengine.snapshot.kv_blocks_free):
+                break
+            self.intake.pop()
+            job.pending = None
+            if not self.submit(job):
+                break
+
+    def submit(self, job: Job) -> bool:
+        """Hand ``job`` to the engine; False when the engine's command queue is full: the job is
+        back in the intake (admitted again by a later ``admit``), never left marked admitted."""
+        r = job.req
+        arrival_mono = job.arrival - (time.time() - time.monotonic())
+        try:
+            fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), engine_params(r.sampling),
+                                      cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.arrival),
+                                      arrival_time=arrival_mono, resume_token_ids=list(job.resume))
+        except queue.Full:
+            log.warning("worker %s: engine command queue full; %s waits in the intake", self.worker_id, job.eid)
+            job.pending = self.intake.push(r.request_id, r.tier, job.arrival, r.deadline, job)
+            return False
+        self.ledger.admitted(job)
+        self.rate.record(time.time())
+        loop = asyncio.get_running_loop()
+
+        def done(f) -> None:  # engine thread
+            if f.exception() is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self.on_rejected, job, f.exception())
+
+        fut.add_done_callback(done)
+        return True
+
+    def on_rejected(self, job: Job, exc: BaseException) -> None:
+        self.ledger.left_engine(job)
+        if job.resume and isinstance(exc, ValueError):
+            # The published prefix cannot be continued (it ends in EOS or a stop string, or fills
+            # the context): run the request from the start; the edge drops what it already has.
+            log.info("worker %s: resuming %s failed (%s); running it from the start", self.worker_id,
+                     job.eid, exc)
+            job.resume = ()
+            self.submit(job)
+            return
+        code = ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
+        self.answers.error(job, code, str(exc))
+        self.admit()
+
+    # -- what waits, and for how long -------------------------------------------------------------
+
+    def queue_depth(self) -> tuple[int, ...]:
+        """Waiting requests per tier: in the intake plus admitted but not yet running."""
+        return self.ledger.queue_depth(self.intake.depth())
+
+    def status(self, worker_id: str, model: str, draining: bool) -> WorkerStatus:
+        """The heartbeat: queue depth and estimated wait per tier, engine load, KV."""
+        snap, now = self.aengine.snapshot, time.time()
+        engine_waiting = self.ledger.engine_waiting()
+        rate = self.rate.rate(now)
+        est = tuple(estimate_wait(self.intake.ahead_of(t, now) + engine_waiting if self.room() == 0 else 0, rate)
+                    for t in range(NUM_TIERS))
+        return WorkerStatus(worker_id, model, now, self.queue_depth(), est, snap.running,
+                            self.aengine.engine.config.max_num_seqs, snap.kv_usage, snap.kv_blocks_total,
+                            snap.kv_blocks_free, snap.tokens_per_s, draining)

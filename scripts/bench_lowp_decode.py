@@ -1,0 +1,58 @@
+"""Decode steps with fp32, bf16 and int8 linear weights, one process (docs/benchmarks.md,
+"Low-precision weights").
+
+    .venv/bin/python scripts/bench_lowp_decode.py [--batches 1 8 32] [--tokens 64 --rounds 3]
+
+Three engines on the default model (``--dtype auto``, ``--dtype bfloat16``, ``--quantization int8``)
+take turns: per round and batch size, each generates ``--tokens`` greedy tokens for ``batch``
+8-token prompts (fresh prefix-cache salt). Printed: ms per step (the 8-token prefill amortised in),
+best over rounds, and the load average, because the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+
+    from engine_workers.engine import torch_thread
+
+    torch_thread.call(_run, args)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from benchmarks.engine import machine_info
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
+    from engine_workers.engine.params import SamplingParams
+
+    print(machine_info(), flush=True)
+    engines = {name: Engine(EngineConfig(kv_cache_bytes=256 << 20, dtype=dtype, quantization=quant))
+               for name, dtype, quant in (("fp32", "auto", "none"), ("bf16", "bfloat16", "none"), ("int8", "auto", "int8"))}
+    best: dict[tuple[str, int], float] = {}
+    for rnd in range(args.rounds):
+        for batch in args.batches:
+            for name, engine in engines.items():
+                prompts = [[100 + i, 200, 300, 400, 500, 600, 700, 800] for i in range(batch)]
+                params = [SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)] * batch
+                start = time.perf_counter()
+                engine.generate(prompts, params, cache_salt=uuid.uuid4().hex)
+                ms = (time.perf_counter() - start) / args.tokens * 1e3
+                best[(name, batch)] = min(best.get((name, batch), float("inf")), ms)
+        print(f"round {rnd}: load {os.getloadavg()}", flush=True)
+    print(f"{'batch':>6}" + "".join(f"{n + ' ms/step':>16}" for n in engines))
+    for batch in args.batches:
+        print(f"{batch:>6}" + "".join(f"{best[(n, batch)]:>16.1f}" for n in engines))
+
+
+if __name__ == "__main__":
+    main()
