@@ -96,7 +96,7 @@ async def test_send_validates_topic_and_types() -> None:
         with pytest.raises(ValueError, match="invalid topic name"):
             await bus.send("bad topic!", b"x")
         with pytest.raises(TypeError, match="value must be bytes"):
-            await bus.send("t", "text")  # type: ignore[arg-type]
+            await bus.send("t", "text")  # type: ignore[arg-type]  # deliberately the wrong type: the check under test
     with pytest.raises(BusError, match="not started"):
         await bus.send("t", b"x")
 
@@ -179,9 +179,9 @@ async def test_consumers_of_a_deleted_topic_read_nothing_and_commits_fail() -> N
 async def test_bad_consumer_arguments() -> None:
     async with connect("memory://") as bus:
         with pytest.raises(ValueError, match="non-empty list"):
-            bus.consumer("t")  # type: ignore[arg-type]
+            bus.consumer("t")  # type: ignore[arg-type]  # deliberately the wrong type: the check under test
         with pytest.raises(ValueError, match="start_from"):
-            bus.consumer(["t"], start_from="middle")  # type: ignore[arg-type]
+            bus.consumer(["t"], start_from="middle")  # type: ignore[arg-type]  # deliberately the wrong type: the check under test
         async with bus.consumer(["t"]) as c:
             with pytest.raises(BusError, match="not assigned"):
                 c.pause(TopicPartition("other", 0))

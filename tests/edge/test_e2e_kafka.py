@@ -23,7 +23,7 @@ from tests.engine_workers.test_worker_kafka import (
     spawn_worker,
     wait_ready,
 )
-from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401
+from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixtures, used by name
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 

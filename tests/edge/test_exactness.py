@@ -17,7 +17,7 @@ def gen(cid: str, n: int, **kw) -> dict:
 
 
 def _stream() -> Stream:
-    return Stream("r", "c", None, None, ("m", "p1", "ws"), 3, 10, 0.0, 1.0, False)  # type: ignore[arg-type]
+    return Stream("r", "c", None, None, ("m", "p1", "ws"), 3, 10, 0.0, 1.0, False)  # type: ignore[arg-type]  # dedupe reads neither sink nor principal
 
 
 def test_dedupe_trims_an_equal_overlap_and_refuses_a_different_one() -> None:

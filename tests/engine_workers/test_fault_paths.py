@@ -66,7 +66,7 @@ def committed(bus: MemoryBus, w: Worker) -> int:
 
 
 async def serving(tiny_dir: Path, layout: TopicLayout, bus: MemoryBus, **config: object) -> Worker:
-    w = Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0, **config), bus, make_engine(tiny_dir))  # type: ignore[arg-type]
+    w = Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0, **config), bus, make_engine(tiny_dir))  # type: ignore[arg-type]  # config overrides by keyword, checked by WorkerConfig
     await w.start()
     return w
 
