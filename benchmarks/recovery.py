@@ -3,9 +3,9 @@
 
 Two ``lockgate worker`` processes share one group. Each round publishes ``--requests`` sampled
 requests (temperature 0.8, seeded as the edge seeds them) to the model's p1 topic and reads their
-reply topic as a client would; once a worker has streamed tokens of at least two requests it is
-killed (SIGKILL). For each request that worker had started and not finished, the recovery time is
-the gap from the kill to the next token the client receives for it (from the survivor, after the
+reply topic as a client would; once a worker is streaming a request it is killed (SIGKILL; a round
+in which every request finished first is run again). For each request that worker had started and
+not finished, the recovery time is the gap from the kill to the next token the client receives for it (from the survivor, after the
 group's session timeout and rebalance, the history read and one prefill). Re-run decode steps are
 the tokens the survivor generated at a seq the victim had already published (0 when every history
 was found). The victim is restarted and the group settles before the next round.
@@ -120,7 +120,7 @@ async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argpa
                 for _, c in chunks:
                     if c.request_id not in finals:
                         streaming.setdefault(c.worker_id, set()).add(c.request_id)
-                busy = [w for w, rids in streaming.items() if len(rids) >= 2]
+                busy = [w for w, rids in streaming.items() if rids]
                 if busy:
                     victim, killed_at = busy[0], time.monotonic()
                     fleet.kill(victim)
@@ -148,21 +148,28 @@ async def _bench(args: argparse.Namespace) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     fleet = Fleet(args, layout, model, logs)
-    rounds = []
+    rounds: list[dict] = []
     async with connect(args.bus) as bus:
         await bus.ensure_topics(layout.model_specs(model))
         try:
             for name in ("wa", "wb"):
                 fleet.spawn(name)
             await fleet.settled()
-            for k in range(args.kills):
-                r = await _round(bus, fleet, layout, model, args, k, rng)
+            k = misses = 0
+            while k < args.kills:
+                r = await _round(bus, fleet, layout, model, args, len(rounds) + misses, rng)
+                if r["victim"] is None:  # every request finished before a worker was caught streaming
+                    misses += 1
+                    if misses > args.kills:
+                        raise RuntimeError("no round caught a worker streaming: raise --max-tokens")
+                    continue
                 rounds.append(r)
                 print(f"kill {k + 1}/{args.kills}: {r['victim']} killed, {r['taken_over']} taken over, recovery "
                       + ", ".join(f"{x:.2f}" for x in r["recovery_s"]) + f" s, re-run steps {r['rerun_steps']}",
                       file=sys.stderr, flush=True)
                 fleet.spawn(r["victim"])
                 await fleet.settled()
+                k += 1
         finally:
             fleet.stop()
             await bus.delete_topics(layout.request_topics(model))
