@@ -134,7 +134,10 @@ class Admission:
         req = InferenceRequest(
             request_id=rid, model=cfg.model, prompt_token_ids=tuple(ids), sampling=sampling,
             reply_to=self.reply_topic, tenant=principal.tenant, tier=principal.tier, enqueued_at=wall,
-            deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages)
+            deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages,
+            # One prefix-cache namespace per tenant: a tenant never hits (and ``cached_tokens`` never
+            # reveals) a prefix that another tenant sent.
+            cache_salt=f"tenant:{principal.tenant}")
         return Admitted(s, req)
 
     async def publish(self, a: Admitted) -> None:
