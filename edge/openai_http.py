@@ -156,8 +156,9 @@ class OpenAIServer:
         except ProtocolError as exc:
             adm.reject(exc.code, API)
             field = exc.field
-            if field is not None and field.startswith("guided_") and body.get("response_format") is not None:
-                field = "response_format"  # the constraint came as OpenAI's response_format
+            if field is not None and field.startswith("guided_") and field not in body:
+                # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai_tools)
+                field = "response_format" if body.get("response_format") is not None else "tools"
             return _error(exc.code, exc.message, field, exc.retry_after)
         assert admitted is not None
         s = admitted.stream

@@ -53,6 +53,7 @@ from engine_workers.worker.health import HealthServer
 from engine_workers.worker.intake import (
     IntakePolicy,
     IntakeQueue,
+    aging_start,
     parse_intake_mode,
 )
 from engine_workers.worker.ledger import Job, RequestLedger
@@ -287,7 +288,8 @@ class Worker:
         arrival = msg.enqueued_at if 0 < msg.enqueued_at <= now else now
         bs = self.engine.config.block_size
         job = Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
-                  -(-(len(msg.prompt_token_ids) + 1) // bs))
+                  -(-(len(msg.prompt_token_ids) + 1) // bs),
+                  aging_from=aging_start(arrival, now, self.policy.aging_period_s))
         self.ledger.add(job)
         self._gate.submit(job)  # -> _accept once its reply topic is known to exist
 
@@ -306,7 +308,7 @@ class Worker:
         elif msg.deadline is not None and msg.deadline <= now:
             self.answers.error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
         else:
-            job.pending = self.intake.push(msg.request_id, msg.tier, job.arrival, msg.deadline, job)
+            job.pending = self.intake.push(msg.request_id, msg.tier, job.order_time, msg.deadline, job)
             if held:
                 self.admission.admit()
 

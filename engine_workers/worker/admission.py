@@ -96,11 +96,11 @@ class EngineAdmission:
         arrival_mono = job.arrival - (time.time() - time.monotonic())
         try:
             fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), engine_params(r.sampling),
-                                      cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.arrival),
+                                      cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.order_time),
                                       arrival_time=arrival_mono, resume_token_ids=list(job.resume))
         except queue.Full:
             log.warning("worker %s: engine command queue full; %s waits in the intake", self.worker_id, job.eid)
-            job.pending = self.intake.push(r.request_id, r.tier, job.arrival, r.deadline, job)
+            job.pending = self.intake.push(r.request_id, r.tier, job.order_time, r.deadline, job)
             return False
         self.ledger.admitted(job)
         self.rate.record(time.time())

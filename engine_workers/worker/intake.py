@@ -53,6 +53,22 @@ def parse_intake_mode(value: IntakeMode | str) -> IntakeMode:
         raise ValueError(f"intake mode must be one of {[m.value for m in IntakeMode]}, got {value!r}") from None
 
 
+AGE_CREDIT_PERIODS = 1.0  # aging periods of waiting before the fetch that count (aging_start)
+
+
+def aging_start(enqueued_at: float, fetched_at: float, aging_period_s: float) -> float:
+    """The instant a request's aging counts from: its enqueue time, but at most
+    ``AGE_CREDIT_PERIODS`` aging periods before this worker fetched it.
+
+    Why the cap: a backlog on the topic (a batch job, a replay, a worker outage) would otherwise
+    arrive with hours of age and sort ahead of every fresh p0 request until it drained. With it, a
+    record fetched at ``f`` ranks as if it had arrived at ``f - P`` at the earliest, so a fresh p0
+    request is passed only by lower-tier records that already waited in this worker's intake
+    (at most ``prefetch_per_tier + free slots`` of each tier), and a producer whose clock runs
+    ahead or behind cannot move a request by more than one tier step either."""
+    return max(min(enqueued_at, fetched_at), fetched_at - AGE_CREDIT_PERIODS * aging_period_s)
+
+
 @dataclass(frozen=True, slots=True)
 class IntakePolicy:
     """How queued requests are ordered. ``reference_time`` anchors :meth:`engine_priority`."""

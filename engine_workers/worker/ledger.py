@@ -58,6 +58,7 @@ class Job:
     offset: int
     arrival: float  # wall clock: enqueued_at (fetch time when unset or in the future)
     blocks: int  # KV blocks the prompt (+1 token) needs
+    aging_from: float = 0.0  # wall clock its aging counts from (intake.aging_start); 0: from arrival
     pending: Pending | None = None  # while in the intake
     admitted: bool = False  # handed to the engine, final output not seen yet
     started: bool = False  # first output seen (its KV is in the engine's free-block count)
@@ -65,7 +66,12 @@ class Job:
     lost: bool = False  # partition revoked: publish nothing more
     expiring: bool = False  # aborted in the engine at its deadline: its final reply is Error(expired)
     send_failures: int = 0  # earlier runs of this record whose replies could not be sent (send_failures.py)
-    resume: tuple[int, ...] = ()  # output tokens another worker already published (worker.resume)
+    resume: tuple[int, ...] = ()
+
+    @property
+    def order_time(self) -> float:
+        """The instant the intake ages this request from."""
+        return self.aging_from or self.arrival  # output tokens another worker already published (worker.resume)
 
 
 class RequestLedger:

@@ -194,9 +194,9 @@ async def platform(model_dir: str | Path, max_num_seqs: int = 16) -> AsyncIterat
         await bus.stop()
 
 
-def sdk(edge: Edge) -> openai.AsyncOpenAI:
+def sdk(edge: Edge, timeout: float = 120) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{edge.openai_port}/v1", api_key="dev", max_retries=0,
-                              timeout=120)
+                              timeout=timeout)
 
 
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
@@ -276,6 +276,7 @@ async def test_websocket_json_schema_and_controls(tiny_model_dir: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 async def test_default_model_json_schema_through_both_apis(default_model_dir: str) -> None:
     schema = {"type": "object", "properties": {
         "city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
@@ -284,14 +285,15 @@ async def test_default_model_json_schema_through_both_apis(default_model_dir: st
         "climate": {"enum": ["cold", "mild", "hot"]}}, "required": ["city", "country", "population", "landmarks", "climate"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
     msgs = [{"role": "user", "content": "Describe Paris as JSON."}]
-    async with platform(default_model_dir) as (edge, _), sdk(edge) as client:
+    async with platform(default_model_dir) as (edge, _), sdk(edge, timeout=1200) as client:
         rs = await asyncio.gather(*(client.chat.completions.create(
-            model=MODEL, messages=msgs, temperature=1.0, seed=s, max_tokens=400, response_format=fmt)  # type: ignore[arg-type]
+            model=MODEL, messages=msgs, temperature=1.0, seed=s, max_tokens=300, response_format=fmt)  # type: ignore[arg-type]
             for s in range(20)))
         for r in rs:
+            assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
             valid(r.choices[0].message.content, schema)
         async with websockets.connect(f"ws://127.0.0.1:{edge.port}/ws") as ws:
-            text, done = await ws_generate(ws, {"id": "p", "messages": msgs, "max_tokens": 400, "seed": 1,
+            text, done = await ws_generate(ws, {"id": "p", "messages": msgs, "max_tokens": 300, "seed": 1,
                                                 "response_format": fmt})
             assert done["finish_reason"] == "stop"
             valid(text, schema)
