@@ -251,6 +251,10 @@ class ChatMessage:
     content: str
 
 
+MIN_WEIGHT = 0.01  # fair-share weights (InferenceRequest.weight, the edge key file's ``weight``)
+MAX_WEIGHT = 1000.0
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
     """One generation request on a priority topic. ``prompt_token_ids`` is authoritative (the
@@ -273,10 +277,17 @@ class InferenceRequest:
     messages: tuple[ChatMessage, ...] | None = None
     cache_salt: str | None = None
     attempt: int = 0
+    # The tenant's fair-share weight within its tier (edge key file ``weight``; docs/worker.md,
+    # "Fair share"): a tenant of weight 2 gets twice the tokens of a tenant of weight 1 when both wait.
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id must be a non-empty string")
+        weight = _check_float("weight", self.weight)
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise ValueError(f"weight must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {self.weight}")
+        object.__setattr__(self, "weight", weight)
         if not isinstance(self.reply_to, str) or not self.reply_to:
             raise ValueError("reply_to must be a non-empty topic name")
         _check_int("tier", self.tier, lo=min(Tier), hi=max(Tier))
@@ -386,7 +397,27 @@ class ReplyBatch:
     errors: tuple[Error, ...] = ()
 
 
-Message = InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """One finished request's usage, for billing: the worker sends one to ``<ns>.usage``
+    (``TopicLayout.usage_topic``, keyed by tenant) after the request's final reply was acknowledged.
+    ``finished_at`` is UNIX seconds. At-least-once: a request re-run after a crash or a send failure
+    may be recorded again; deduplicate by ``request_id`` (and ``attempt``)."""
+
+    request_id: str
+    tenant: str
+    model: str
+    tier: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finished_at: float
+    finish_reason: str
+    attempt: int = 0
+    worker_id: str = ""
+
+
+Message = InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch | UsageRecord
 
 _TYPE_NAMES: dict[type, str] = {
     InferenceRequest: "request",
@@ -396,6 +427,7 @@ _TYPE_NAMES: dict[type, str] = {
     Cancel: "cancel",
     WorkerStatus: "status",
     ReplyBatch: "replies",
+    UsageRecord: "usage",
 }
 _BY_NAME: dict[str, type] = {v: k for k, v in _TYPE_NAMES.items()}
 

@@ -7,6 +7,7 @@ Layout (``<ns>`` defaults to ``lockgate``, ``<model>`` is the model name made to
 * ``<ns>.control``              — broadcast control (``Cancel``); every worker reads all of it.
 * ``<ns>.status``               — worker heartbeats (``WorkerStatus``).
 * ``<ns>.dlq``                  — dead letters: records that could not be decoded, with the reason.
+* ``<ns>.usage``                — the billing log: one ``UsageRecord`` per finished request, keyed by tenant.
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ class TopicLayout:
     def dead_letter_topic(self) -> str:
         return f"{self.namespace}.dlq"
 
+    @property
+    def usage_topic(self) -> str:
+        return f"{self.namespace}.usage"
+
     def model_specs(self, model: str) -> list[TopicSpec]:
-        """Everything one model needs: its priority topics plus the shared control/status/dlq."""
+        """Everything one model needs: its priority topics plus the shared control/status/dlq/usage."""
         reqs = [TopicSpec(t, self.partitions, self.replication, self.retention_ms) for t in self.request_topics(model)]
         shared = [
             TopicSpec(self.control_topic, 1, self.replication, self.reply_retention_ms),
             TopicSpec(self.status_topic, 1, self.replication, self.reply_retention_ms),
             TopicSpec(self.dead_letter_topic, 1, self.replication, self.retention_ms),
+            TopicSpec(self.usage_topic, 1, self.replication, self.retention_ms),
         ]
         return reqs + shared
 

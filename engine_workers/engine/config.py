@@ -23,6 +23,9 @@ class EngineConfig:
     weight_prepack: bool = True  # CPU fp32: linears on oneDNN with weights packed once (cpu_linear.py)
     cpu_kernels: bool = True  # CPU fp32: decode attention on the engine's own kernel (cpu_kernels.py)
     seed: int = 0  # engine RNG for unseeded sampling
+    # Preempt the worst running sequence for a waiting one at least this much more urgent (1.0 = a
+    # tier step of the worker's priorities); None = never (scheduler.py, "Priority preemption").
+    priority_preemption_margin: float | None = 1.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -35,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.priority_preemption_margin is not None and not self.priority_preemption_margin > 0:
+            raise ValueError(f"priority_preemption_margin must be > 0 or None, got {self.priority_preemption_margin}")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -123,7 +123,7 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs),
-                            config.long_prefill_token_threshold),
+                            config.long_prefill_token_threshold, config.priority_preemption_margin),
             self.kv,
         )
         self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype, config.cpu_kernels)

@@ -13,6 +13,14 @@ When KV blocks run out for a running sequence, the scheduler preempts by recompu
 running sequence with the worst priority, most recently admitted; its blocks are freed, its output so
 far kept, and it re-enters the waiting queue (recomputing prompt + output when readmitted, mostly
 from the prefix cache). No new sequence is admitted in a step that preempted.
+
+**Priority preemption** (``priority_preemption_margin``, off when None): when every sequence slot
+is taken and the best waiting sequence is more urgent than the worst running one by at least the
+margin (1.0 = one tier step of the worker's aging priorities), the worst running sequence (worst
+priority, newest) is preempted by recompute and the waiting one admitted in the same step. Guard
+against thrashing: the margin itself (a preemptor must be a whole tier more urgent, so the victim,
+readmitted, cannot preempt it back), one such preemption per step, and a sequence is preempted
+for priority at most ``MAX_PRIORITY_PREEMPTIONS`` times (then it keeps its slot).
 """
 
 from __future__ import annotations
@@ -24,12 +32,15 @@ from dataclasses import dataclass, field
 from engine_workers.engine.sequence import SeqStatus, Sequence
 from kv_store import KVCacheManager
 
+MAX_PRIORITY_PREEMPTIONS = 2
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     long_prefill_token_threshold: int = 0  # cap one prompt's chunk per step (0 = no cap)
+    priority_preemption_margin: float | None = None  # None: never preempt for priority
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -155,6 +166,12 @@ class Scheduler:
             budget -= n
 
         if not out.preempted:
+            bumped = self._priority_victim()
+            if bumped is not None:
+                self._preempt(bumped)
+                out.preempted.append(bumped)
+                if bumped.seq_id in scheduled:
+                    budget += scheduled.pop(bumped.seq_id).num_new_tokens
             while budget > 0 and len(self.running) < self.config.max_num_seqs:
                 head = self._peek_waiting()
                 if head is None:
@@ -177,6 +194,24 @@ class Scheduler:
 
         out.scheduled = list(scheduled.values())
         return out
+
+    def _priority_victim(self) -> Sequence | None:
+        """The running sequence to preempt for the best waiting one, or None (see the module
+        docstring: slots full, a margin of urgency, a bounded number of times per sequence)."""
+        margin = self.config.priority_preemption_margin
+        if margin is None or len(self.running) < self.config.max_num_seqs:
+            return None
+        head = self._peek_waiting()
+        if head is None:
+            return None
+        candidates = [s for s in self.running if s.num_priority_preemptions < MAX_PRIORITY_PREEMPTIONS]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda s: (s.priority, s.admit_order))
+        if head.priority + margin > victim.priority:
+            return None
+        victim.num_priority_preemptions += 1
+        return victim
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the runner executed ``out`` (before sampling is applied)."""

@@ -46,6 +46,7 @@ class Sequence:
     admit_order: int = -1  # set at each admission; newest = largest (preemption victim choice)
     arrival_order: int = -1  # set once; FIFO tie-break among equal priorities
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0  # of num_preemptions, those for a more urgent request
     finish_reason: str | None = None
     # The seed the sampler's counter-based draws use (the request's own, or one the engine drew at
     # add_request): the draw for output position k depends only on (seed, k), see engine.sampler.

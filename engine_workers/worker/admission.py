@@ -83,7 +83,8 @@ class EngineAdmission:
             job = p.item
             if ledger.in_engine and (self.room() == 0 or
                                      job.blocks + ledger.reserved_blocks > self.aengine.snapshot.kv_blocks_free):
-                break
+                if not self.preempts(job):
+                    break
             self.intake.pop()
             job.pending = None
             if not self.submit(job):
@@ -126,6 +127,18 @@ class EngineAdmission:
         code = ErrorCode.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorCode.INTERNAL
         self.answers.error(job, code, str(exc))
         self.admit()
+
+    def preempts(self, job: Job) -> bool:
+        """Whether ``job`` goes to the engine although it is full: it is more urgent than the worst
+        running request by the engine's preemption margin (the engine then preempts that one by
+        recompute; its stream stays exact), and no other such request is on its way in."""
+        engine = self.aengine.engine
+        margin = engine.config.priority_preemption_margin
+        if margin is None or self.ledger.in_engine > engine.config.max_num_seqs:
+            return False
+        mine = self.policy.engine_priority(job.req.tier, job.order_time)
+        running = [self.policy.engine_priority(j.req.tier, j.order_time) for j in self.ledger.admitted_jobs()]
+        return bool(running) and mine + margin <= max(running)
 
     # -- what waits, and for how long -------------------------------------------------------------
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
 
+from engine_workers.worker.fair import DEFAULT_WEIGHT, FairShare
+
 T = TypeVar("T")
 
 DEFAULT_AGING_PERIOD_S = 2.0
@@ -125,11 +127,21 @@ class IntakeQueue(Generic[T]):
     ``pop`` is O(log n); removals (cancel, revoke, expiry) are lazy (marked, skipped on pop), and
     ``expire``/``remove_if`` scan the live entries: the worker keeps the intake small (bounded
     prefetch), so a scan is cheap.
+
+    ``fair_share``: within a tier, requests are admitted by start-time fair queueing across tenants
+    (``fair.py``), not FIFO. Across tiers the policy still decides, on the *oldest* request of each
+    tier: the tier whose oldest request has the smallest key gets the next admission, and the fair
+    order picks which of its tenants' requests takes it. So aging (a tier's claim grows with how long
+    its work has waited) is unchanged, whoever's request it was that waited.
     """
 
-    def __init__(self, policy: IntakePolicy) -> None:
+    def __init__(self, policy: IntakePolicy, fair_share: bool = False) -> None:
         self.policy = policy
+        self.fair: FairShare | None = FairShare(NUM_TIERS) if fair_share else None
         self._heap: list[tuple[tuple[float, float], int, Pending[T]]] = []
+        # fair share: per tier, (start tag, push order) and (policy key of its oldest, push order)
+        self._fair: list[list[tuple[float, int, Pending[T]]]] = [[] for _ in range(NUM_TIERS)]
+        self._age: list[list[tuple[tuple[float, float], int, Pending[T]]]] = [[] for _ in range(NUM_TIERS)]
         self._live: dict[int, Pending[T]] = {}  # id(pending) -> pending
         self._order = itertools.count()
         self._depth = [0] * NUM_TIERS
@@ -144,28 +156,63 @@ class IntakeQueue(Generic[T]):
         """Queued requests per tier (index = tier rank)."""
         return tuple(self._depth)
 
-    def push(self, request_id: str, tier: int, enqueued_at: float, deadline: float | None, item: T) -> Pending[T]:
+    def push(self, request_id: str, tier: int, enqueued_at: float, deadline: float | None, item: T,
+             tenant: str = "", cost: float = 1.0, weight: float = DEFAULT_WEIGHT) -> Pending[T]:
+        """Queue a request. ``tenant``, ``cost`` (tokens) and ``weight`` matter under fair share only."""
         if not 0 <= tier < NUM_TIERS:
             raise ValueError(f"tier must be in [0, {NUM_TIERS}), got {tier}")
         p = Pending(request_id, tier, enqueued_at, deadline, item)
-        heapq.heappush(self._heap, (self.policy.sort_key(tier, enqueued_at), next(self._order), p))
+        order, key = next(self._order), self.policy.sort_key(tier, enqueued_at)
+        if self.fair is None:
+            heapq.heappush(self._heap, (key, order, p))
+        else:
+            start = self.fair.tag(tier, tenant, cost, weight)
+            heapq.heappush(self._fair[tier], (start, order, p))
+            heapq.heappush(self._age[tier], (key, order, p))
         self._live[id(p)] = p
         self._depth[tier] += 1
         return p
 
+    def _is_live(self, p: Pending[T]) -> bool:
+        return self._live.get(id(p)) is p
+
+    def _fair_tier(self) -> int | None:
+        """Under fair share: the tier admitted next (smallest policy key of its oldest request)."""
+        best: tuple[tuple[float, float], int] | None = None
+        tier_best = None
+        for tier in range(NUM_TIERS):
+            if not self._depth[tier]:
+                continue
+            age = self._age[tier]
+            while age and not self._is_live(age[0][2]):
+                heapq.heappop(age)
+            if age and (best is None or (age[0][0], age[0][1]) < best):
+                best, tier_best = (age[0][0], age[0][1]), tier
+        return tier_best
+
     def peek(self) -> Pending[T] | None:
         """The request admitted next, without removing it."""
-        while self._heap:
-            p = self._heap[0][2]
-            if id(p) in self._live and self._live[id(p)] is p:
+        heap: list = self._heap
+        if self.fair is not None:
+            tier = self._fair_tier()
+            if tier is None:
+                return None
+            heap = self._fair[tier]
+        while heap:
+            p = heap[0][2]
+            if self._is_live(p):
                 return p
-            heapq.heappop(self._heap)
+            heapq.heappop(heap)
         return None
 
     def pop(self) -> Pending[T] | None:
         p = self.peek()
         if p is not None:
-            heapq.heappop(self._heap)
+            if self.fair is None:
+                heapq.heappop(self._heap)
+            else:
+                start = heapq.heappop(self._fair[p.tier])[0]
+                self.fair.admitted(p.tier, start)
             self._forget(p)
         return p
 
@@ -174,9 +221,11 @@ class IntakeQueue(Generic[T]):
         self._depth[p.tier] -= 1
 
     def remove(self, p: Pending[T]) -> bool:
-        if self._live.get(id(p)) is not p:
+        if not self._is_live(p):
             return False
         self._forget(p)
+        if self.fair is not None:
+            self.fair.dropped(p.tier)
         return True
 
     def remove_if(self, pred: Callable[[Pending[T]], bool]) -> list[Pending[T]]:
@@ -184,6 +233,8 @@ class IntakeQueue(Generic[T]):
         out = [p for p in self._live.values() if pred(p)]
         for p in out:
             self._forget(p)
+            if self.fair is not None:
+                self.fair.dropped(p.tier)
         self._compact()
         return out
 
@@ -192,12 +243,15 @@ class IntakeQueue(Generic[T]):
         return self.remove_if(lambda p: p.deadline is not None and p.deadline <= now)
 
     def _compact(self) -> None:
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [e for e in self._heap if self._live.get(id(e[2])) is e[2]]
-            heapq.heapify(self._heap)
+        heaps: list[list] = [self._heap, *self._fair, *self._age]
+        for heap in heaps:
+            if len(heap) > 2 * len(self._live) + 64:
+                heap[:] = [e for e in heap if self._is_live(e[2])]
+                heapq.heapify(heap)
 
     def ahead_of(self, tier: int, now: float) -> int:
-        """How many queued requests a request of ``tier`` arriving ``now`` would wait behind."""
+        """How many queued requests a request of ``tier`` arriving ``now`` would wait behind
+        (by the policy's key; under fair share an estimate)."""
         key = self.policy.sort_key(tier, now)
         return sum(1 for p in self._live.values() if self.policy.sort_key(p.tier, p.enqueued_at) <= key)
 

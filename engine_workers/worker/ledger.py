@@ -160,6 +160,10 @@ class RequestLedger:
         return [j for j in self._jobs.values() if j.admitted and not (j.expiring or j.closing or j.lost)
                 and j.req.deadline is not None and j.req.deadline <= now]
 
+    def admitted_jobs(self) -> list[Job]:
+        """The jobs in the engine (admitted, final output not seen yet)."""
+        return [j for j in self._jobs.values() if j.admitted]
+
     def engine_waiting(self) -> int:
         return sum(1 for j in self._jobs.values() if j.admitted and not j.started)
 

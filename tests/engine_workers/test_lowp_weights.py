@@ -91,6 +91,20 @@ def test_quantize_int8_zero_row_and_range() -> None:
     assert int(q.abs().max()) == 127 and s[2] == 1.0 and not q[2].any()
 
 
+def test_quantization_flag_has_an_env_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lockgate.options import add_engine_args, engine_config_from_args
+
+    monkeypatch.setenv("LOCKGATE_QUANTIZATION", "int8")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args([])).quantization == "int8"
+    monkeypatch.setenv("LOCKGATE_QUANTIZATION", "int4")  # argparse does not check defaults: the config does
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    with pytest.raises(ValueError, match="quantization must be"):
+        engine_config_from_args(p.parse_args([]))
+
+
 def test_bad_quantization_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="foo")

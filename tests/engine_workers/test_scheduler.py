@@ -87,3 +87,48 @@ def test_remove_frees_blocks_of_waiting_and_running():
     s.remove(a)
     s.remove(b)
     assert kv.num_free_blocks == kv.num_blocks and not s.has_unfinished()
+
+
+def _full(margin: float | None, priorities=(2.0, 2.5)):
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(2, 16, priority_preemption_margin=margin), kv)
+    running = [seq(f"r{i}", 4, priority=p) for i, p in enumerate(priorities)]
+    for r in running:
+        s.add(r)
+    run_step(s)
+    run_step(s)  # both decoding: every slot taken
+    return s, running
+
+
+def test_a_more_urgent_waiting_sequence_preempts_the_worst_running_one():
+    s, (r0, r1) = _full(1.0)
+    urgent = seq("p0", 4, priority=1.0)  # 1.5 more urgent than r1 (2.5): beyond the margin
+    s.add(urgent)
+    out = run_step(s)
+    assert out.preempted == [r1]  # the worst priority (the newest among equals) goes
+    assert {i.seq.seq_id for i in out.scheduled} == {"r0", "p0"}  # and p0 runs in the same step
+    assert r1.status is SeqStatus.WAITING and r1.output_token_ids == [7, 7]  # its output is kept
+    assert r1.num_computed_tokens == 0 and r1.num_priority_preemptions == 1
+
+
+def test_no_priority_preemption_within_the_margin_or_when_off():
+    s, _ = _full(1.0)
+    s.add(seq("close", 4, priority=1.8))  # only 0.7 more urgent than the worst (2.5)
+    assert run_step(s).preempted == []
+    s, _ = _full(None)
+    s.add(seq("p0", 4, priority=-10.0))
+    assert run_step(s).preempted == []
+
+
+def test_a_sequence_is_preempted_for_priority_a_bounded_number_of_times():
+    s, (r0, r1) = _full(1.0, priorities=(2.0, 2.0))
+    bumps = 0
+    for i in range(6):  # a stream of urgent arrivals, each finishing at once
+        urgent = seq(f"u{i}", 4, priority=0.0)
+        s.add(urgent)
+        out = run_step(s)
+        bumps += len(out.preempted)
+        s.remove(urgent)
+        run_step(s)  # the preempted one is readmitted
+    assert r0.num_priority_preemptions <= 2 and r1.num_priority_preemptions <= 2
+    assert bumps == 4  # two each, then they keep their slots
