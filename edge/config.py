@@ -4,9 +4,11 @@ The key file is JSON Lines: one JSON object per line, blank lines and lines star
 ignored. Keys are never stored in clear; each entry holds the SHA-256 hex digest of the key::
 
     {"sha256": "9f86d0...", "tenant": "acme", "tier": 1, "requests_per_min": 60,
-     "tokens_per_min": 200000, "max_streams": 8}
+     "tokens_per_min": 200000, "max_streams": 8, "weight": 2}
 
-``tier`` (0, 1 or 2) picks the priority topic. The limits are optional (defaults below; ``0`` means
+``tier`` (0, 1 or 2) picks the priority topic. ``weight`` (default 1, in [0.01, 1000]) is the
+tenant's fair share within its tier at the workers (docs/worker.md, "Fair share"): carried on every
+request as ``InferenceRequest.weight``. The limits are optional (defaults below; ``0`` means
 unlimited). ``lockgate keys add --tenant acme --tier 1 --keys keys.jsonl`` makes a random key,
 appends its hashed entry and prints the key once.
 """
@@ -19,7 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.messages import Tier
+from bus.messages import MAX_WEIGHT, MIN_WEIGHT, Tier
 from bus.topics import TopicLayout
 
 DEFAULT_REQUESTS_PER_MIN = 120
@@ -52,6 +54,7 @@ class KeyEntry:
     requests_per_min: int = DEFAULT_REQUESTS_PER_MIN
     tokens_per_min: int = DEFAULT_TOKENS_PER_MIN
     max_streams: int = DEFAULT_MAX_STREAMS
+    weight: float = 1.0  # fair share within the tier, at the workers
 
     def __post_init__(self) -> None:
         if not isinstance(self.key_hash, str) or len(self.key_hash) != 64 or any(
@@ -66,6 +69,10 @@ class KeyEntry:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not MIN_WEIGHT <= w <= MAX_WEIGHT:
+            raise ConfigError(f"weight must be a number in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {w!r}")
+        object.__setattr__(self, "weight", float(w))
 
     def to_json(self) -> str:
         return json.dumps(
@@ -76,11 +83,12 @@ class KeyEntry:
                 "requests_per_min": self.requests_per_min,
                 "tokens_per_min": self.tokens_per_min,
                 "max_streams": self.max_streams,
+                "weight": self.weight,
             }
         )
 
 
-_ENTRY_FIELDS = {"sha256", "tenant", "tier", "requests_per_min", "tokens_per_min", "max_streams"}
+_ENTRY_FIELDS = {"sha256", "tenant", "tier", "requests_per_min", "tokens_per_min", "max_streams", "weight"}
 
 
 def parse_keys(text: str, source: str = "<keys>") -> dict[str, KeyEntry]:
@@ -110,6 +118,7 @@ def parse_keys(text: str, source: str = "<keys>") -> dict[str, KeyEntry]:
                 requests_per_min=obj.get("requests_per_min", DEFAULT_REQUESTS_PER_MIN),
                 tokens_per_min=obj.get("tokens_per_min", DEFAULT_TOKENS_PER_MIN),
                 max_streams=obj.get("max_streams", DEFAULT_MAX_STREAMS),
+                weight=obj.get("weight", 1.0),
             )
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
