@@ -161,6 +161,12 @@ class Consumer(abc.ABC):
     @abc.abstractmethod
     def assignment(self) -> set[TopicPartition]: ...
 
+    @abc.abstractmethod
+    async def lag(self) -> dict[TopicPartition, int]:
+        """Per assigned partition, the records after this consumer's position (the next record it
+        would fetch) up to the partition's end now: what waits on the topic, paused partitions
+        included. Raises :class:`BusError` when the broker cannot be asked."""
+
     async def __aenter__(self) -> Consumer:
         await self.start()
         return self

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka import TopicPartition as KTP
-from aiokafka.errors import KafkaError
+from aiokafka.errors import IllegalStateError, KafkaError
 
 from bus.base import (
     BusError,
@@ -251,6 +251,19 @@ class KafkaConsumer(Consumer):
 
     def paused(self) -> set[TopicPartition]:
         return {_tp(k) for k in self._consumer.paused()} if self._consumer is not None else set()
+
+    async def lag(self) -> dict[TopicPartition, int]:
+        c = self._live()
+        tps = list(c.assignment())
+        if not tps:
+            return {}
+        try:
+            ends = await c.end_offsets(tps)
+            return {_tp(k): max(0, ends[k] - await c.position(k)) for k in tps}
+        except IllegalStateError:  # a rebalance took a partition meanwhile: ask again next time
+            return {}
+        except KafkaError as exc:
+            raise BusError(f"lag of {self.topics} failed: {exc!r}") from exc
 
     def assignment(self) -> set[TopicPartition]:
         return {_tp(k) for k in self._consumer.assignment()} if self._consumer is not None else set()

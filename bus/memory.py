@@ -227,6 +227,16 @@ class MemoryConsumer(Consumer):
                 self._positions[tp] = recs[-1].offset + 1
         return out
 
+    async def lag(self) -> dict[TopicPartition, int]:
+        self._check_started()
+        out: dict[TopicPartition, int] = {}
+        for tp, pos in self._positions.items():
+            topic = self._broker.topics.get(tp.topic)
+            if topic is not None:
+                part = topic.partitions[tp.partition]
+                out[tp] = max(0, part.end - max(pos, part.start))
+        return out
+
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         self._check_started()
         if self.group_id is None:

@@ -378,6 +378,10 @@ class WorkerStatus:
     kv_blocks_free: int = 0
     tokens_per_s: float = 0.0
     draining: bool = False
+    # Records per tier still on the topic in this worker's partitions (consumer lag), and how many
+    # partitions it owns: the edge weighs each worker's wait by the share of requests it gets.
+    lag: tuple[int, ...] = (0, 0, 0)
+    partitions: int = 0
 
 
 @dataclass(frozen=True, slots=True)

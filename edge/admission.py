@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from bus.base import Bus
 from bus.messages import Cancel, Error, ErrorCode, Finished, InferenceRequest, encode
+from edge.affinity import Placement, PrefixAffinity
 from edge.auth import Authenticator, Principal
 from edge.config import EdgeConfig
 from edge.guided import GrammarChecker
@@ -71,6 +72,7 @@ class Admission:
         self._ids = itertools.count()
         self._cancels: asyncio.Queue[Cancel] | None = None
         self._grammars: GrammarChecker | None = None  # structured-output compile check, on first use
+        self.placement = Placement(bus, PrefixAffinity(config.affinity_tokens) if config.prefix_affinity else None)
 
     # --- requests -----------------------------------------------------------------------------
     def tool_parser(self) -> ToolParser:
@@ -146,7 +148,8 @@ class Admission:
         req = a.request
         try:
             topic = self.config.layout.request_topic(req.model, req.tier)
-            await self.bus.send(topic, encode(req), key=req.request_id.encode())
+            key, partition = await self.placement.place(topic, req)
+            await self.bus.send(topic, encode(req), key=key, partition=partition)
         except Exception as exc:  # the bus is down: tell the client, keep the connection
             log.warning("publishing %s failed: %s", req.request_id, exc)
             if not a.stream.ended:

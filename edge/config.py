@@ -137,7 +137,7 @@ def load_keys(path: str | Path) -> dict[str, KeyEntry]:
     return parse_keys(text, str(p))
 
 
-def add_key(path: str | Path | None, tenant: str, tier: int = int(Tier.P1), **limits: int) -> tuple[str, KeyEntry]:
+def add_key(path: str | Path | None, tenant: str, tier: int = int(Tier.P1), **limits: float) -> tuple[str, KeyEntry]:
     """Make a new key; append its hashed entry to ``path`` (when given). Returns (clear key, entry)."""
     key = new_key()
     entry = KeyEntry(hash_key(key), tenant, tier, **limits)
@@ -181,6 +181,10 @@ class EdgeConfig:
     max_connections: int = 100_000
     default_max_tokens: int = 256
     request_timeout_s: float = 300.0  # deadline on the bus; the edge gives up (error expired) after it
+    # prefix-affine partitioning (edge/affinity.py; docs/design.md): same tenant + same prompt prefix
+    # -> same partition (worker, prefix cache), hot prefixes spread; False: by request id
+    prefix_affinity: bool = True
+    affinity_tokens: int = 64  # the prompt prefix keyed on when there is no system message
     # load shedding
     slo_wait_s: tuple[float, ...] = (2.0, 5.0, 60.0)  # one per tier: checked in __post_init__
     max_queue_depth: tuple[int, int, int] = (0, 0, 0)  # per tier, 0 = no depth limit
@@ -205,7 +209,7 @@ class EdgeConfig:
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",
-                     "default_max_tokens"):
+                     "default_max_tokens", "affinity_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if len(self.slo_wait_s) != len(Tier) or any(s <= 0 for s in self.slo_wait_s):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from edge.protocol import Generate, PromptEncoder, ProtocolError
-from edge.tool_parsers import ToolCall, ToolParser
+from edge.tool_parsers import HERMES_HEAD, ToolCall, ToolParser
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -202,9 +202,11 @@ def message_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
 
 
 class ToolStream:
-    """Reads a streamed output for tool calls. ``feed`` returns the deltas to send now (content
-    up to where a call may start; a call once complete: its id and name, then its arguments in
-    fragments), ``finish`` the rest. ``calls`` counts the calls sent."""
+    """Reads a streamed output for tool calls. ``feed`` returns the deltas to send now: content up
+    to where a call may start; for a Hermes call, its id and name as soon as they are read, then its
+    arguments as they are generated (all but a possibly-closing ``}``); for the other formats, each
+    call once the output is complete (id and name, then its arguments in fragments). ``finish``
+    returns the rest. ``calls`` counts the calls sent."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
@@ -212,6 +214,8 @@ class ToolStream:
         self.in_calls = False
         self.calls = 0
         self.any_content = False
+        self._open = False  # a Hermes call's head is sent, its arguments are streaming
+        self._sent = ""  # the arguments text sent for the open call
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         self.buf += text
@@ -239,16 +243,56 @@ class ToolStream:
                 out.append({"content": self.buf[:idx]})
                 self.any_content = True
             self.buf, self.in_calls = self.buf[idx:], True
-        if self.parser.name == "hermes":  # complete <tool_call> blocks go out as they close
-            while (end := self.buf.find("</tool_call>")) >= 0:
+        if self.parser.name == "hermes":
+            while (end := self.buf.find("</tool_call>")) >= 0:  # a call closed
+                out += self._partial()
                 block, self.buf = self.buf[: end + len("</tool_call>")], self.buf[end + len("</tool_call>"):]
-                _, calls = self.parser.parse(block)
-                out += self._call_deltas(calls) if calls else [{"content": block}]
+                out += self._close(block)
+            out += self._partial()
         return out
+
+    def _partial(self) -> list[dict[str, Any]]:
+        """The open Hermes call's head, and the arguments generated so far."""
+        m = HERMES_HEAD.search(self.buf)
+        if m is None:
+            return []
+        out: list[dict[str, Any]] = []
+        if not self._open:
+            self._open, self._sent = True, ""
+            out.append({"tool_calls": [{"index": self.calls, "id": call_id(), "type": "function",
+                                        "function": {"name": m.group(1), "arguments": ""}}]})
+            self.calls += 1
+        region = self.buf[m.end():]
+        cut = region.rfind("}")  # the last "}" may close the call object: held back until more comes
+        upto = (region[:cut] if cut >= 0 else region).rstrip()
+        if len(upto) > len(self._sent) and upto.startswith(self._sent):
+            out.append(self._args(upto[len(self._sent):]))
+            self._sent = upto
+        return out
+
+    def _close(self, block: str) -> list[dict[str, Any]]:
+        """A complete ``<tool_call>`` block: the rest of the open call's arguments (or the whole
+        call when its head was not recognised while streaming; the text when it does not parse)."""
+        _, calls = self.parser.parse(block)
+        out: list[dict[str, Any]] = []
+        if self._open:
+            self._open = False
+            if calls and calls[0].arguments.startswith(self._sent) and len(calls[0].arguments) > len(self._sent):
+                out.append(self._args(calls[0].arguments[len(self._sent):]))
+            calls = calls[1:]
+        elif not calls:
+            return [{"content": block}]
+        return out + self._call_deltas(calls)
+
+    def _args(self, fragment: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": self.calls - 1, "function": {"arguments": fragment}}]}
 
     def finish(self) -> list[dict[str, Any]]:
         if not self.buf.strip():
             return []
+        if self._open:  # the output ended inside a call (max_tokens): the rest of what parses
+            block, self.buf = self.buf, ""
+            return self._close(block)
         content, calls = self.parser.parse(self.buf) if self.in_calls else (self.buf, [])
         self.buf = ""
         out: list[dict[str, Any]] = [{"content": content}] if content else []

@@ -4,8 +4,11 @@ Each :class:`~bus.messages.WorkerStatus` is remembered by worker id with the *lo
 arrived (worker clocks are not trusted). A worker is live while its last heartbeat is younger than
 ``stale_after_s``; a draining worker counts as alive (for ``/readyz``) but takes no new work.
 
-For a tier ``t`` the expected wait is the smallest ``est_wait_s[t]`` among live, non-draining
-workers serving the model (the request topic is shared, the least-loaded worker will pick it up).
+For a tier ``t`` the expected wait is the mean of ``est_wait_s[t]`` over the live, non-draining
+workers serving the model, each weighted by the partitions it owns (``WorkerStatus.partitions``;
+equal weights when none say): a request lands on the worker that owns its key's partition, not on
+the least-loaded one, so an idle worker must not hide a saturated one. Each worker's estimate counts
+its consumer lag (records still on the topic in its partitions), so a backlog on Kafka sheds.
 A new request of tier ``t`` is shed with ``overloaded`` when:
 
 * no live worker serves the model (``retry_after`` = ``stale_after_s``); or
@@ -92,7 +95,8 @@ class LoadShedder:
         if not serving:
             ok, why = self.readiness(now)
             return Shed(why, self.stale_after_s)
-        wait = min(_at(s.est_wait_s, tier, 0.0) for s in serving)
+        weights = [s.partitions for s in serving] if all(s.partitions > 0 for s in serving) else [1] * len(serving)
+        wait = sum(w * _at(s.est_wait_s, tier, 0.0) for w, s in zip(weights, serving, strict=True)) / sum(weights)
         slo = self.slo_wait_s[tier]
         if not math.isfinite(wait) or wait > slo:
             excess = wait - slo if math.isfinite(wait) else MAX_RETRY_S

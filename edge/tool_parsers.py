@@ -43,6 +43,27 @@ def _call(obj: Any, keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+# The head of a Hermes call up to its arguments' first character: what streaming needs to send the
+# call's name before its arguments are complete.
+HERMES_HEAD = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def raw_arguments(body: str, call: ToolCall) -> ToolCall:
+    """``call`` with its arguments as the model wrote them in ``body`` (``<tool_call>`` + the call's
+    JSON), when they are the call object's last member; else as parsed (``json.dumps``). Streaming
+    sends the raw text as it comes, so the non-streamed answer uses the same."""
+    m = HERMES_HEAD.match(body)
+    if m is None:
+        return call
+    end = body.rstrip().rfind("}")
+    raw = body[m.end():end].rstrip()
+    try:
+        same = json.loads(raw) == json.loads(call.arguments)
+    except json.JSONDecodeError:
+        same = False
+    return ToolCall(call.name, raw) if same else call
+
+
 def _json_values(text: str, sep: str = "") -> list[Any] | None:
     """The JSON values ``text`` is made of (separated by whitespace and ``sep``), or ``None``."""
     dec = json.JSONDecoder()
@@ -106,11 +127,19 @@ class HermesParser(ToolParser):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         calls: list[ToolCall] = []
         for m in self._CALL.finditer(text):
-            values = _json_values(m.group(1))
-            c = _call(values[0], ("arguments", "parameters")) if values and len(values) == 1 else None
-            if c is None:
+            body = m.group(1)
+            try:
+                value, end = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
                 return text, []  # a malformed call: the output is returned as text, not guessed at
-            calls.append(c)
+            rest = body[end:].strip()
+            closed = m.group(0).endswith("</tool_call>")
+            # the output may end inside the closing tag (max_tokens): the JSON before it counts
+            c = _call(value, ("arguments", "parameters")) if not rest or (not closed and "</tool_call>".startswith(rest)) \
+                else None
+            if c is None:
+                return text, []
+            calls.append(raw_arguments("<tool_call>" + body[:end], c))
         if not calls:
             return text, []
         content = self._CALL.sub("", text).strip()

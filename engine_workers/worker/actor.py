@@ -64,6 +64,7 @@ from engine_workers.worker.reply_gate import ReplyGate
 from engine_workers.worker.reply_sender import ReplySender
 from engine_workers.worker.resume import ResumeFinder
 from engine_workers.worker.send_failures import SendFailures
+from engine_workers.worker.usage import UsageLog
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +100,13 @@ class Worker:
         self.metrics = WorkerMetrics(config.model)
         self.aengine.on_step = self.metrics.observe_step
         self.policy = IntakePolicy(parse_intake_mode(config.intake_mode), config.aging_period_s, reference_time=time.time())
-        self.intake: IntakeQueue[Job] = IntakeQueue(self.policy)
+        self.intake: IntakeQueue[Job] = IntakeQueue(self.policy, fair_share=config.fair_share)
         self.ledger = RequestLedger(config.worker_id, config.revoke_flush_s, on_lost=self._release)
         self.offsets: OffsetTracker[TopicPartition] = self.ledger.offsets
         self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed,
                                    max_record_bytes=config.max_reply_record_bytes)
-        self.answers = Answers(self.replies, self.ledger, self.metrics, config.worker_id)
+        self.usage = UsageLog(bus, config.layout.usage_topic, self.metrics.registry, config.model, config.worker_id)
+        self.answers = Answers(self.replies, self.ledger, self.metrics, config.worker_id, self.usage)
         self.admission = EngineAdmission(config.worker_id, self.aengine, self.ledger, self.intake, self.policy,
                                          self.answers, config.prefetch_per_tier, lambda: self.state == "started")
         self._topics = config.layout.request_topics(config.model)
@@ -121,6 +123,7 @@ class Worker:
         self._send_failures = SendFailures(config.worker_id, self.ledger, self._gate.dead_letters, self._rerun,
                                            self.answers.error, reruns=config.send_failure_reruns)
         self._next_expiry_check = 0.0
+        self._lag: tuple[int, ...] = (0, 0, 0)
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
         self.state = "new"  # new -> started -> draining -> stopped
@@ -152,7 +155,7 @@ class Worker:
         for name, coro in (("intake", self._intake_loop()),
                            ("control", read_cancels(self._control, self.cancel, cfg.worker_id)),
                            ("heartbeat", heartbeat(self.bus, cfg.layout.status_topic, cfg.worker_id, self.status,
-                                                   cfg.heartbeat_s, before=self._observe))):
+                                                   cfg.heartbeat_s, before=self._observe, refresh=self._refresh_lag))):
             self._tasks.append(asyncio.create_task(coro, name=f"{self.config.worker_id}-{name}"))
         log.info("worker %s serving %s (group %s, intake %s, aging period %gs)", self.config.worker_id,
                  self.config.model, self.config.group, self.policy.mode.value, self.policy.aging_period_s)
@@ -179,6 +182,7 @@ class Worker:
                 log.warning("worker %s: final commit timed out after %gs; the next owner re-runs that work",
                             self.config.worker_id, STOP_COMMIT_S)
         await self.replies.stop()
+        await self.usage.stop(STOP_COMMIT_S)
         for c in (self._consumer, self._control):
             if c is not None:
                 await c.stop()
@@ -308,7 +312,7 @@ class Worker:
         elif msg.deadline is not None and msg.deadline <= now:
             self.answers.error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
         else:
-            job.pending = self.intake.push(msg.request_id, msg.tier, job.order_time, msg.deadline, job)
+            self.admission.enqueue(job)
             if held:
                 self.admission.admit()
 
@@ -421,7 +425,23 @@ class Worker:
         return self.admission.queue_depth()
 
     def status(self) -> WorkerStatus:
-        return self.admission.status(self.config.worker_id, self.config.model, self.state == "draining")
+        return self.admission.status(self.config.worker_id, self.config.model, self.state == "draining",
+                                     self._lag, len(self._consumer.assignment()) if self._consumer else 0)
+
+    async def _refresh_lag(self) -> None:
+        """Before each heartbeat: the records per tier still on the topic in our partitions."""
+        if self._consumer is None:
+            return
+        try:
+            by_tp = await self._consumer.lag()
+        except BusError as exc:  # keep the last figures; the next heartbeat asks again
+            log.debug("worker %s: consumer lag unavailable (%s)", self.config.worker_id, exc)
+            return
+        lag = [0] * len(self._topics)
+        for tp, n in by_tp.items():
+            if tp.topic in self._topics:
+                lag[self._topics.index(tp.topic)] += n
+        self._lag = tuple(lag)
 
     def _observe(self) -> None:
         """Refresh the gauges (queue depth and running per tier, KV usage) from current state."""

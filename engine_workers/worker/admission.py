@@ -23,6 +23,7 @@ from bus.messages import ErrorCode, WorkerStatus
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.worker.answers import Answers
 from engine_workers.worker.convert import engine_params
+from engine_workers.worker.fair import request_cost
 from engine_workers.worker.intake import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
 from engine_workers.worker.ledger import Job, RequestLedger
 
@@ -53,14 +54,15 @@ class EngineAdmission:
 
     def fetch_room(self) -> int:
         limit = self.prefetch_per_tier + self.room()
-        return max(1, sum(max(0, limit - d) for d in self.intake.depth()))
+        return max(1, sum(max(0, limit - d) for d in self.ledger.held_by_tier()))
 
     def flow_control(self, c: Consumer, topics: Sequence[str]) -> None:
         """Pause the partitions of each tier whose intake is full (all of them when not serving),
-        resume the others."""
+        resume the others. Requests held before the intake (their reply topic's check, their
+        resume lookup) count as in it: else a burst arriving while they wait is fetched whole."""
         assigned, paused = c.assignment(), c.paused()
         limit = self.prefetch_per_tier + self.room()
-        depth = self.intake.depth()
+        depth = self.ledger.held_by_tier()
         for tier, topic in enumerate(topics):
             tps = {tp for tp in assigned if tp.topic == topic}
             if not self.serving() or depth[tier] >= limit:
@@ -90,6 +92,14 @@ class EngineAdmission:
             if not self.submit(job):
                 break
 
+    def enqueue(self, job: Job) -> None:
+        """Queue ``job`` in the intake; under fair share charged to its tenant at its weight, for
+        its prompt plus its output budget (``fair.request_cost``)."""
+        r = job.req
+        job.pending = self.intake.push(r.request_id, r.tier, job.order_time, r.deadline, job, tenant=r.tenant,
+                                       cost=request_cost(len(r.prompt_token_ids), r.sampling.max_tokens),
+                                       weight=r.weight)
+
     def submit(self, job: Job) -> bool:
         """Hand ``job`` to the engine; False when the engine's command queue is full: the job is
         back in the intake (admitted again by a later ``admit``), never left marked admitted."""
@@ -101,7 +111,7 @@ class EngineAdmission:
                                       arrival_time=arrival_mono, resume_token_ids=list(job.resume))
         except queue.Full:
             log.warning("worker %s: engine command queue full; %s waits in the intake", self.worker_id, job.eid)
-            job.pending = self.intake.push(r.request_id, r.tier, job.order_time, r.deadline, job)
+            self.enqueue(job)
             return False
         self.ledger.admitted(job)
         self.rate.record(time.time())
@@ -146,13 +156,22 @@ class EngineAdmission:
         """Waiting requests per tier: in the intake plus admitted but not yet running."""
         return self.ledger.queue_depth(self.intake.depth())
 
-    def status(self, worker_id: str, model: str, draining: bool) -> WorkerStatus:
-        """The heartbeat: queue depth and estimated wait per tier, engine load, KV."""
+    def status(self, worker_id: str, model: str, draining: bool, lag: tuple[int, ...] = (0, 0, 0),
+               partitions: int = 0) -> WorkerStatus:
+        """The heartbeat: queue depth and estimated wait per tier, engine load, KV.
+
+        A tier-``t`` request waits for what is ahead of it here (the intake, admitted requests not
+        yet running) and for the records of tiers ``<= t`` still on the topic (``lag``): without
+        the lag a backlog on Kafka was invisible to the edge until requests timed out."""
         snap, now = self.aengine.snapshot, time.time()
         engine_waiting = self.ledger.engine_waiting()
-        rate = self.rate.rate(now)
-        est = tuple(estimate_wait(self.intake.ahead_of(t, now) + engine_waiting if self.room() == 0 else 0, rate)
-                    for t in range(NUM_TIERS))
-        return WorkerStatus(worker_id, model, now, self.queue_depth(), est, snap.running,
-                            self.aengine.engine.config.max_num_seqs, snap.kv_usage, snap.kv_blocks_total,
-                            snap.kv_blocks_free, snap.tokens_per_s, draining)
+        rate, room = self.rate.rate(now), self.room()
+
+        def wait(t: int) -> float:
+            backlog = sum(lag[: t + 1])
+            ahead = (self.intake.ahead_of(t, now) + engine_waiting if room == 0 else 0) + max(0, backlog - room)
+            return estimate_wait(ahead, rate)
+
+        return WorkerStatus(worker_id, model, now, self.queue_depth(), tuple(wait(t) for t in range(NUM_TIERS)),
+                            snap.running, self.aengine.engine.config.max_num_seqs, snap.kv_usage,
+                            snap.kv_blocks_total, snap.kv_blocks_free, snap.tokens_per_s, draining, lag, partitions)

@@ -15,12 +15,15 @@ from engine_workers.engine.core import RequestOutput
 from engine_workers.worker.ledger import Job, RequestLedger
 from engine_workers.worker.metrics import WorkerMetrics
 from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.usage import UsageLog
 
 log = logging.getLogger(__name__)
 
 
 class Answers:
-    def __init__(self, replies: ReplySender, ledger: RequestLedger, metrics: WorkerMetrics, worker_id: str) -> None:
+    def __init__(self, replies: ReplySender, ledger: RequestLedger, metrics: WorkerMetrics, worker_id: str,
+                 usage: UsageLog | None = None) -> None:
+        self.usage = usage  # per-tenant usage of every request the engine finished (usage.py)
         self.replies = replies
         self.ledger = ledger
         self.metrics = metrics
@@ -40,8 +43,18 @@ class Answers:
             timings = Timings(queue, ttft or 0.0, tpot or 0.0, max(0.0, end - arr))
             self.metrics.observe_finished(job.req.tier, out.finish_reason, queue, ttft, tpot, timings.e2e)
         usage = Usage(out.num_prompt_tokens, n, out.num_cached_tokens)
-        self.close(job, Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings,
-                                 self.worker_id))
+        fin = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.worker_id)
+        if self.usage is None:
+            self.close(job, fin)
+            return
+        job.closing = True
+        log_usage = self.usage
+
+        def acked() -> None:
+            self.ledger.answered(job)
+            log_usage.record(job.req, fin)  # after the reply: the billing log never delays it
+
+        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, fin, acked)
 
     def error(self, job: Job, code: str, message: str) -> None:
         self.metrics.observe_error(code)

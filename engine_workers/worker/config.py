@@ -25,6 +25,9 @@ class WorkerConfig:
     layout: TopicLayout = field(default_factory=TopicLayout)
     intake_mode: IntakeMode | str = IntakeMode.AGING
     aging_period_s: float = DEFAULT_AGING_PERIOD_S
+    # Within a tier, share admissions across tenants by start-time fair queueing over tokens, at
+    # each request's ``weight`` (worker/fair.py; docs/worker.md, "Fair share"); off: FIFO per tier.
+    fair_share: bool = True
     prefetch_per_tier: int = 4
     heartbeat_s: float = 0.5
     drain_grace_s: float = 30.0

@@ -160,6 +160,15 @@ class RequestLedger:
         return [j for j in self._jobs.values() if j.admitted and not (j.expiring or j.closing or j.lost)
                 and j.req.deadline is not None and j.req.deadline <= now]
 
+    def held_by_tier(self) -> tuple[int, ...]:
+        """Per tier, the requests held here and not handed to the engine: in the intake, or waiting
+        before it (reply topic check, resume lookup); not those whose final reply is on its way."""
+        held = [0] * NUM_TIERS
+        for j in self._jobs.values():
+            if not (j.admitted or j.closing or j.lost):
+                held[j.req.tier] += 1
+        return tuple(held)
+
     def admitted_jobs(self) -> list[Job]:
         """The jobs in the engine (admitted, final output not seen yet)."""
         return [j for j in self._jobs.values() if j.admitted]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from bus.base import Bus, BusError, Consumer
 from bus.messages import Cancel, DecodeError, WorkerStatus, decode, encode
@@ -41,11 +41,15 @@ async def read_cancels(control: Consumer, on_cancel: Callable[[str], object], wo
 
 
 async def heartbeat(bus: Bus, topic: str, worker_id: str, status: Callable[[], WorkerStatus],
-                    period_s: float, before: Callable[[], None] | None = None) -> None:
-    """Every ``period_s``: ``before()`` (the worker refreshes its gauges), then ``status()``
-    published to ``topic`` keyed by the worker id (so one worker's heartbeats stay in order)."""
+                    period_s: float, before: Callable[[], None] | None = None,
+                    refresh: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Every ``period_s``: ``await refresh()`` (the worker asks the bus for its consumer lag),
+    ``before()`` (it refreshes its gauges), then ``status()`` published to ``topic`` keyed by the
+    worker id (so one worker's heartbeats stay in order)."""
     key = worker_id.encode()
     while True:
+        if refresh is not None:
+            await refresh()
         if before is not None:
             before()
         try:

@@ -19,6 +19,12 @@ DEV_BANNER = """
 """
 
 
+REUSE_PORT_WARNING = (
+    "lockgate edge: WARNING: --reuse-port: the per-key limits (requests_per_min, tokens_per_min, max_streams) "
+    "are enforced per edge process; N processes sharing this port (or N edges) give a key up to N x its limits "
+    "(docs/protocol.md, \"The limits are per edge process\")")
+
+
 def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction) -> None:
     p = sub.add_parser("edge", help="WebSocket edge: what chat frontends connect to")
     p.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),
@@ -49,6 +55,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     a.add_argument("--requests-per-min", type=int, default=120)
     a.add_argument("--tokens-per-min", type=int, default=500_000)
     a.add_argument("--max-streams", type=int, default=16)
+    a.add_argument("--weight", type=float, default=1.0, help="fair share within the tier at the workers")
     a.set_defaults(func=_keys_add)
 
 
@@ -70,6 +77,8 @@ def _edge(args: argparse.Namespace) -> int:
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser, **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
+    if config.reuse_port:
+        print(REUSE_PORT_WARNING, file=sys.stderr, flush=True)
 
     async def main() -> None:
         import bus as busmod
@@ -102,7 +111,7 @@ def _keys_add(args: argparse.Namespace) -> int:
     from edge.config import add_key
 
     key, entry = add_key(args.keys, args.tenant, args.tier, requests_per_min=args.requests_per_min,
-                         tokens_per_min=args.tokens_per_min, max_streams=args.max_streams)
+                         tokens_per_min=args.tokens_per_min, max_streams=args.max_streams, weight=args.weight)
     print(key)
     if args.keys:
         print(f"appended the hashed entry to {args.keys}; the key above is not stored anywhere", file=sys.stderr)

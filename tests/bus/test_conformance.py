@@ -409,3 +409,25 @@ async def test_read_partition_from_a_time_to_the_end_as_of_the_call(bus: Bus, na
         await bus.read_partition(name, 5, 0)
     with pytest.raises(UnknownTopicError):
         await bus.read_partition(name + ".missing", 0, 0)
+
+
+async def test_lag_counts_what_waits_on_the_topic_paused_partitions_included(bus: Bus, name: str) -> None:
+    await bus.ensure_topics([TopicSpec(name, 2)])
+    for i in range(5):
+        await bus.send(name, b"a%d" % i, partition=0)
+    for i in range(3):
+        await bus.send(name, b"b%d" % i, partition=1)
+    async with bus.consumer([name], group_id=name + ".g", start_from="earliest") as c:
+        await wait_until(lambda: len(c.assignment()) == 2, timeout=WAIT_S, message="both partitions assigned")
+        tp0, tp1 = TopicPartition(name, 0), TopicPartition(name, 1)
+        assert await c.lag() == {tp0: 5, tp1: 3}
+        c.pause(tp1)
+        got = await drain(c, 5)
+        assert {r.partition for r in got} == {0}
+
+        async def settled() -> bool:
+            return await c.lag() == {tp0: 0, tp1: 3}
+
+        await wait_until(settled, timeout=WAIT_S, message="lag 0 on the read partition, 3 on the paused one")
+        await bus.send(name, b"b3", partition=1)
+        assert (await c.lag())[tp1] == 4

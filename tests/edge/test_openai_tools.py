@@ -50,6 +50,8 @@ def test_hermes_content_around_calls_and_malformed_calls() -> None:
     assert p.parse(out) == ("Let me check.", [ToolCall("add", '{"a": 1, "b": 2}')])
     # an unterminated last call (the model stopped at EOS) still parses; broken JSON is content
     assert p.parse('<tool_call>{"name": "add", "arguments": {"a": 1}}')[1] == [ToolCall("add", '{"a": 1}')]
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool'  # max_tokens inside the closing tag
+    assert p.parse(cut) == (None, [ToolCall("add", '{"a": 1}')])
     bad = '<tool_call>{"name": "add", "arguments": {"a": </tool_call>'
     assert p.parse(bad) == (bad, [])
 
@@ -182,3 +184,16 @@ async def test_tool_calls_end_to_end(tiny_model_dir: str) -> None:
         assert isinstance(e.value.body, dict) and e.value.body["param"] == "tool_choice"
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model=MODEL, prompt="x", extra_body={"tools": TOOLS})
+
+
+def test_hermes_streams_the_name_and_arguments_before_the_call_closes() -> None:
+    ts = ToolStream(get_parser("hermes"))
+    out = ts.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert out[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
+    text = 'ris } {", "unit":  "c" }  }\n</tool_call>'  # "}" inside a string, loose whitespace: kept as written
+    deltas = [d for ch in text for d in ts.feed(ch)] + ts.finish()
+    args = '{"city": "Pa' + "".join(d["tool_calls"][0]["function"].get("arguments", "") for d in deltas)
+    full = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa' + text
+    assert args == '{"city": "Paris } {", "unit":  "c" }' == get_parser("hermes").parse(full)[1][0].arguments
+    assert ts.calls == 1

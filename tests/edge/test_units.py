@@ -127,8 +127,8 @@ def test_concurrent_streams():
 
 # --- load shedding --------------------------------------------------------------------------------
 
-def _st(wid="w", wait=(0.0, 0.0, 0.0), depth=(0, 0, 0), draining=False, model="m"):
-    return WorkerStatus(wid, model, 0.0, depth, wait, draining=draining)
+def _st(wid="w", wait=(0.0, 0.0, 0.0), depth=(0, 0, 0), draining=False, model="m", partitions=0):
+    return WorkerStatus(wid, model, 0.0, depth, wait, draining=draining, partitions=partitions)
 
 
 def test_no_worker_is_overloaded_and_not_ready():
@@ -148,11 +148,23 @@ def test_wait_over_slo_per_tier():
     s = LoadShedder("m", (1.0, 5.0, 60.0))
     s.observe(_st("a", wait=(2.0, 9.0, 9.0)), 0.0)
     s.observe(_st("b", wait=(3.0, 12.0, 9.0)), 0.0)
-    assert s.check(0, 0.0).retry_after == pytest.approx(1.0)  # min wait 2 vs 1
-    assert s.check(1, 0.0).retry_after == pytest.approx(4.0)  # min wait 9 vs 5
+    assert s.check(0, 0.0).retry_after == pytest.approx(1.5)  # mean wait 2.5 vs 1
+    assert s.check(1, 0.0).retry_after == pytest.approx(5.5)  # mean wait 10.5 vs 5
     assert s.check(2, 0.0) is None
     s.observe(_st("c", draining=True), 0.0)  # draining workers take no new work
     assert s.check(1, 0.0) is not None
+
+
+def test_an_idle_worker_does_not_hide_a_saturated_one():
+    """Requests land by partition: the expected wait weighs each worker by the partitions it owns."""
+    s = LoadShedder("m", (1.0, 5.0, 60.0))
+    s.observe(_st("idle", wait=(0.0, 0.0, 0.0), partitions=2), 0.0)
+    s.observe(_st("busy", wait=(0.0, 20.0, 0.0), partitions=6), 0.0)
+    shed = s.check(1, 0.0)  # (2 * 0 + 6 * 20) / 8 = 15 s over a 5 s objective
+    assert shed is not None and "15.0s" in shed.reason
+    s.observe(_st("busy", wait=(0.0, 20.0, 0.0), partitions=1), 0.0)
+    s.observe(_st("idle", wait=(0.0, 0.0, 0.0), partitions=7), 0.0)
+    assert s.check(1, 0.0) is None  # (7 * 0 + 1 * 20) / 8 = 2.5 s
 
 
 def test_queue_depth_limit_and_retry_clamp():
