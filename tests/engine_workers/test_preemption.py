@@ -39,7 +39,7 @@ async def test_a_p0_arrival_preempts_p2_work_and_every_stream_stays_exact(tiny_d
         replies = Replies(bus, layout.reply_topic("test"))
         await replies.consumer.start()
         # 10 ms a step (the step loop's pacing, not synchronisation): the p2 work takes >1 s
-        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine, before_step=lambda: time.sleep(0.01)) as w:
+        async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine, before_step=lambda: time.sleep(0.01)):
             for r in p2:
                 await publish(bus, layout, r)
 
