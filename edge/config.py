@@ -137,10 +137,11 @@ def load_keys(path: str | Path) -> dict[str, KeyEntry]:
     return parse_keys(text, str(p))
 
 
-def add_key(path: str | Path | None, tenant: str, tier: int = int(Tier.P1), **limits: float) -> tuple[str, KeyEntry]:
+def add_key(path: str | Path | None, tenant: str, tier: int = int(Tier.P1), weight: float = 1.0,
+            **limits: int) -> tuple[str, KeyEntry]:
     """Make a new key; append its hashed entry to ``path`` (when given). Returns (clear key, entry)."""
     key = new_key()
-    entry = KeyEntry(hash_key(key), tenant, tier, **limits)
+    entry = KeyEntry(hash_key(key), tenant, tier, weight=weight, **limits)
     if path is not None:
         p = Path(path)
         if p.exists():
