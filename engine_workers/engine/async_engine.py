@@ -18,6 +18,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -81,7 +82,8 @@ class AsyncEngine:
         # Called on the torch thread after each step with (batched tokens, sequences); must be
         # cheap and thread-safe (e.g. a prometheus histogram observe).
         self.on_step: Callable[[int, int], None] | None = None
-        self._commands: queue.Queue = queue.Queue(maxsize=max_commands)
+        self._commands: queue.Queue[_Add] = queue.Queue(maxsize=max_commands)
+        self._aborts: collections.deque[str] = collections.deque()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,7 +150,7 @@ class AsyncEngine:
         try:
             self._commands.put(add, timeout=5.0)
             if aborted:
-                self._commands.put(("abort", add.request_id), timeout=5.0)
+                self._aborts.append(add.request_id)
         except queue.Full as exc:
             if add.future.set_running_or_notify_cancel():
                 add.future.set_exception(exc)
@@ -162,7 +164,9 @@ class AsyncEngine:
             if request_id in self._compiling:  # its grammar is compiling: abort once it is queued
                 self._compiling[request_id] = True
                 return
-        self._commands.put_nowait(("abort", request_id))
+        # Aborts bypass the bounded command queue (an unbounded deque, appended from any thread): a
+        # full queue must never stop a cancel, a rebalance or a deadline from freeing KV.
+        self._aborts.append(request_id)
         self._wake.set()
 
     async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
@@ -192,22 +196,26 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------------
 
     def _drain_commands(self) -> None:
+        """Adds, then aborts: an abort always follows its request's add (the caller submitted it
+        first), so draining the adds first never leaves an abort for a request not yet added."""
+        self._drain_adds()
+        while self._aborts:
+            self.engine.abort(self._aborts.popleft())
+
+    def _drain_adds(self) -> None:
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
-                if not cmd.future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    self.engine.add_request(cmd.request_id, **cmd.kwargs)
-                except Exception as exc:  # bad input: tell the caller, keep serving
-                    cmd.future.set_exception(exc)
-                else:
-                    cmd.future.set_result(None)
+            if not cmd.future.set_running_or_notify_cancel():
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, **cmd.kwargs)
+            except Exception as exc:  # bad input: tell the caller, keep serving
+                cmd.future.set_exception(exc)
             else:
-                self.engine.abort(cmd[1])
+                cmd.future.set_result(None)
 
     def _run(self) -> None:
         try:

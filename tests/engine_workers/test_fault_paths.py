@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import uuid
 from collections.abc import Sequence
@@ -184,6 +185,31 @@ async def test_a_full_engine_command_queue_strands_no_request(tiny_dir: Path, la
             gate.set()
             await w.stop()
             await aengine.stop()
+
+
+async def test_aborts_never_wait_for_a_full_command_queue(tiny_dir: Path) -> None:
+    """Cancels, rebalances and deadlines abort through ``AsyncEngine.abort``: with the command queue
+    full (one slot, the step loop held) an abort must neither raise nor be lost."""
+    gate = threading.Event()
+    finals: dict[str, str | None] = {}
+    aengine = AsyncEngine(make_engine(tiny_dir), max_commands=1, before_step=lambda: gate.wait(10),
+                          on_outputs=lambda outs: finals.update({o.request_id: o.finish_reason for o in outs
+                                                                 if o.finished}))
+    await aengine.start()
+    try:
+        params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        await asyncio.wrap_future(aengine.submit("a0", [5, 6, 7], params))  # in the engine, its step held
+        aengine.submit("filler", [5, 6], params)  # fills the one-command queue
+        with pytest.raises(queue.Full):
+            aengine.submit("more", [5, 6], params)
+        for _ in range(100):
+            aengine.abort("a0")  # never raises, the queue being full
+        gate.set()
+        await wait_until(lambda: "a0" in finals and "filler" in finals, timeout=20)
+        assert finals["a0"] == "abort" and finals["filler"] == "length"
+    finally:
+        gate.set()
+        await aengine.stop()
 
 
 async def test_an_engine_crash_ends_every_stream_after_its_outputs(tiny_dir: Path) -> None:
