@@ -24,8 +24,8 @@ from aiohttp import web
 
 from edge.admission import Admission, Admitted
 from edge.auth import AuthError, Principal
-from edge.openai_schema import error_body, parse_chat, parse_completion
-from edge.openai_stream import OpenAIStream
+from edge.openai_schema import OpenAIRequest, error_body, parse_chat, parse_completion
+from edge.openai_stream import DONE, OpenAIStream, merged_response, merged_usage, sse
 from edge.openai_tools import prepare
 from edge.protocol import ProtocolError
 
@@ -148,6 +148,8 @@ class OpenAIServer:
         except ProtocolError as exc:
             adm.reject(exc.code, API)
             return _error(exc.code, exc.message, exc.field, exc.retry_after)
+        if req.n > 1:
+            return await self._choices(request, req, principal)
         transport = request.transport
         sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
                             on_overflow=lambda: transport.abort() if transport is not None else None)
@@ -177,6 +179,80 @@ class OpenAIServer:
             if not s.ended:  # the client went away (handler cancelled) or the write failed
                 adm.count_end(s, "abort", asyncio.get_running_loop().time())
                 adm.release(s, s.next_seq, "disconnect")
+
+    async def _choices(self, request: web.Request, req: OpenAIRequest, principal: Principal) -> web.StreamResponse:
+        """``n`` > 1: one request on the bus per choice, with seeds ``seed``, ``seed + 1``, ... (the
+        client's seed, or one drawn), so the choices differ and each is reproducible and resumable
+        on its own; their sinks share one wake-up; one answer (or one event stream) holds them all.
+        A choice refused at admission refunds the others; one failing fails the whole answer."""
+        adm, encoder = self.adm, self.adm.encoder
+        assert encoder is not None
+        base = req.generate.sampling.seeded().seed
+        assert base is not None
+        wake = asyncio.Event()
+        transport = request.transport
+        sinks: list[OpenAIStream] = []
+        admitted: list[Admitted] = []
+        try:
+            for i in range(req.n):
+                g = replace(req.generate, sampling=replace(req.generate.sampling, seed=(base + i) % (1 << 63)))
+                sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
+                                    on_overflow=lambda: transport.abort() if transport is not None else None,
+                                    index=i, wake=wake)
+                try:
+                    a = await adm.admit(g, principal, sink, API, client_id="")
+                except ProtocolError as exc:
+                    adm.reject(exc.code, API)
+                    return _error(exc.code, exc.message, exc.field, exc.retry_after)
+                assert a is not None
+                sink.bind(a.stream, base)
+                sinks.append(sink)
+                admitted.append(a)
+            if req.stream:
+                return await self._stream_choices(request, sinks, admitted, wake)
+            for a in admitted:
+                await adm.publish(a)
+            while not all(s.closed for s in sinks):
+                await wake.wait()
+                wake.clear()
+            failed = next((s for s in sinks if s.error is not None), None)
+            if failed is not None and failed.error is not None:
+                status, err, retry_after = failed.error
+                return _json(status, err, retry_after)
+            return _json(200, merged_response(sinks))
+        finally:
+            now = asyncio.get_running_loop().time()
+            for a in admitted:  # the client went away, a choice failed, or one was refused
+                if not a.stream.ended:
+                    adm.count_end(a.stream, "abort", now)
+                    adm.release(a.stream, a.stream.next_seq, "disconnect")
+
+    async def _stream_choices(self, request: web.Request, sinks: list[OpenAIStream], admitted: list[Admitted],
+                              wake: asyncio.Event) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await resp.prepare(request)
+        req = sinks[0].req
+        try:
+            if req.chat:
+                await resp.write(b"".join(s.role_event() for s in sinks))
+            for a in admitted:
+                await self.adm.publish(a)
+            while True:
+                data = b"".join(s.take() for s in sinks)
+                if data:
+                    await resp.write(data)
+                failed = any(s.error is not None for s in sinks)
+                if failed or all(s.closed for s in sinks):
+                    break
+                await wake.wait()
+                wake.clear()
+            if not failed and req.include_usage:
+                await resp.write(sse(sinks[0].head(choices=[], usage=merged_usage(sinks))))
+            await resp.write(DONE)
+            await resp.write_eof()
+        except ConnectionError:  # the client went away (or was cut off as too slow): the caller cancels
+            pass
+        return resp
 
     async def _stream(self, request: web.Request, sink: OpenAIStream, admitted: Admitted) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)

@@ -31,6 +31,7 @@ from edge.protocol import MAX_MESSAGES, Generate, ProtocolError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_TOP_LOGPROBS = 20
+MAX_N = 8  # choices per request
 MAX_PROMPT_IDS = 1 << 20
 
 # What each edge error code becomes over HTTP: (status, OpenAI error type, OpenAI error code).
@@ -65,6 +66,7 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: int | None
     tools: ToolRequest | None = None  # chat with tools or tool turns in the history (edge.openai_tools)
+    n: int = 1  # choices: n requests on the bus, seeds seed, seed + 1, ... (edge.openai_http)
 
 
 def _tname(v: object) -> str:
@@ -108,17 +110,15 @@ def _refuse(obj: dict, name: str, allowed: object, why: str) -> None:
         raise ProtocolError(f"{name} is not supported: {why}", name)
 
 
-def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bool, bool]:
-    """Sampling, model, stream and include_usage: the fields chat and completions share."""
+def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bool, bool, int]:
+    """Sampling, model, stream, include_usage and n: the fields chat and completions share."""
     if not isinstance(obj, dict):
         raise ProtocolError(f"the request body must be a JSON object, got {_tname(obj)}")
     model = obj.get("model")
     if not isinstance(model, str) or not model:
         raise ProtocolError("model is required (a non-empty string)", "model")
-    n = _int(obj, "n", lo=1)
-    if n is not None and n != 1:
-        raise ProtocolError("n must be 1: one choice per request is supported", "n")
-    _refuse(obj, "best_of", 1, "one choice per request")
+    n = _int(obj, "n", lo=1, hi=MAX_N) or 1
+    _refuse(obj, "best_of", 1, "use n")
     _refuse(obj, "functions", None, "use tools")
     stream = _bool(obj, "stream")
     opts = obj.get("stream_options")
@@ -172,7 +172,7 @@ def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bo
         if field is not None and field.startswith("guided_") and obj.get("response_format") is not None:
             field = "response_format"
         raise ProtocolError(msg[:300], field) from None
-    return sampling, model, stream, include_usage
+    return sampling, model, stream, include_usage, n
 
 
 def _logit_bias(v: object) -> tuple[tuple[int, float], ...] | None:
@@ -210,7 +210,7 @@ def _content(v: object, where: str) -> str:
 
 def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     """``POST /v1/chat/completions``. Raises :class:`ProtocolError` only."""
-    sampling, model, stream, include_usage = _common(obj, default_max_tokens)
+    sampling, model, stream, include_usage, n = _common(obj, default_max_tokens)
     raw = obj.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ProtocolError("messages must be a non-empty array of {role, content}", "messages")
@@ -237,15 +237,17 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs is not None:
         sampling = _with_logprobs(sampling, logprobs)
+    if n > 1 and tool_req is not None and tool_req.active:
+        raise ProtocolError("n > 1 is not supported with tools", "n")
     return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model), stream, include_usage,
-                         logprobs, tool_req)
+                         logprobs, tool_req, n)
 
 
 def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     """``POST /v1/completions``. ``prompt`` is a string or an array of token ids (or an array
     holding exactly one of those: batches of several prompts are refused). Raises
     :class:`ProtocolError` only."""
-    sampling, model, stream, include_usage = _common(obj, default_max_tokens)
+    sampling, model, stream, include_usage, n = _common(obj, default_max_tokens)
     if _bool(obj, "echo"):
         raise ProtocolError("echo is not supported", "echo")
     _refuse(obj, "tools", None, "tools need /v1/chat/completions")
@@ -270,7 +272,7 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     if logprobs is not None:
         sampling = _with_logprobs(sampling, logprobs)
     return OpenAIRequest(False, Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids), stream,
-                         include_usage, logprobs)
+                         include_usage, logprobs, None, n)
 
 
 def _with_logprobs(sampling: SamplingParams, n: int) -> SamplingParams:

@@ -27,7 +27,7 @@ from edge.router import Stream
 DONE = b"data: [DONE]\n\n"
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
+def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
@@ -36,7 +36,10 @@ class OpenAIStream:
     :meth:`wait` + :meth:`take` (streaming) or awaits :meth:`wait` until ``closed`` (not)."""
 
     def __init__(self, adm: Admission, req: OpenAIRequest, encoder: PromptEncoder, max_pending: int,
-                 on_overflow: Callable[[], None]) -> None:
+                 on_overflow: Callable[[], None], index: int = 0, wake: asyncio.Event | None = None) -> None:
+        """``index``: the choice this sink answers (``n`` > 1: one sink per choice, sharing the
+        handler's ``wake`` event; the handler then writes the role events, the usage chunk and
+        ``[DONE]`` for all of them, so a sink with ``index`` > 0 or a shared event writes none)."""
         self.adm = adm
         self.req = req
         self.encoder = encoder
@@ -54,7 +57,9 @@ class OpenAIStream:
         self.usage: dict[str, Any] | None = None
         self.error: tuple[int, dict[str, Any], float | None] | None = None  # (status, body, retry_after)
         self.closed = False  # the stream ended: nothing more will be added
-        self._wake = asyncio.Event()
+        self.index = index
+        self.solo = wake is None
+        self._wake = wake if wake is not None else asyncio.Event()
         self._prefix = b""
         self._suffix = b""
         self._text_offset = 0
@@ -73,7 +78,8 @@ class OpenAIStream:
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "seed": seed}
         # Every token's event is prefix + JSON string + suffix: one orjson call per token.
         self._prefix = b"data: " + orjson.dumps(head)[:-1] + (
-            b',"choices":[{"index":0,"delta":{"content":' if self.req.chat else b',"choices":[{"index":0,"text":')
+            b',"choices":[{"index":%d,"delta":{"content":' % self.index if self.req.chat
+            else b',"choices":[{"index":%d,"text":' % self.index)
         tail = b',"logprobs":null,"finish_reason":null}]'
         self._suffix = (b"}" if self.req.chat else b"") + tail + (b',"usage":null' if self.req.include_usage else b"") \
             + b"}\n\n"
@@ -86,7 +92,7 @@ class OpenAIStream:
 
     def role_event(self) -> bytes:
         """The first chat event: the assistant role, empty content (as OpenAI sends)."""
-        return _sse(self.head(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+        return sse(self.head(choices=[{"index": self.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}],
                               **({"usage": None} if self.req.include_usage else {})))
 
@@ -106,12 +112,12 @@ class OpenAIStream:
         elif lp is None:
             self.pending.append(self._prefix + orjson.dumps(text) + self._suffix)
         else:
-            choice: dict[str, Any] = {"index": 0, "logprobs": lp, "finish_reason": None}
+            choice: dict[str, Any] = {"index": self.index, "logprobs": lp, "finish_reason": None}
             if self.req.chat:
                 choice["delta"] = {"content": text}
             else:
                 choice["text"] = text
-            self.pending.append(_sse(self.head(choices=[choice],
+            self.pending.append(sse(self.head(choices=[choice],
                                                **({"usage": None} if self.req.include_usage else {}))))
         if len(self.pending) > self.max_pending:
             self.adm.metrics.slow_disconnects.inc()
@@ -133,21 +139,23 @@ class OpenAIStream:
                     self._delta_event(delta, None)
                 if self.tools.calls and msg.finish_reason == "stop":
                     self.finish_reason = "tool_calls"
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason}
+            choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": self.finish_reason}
             if self.req.chat:
                 choice["delta"] = {}
             else:
                 choice["text"] = ""
-            self.pending.append(_sse(self.head(choices=[choice],
+            self.pending.append(sse(self.head(choices=[choice],
                                                **({"usage": None} if self.req.include_usage else {}))))
-            if self.req.include_usage:
-                self.pending.append(_sse(self.head(choices=[], usage=self.usage)))
-            self.pending.append(DONE)
+            if self.solo:
+                if self.req.include_usage:
+                    self.pending.append(sse(self.head(choices=[], usage=self.usage)))
+                self.pending.append(DONE)
         self.closed = True
         self._wake.set()
 
     def _delta_event(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> None:
-        self.pending.append(_sse(self.head(choices=[{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": None}],
+        self.pending.append(sse(self.head(choices=[{"index": self.index, "delta": delta, "logprobs": lp,
+                                                     "finish_reason": None}],
                                            **({"usage": None} if self.req.include_usage else {}))))
 
     def on_error(self, s: Stream, msg: Error) -> None:  # noqa: ARG002 - bound in bind()
@@ -162,8 +170,9 @@ class OpenAIStream:
         status, body = error_body(code, message)
         self.error = (status, body, retry_after)
         if self.req.stream:  # after the 200 went out the error is an event, then [DONE]
-            self.pending.append(_sse(body))
-            self.pending.append(DONE)
+            self.pending.append(sse(body))
+            if self.solo:
+                self.pending.append(DONE)
         self.closed = True
         self._wake.set()
 
@@ -191,10 +200,10 @@ class OpenAIStream:
                 if calls:
                     message.update(content=content, tool_calls=message_calls(calls))
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "seed": self.seed,
                 "choices": [choice], "usage": self.usage}
@@ -230,6 +239,26 @@ class OpenAIStream:
             offsets.append(self._text_offset)
             self._text_offset += len(piece)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def merged_usage(sinks: list[OpenAIStream]) -> dict[str, Any] | None:
+    """The usage of ``n`` choices of one prompt: the prompt counted once, the completions summed."""
+    if any(s.usage is None for s in sinks):
+        return None
+    first = sinks[0].usage
+    assert first is not None
+    completion = sum(s.usage["completion_tokens"] for s in sinks if s.usage is not None)
+    return {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
+            "total_tokens": first["prompt_tokens"] + completion,
+            "prompt_tokens_details": first["prompt_tokens_details"]}
+
+
+def merged_response(sinks: list[OpenAIStream]) -> dict[str, Any]:
+    """One ``chat.completion`` / ``text_completion`` holding every choice, in index order."""
+    out = sinks[0].response()
+    out["choices"] = [s.response()["choices"][0] for s in sinks]
+    out["usage"] = merged_usage(sinks)
+    return out
 
 
 def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     delete.add_argument("--model", action="append", default=[],
                         help="also the model's priority topics (p0-p2); repeatable")
     delete.add_argument("--shared", action="store_true",
-                        help="also the namespace's shared control, status and dead-letter topics (every model "
+                        help="also the namespace's shared control, status, dead-letter and usage topics (every model "
                              "of the namespace uses them; the dead letters are lost)")
     delete.add_argument("--prefix", default=None,
                         help="also every existing topic whose name starts with PREFIX (not empty), e.g. an old "
@@ -160,7 +160,8 @@ def _topics_delete(args: argparse.Namespace) -> int:
 
     layout = TopicLayout(namespace=args.namespace)
     models = [model_name(m) for m in args.model]  # as in ensure
-    shared = [layout.control_topic, layout.status_topic, layout.dead_letter_topic] if args.shared else []
+    shared = ([layout.control_topic, layout.status_topic, layout.dead_letter_topic, layout.usage_topic]
+              if args.shared else [])
     # checked before connecting: a bad name fails at once, not after the broker answers
     names = checked_topic_names([*args.names, *(t for m in models for t in layout.request_topics(m)), *shared,
                                  *(layout.reply_topic(o) for o in args.reply)])

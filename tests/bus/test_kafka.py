@@ -77,14 +77,14 @@ def test_topics_ensure_then_delete_cli(kafka_bootstrap: str, capsys: pytest.Capt
     args = build_parser().parse_args(["topics", "ensure", *common, "--partitions", "2"])
     assert args.func(args) == 0
     made = sorted(line.split()[1] for line in capsys.readouterr().out.splitlines())
-    assert len(made) == 7 and all(t.startswith(ns + ".") for t in made)  # 3 tiers, control, status, dlq, reply
+    assert len(made) == 8 and all(t.startswith(ns + ".") for t in made)  # 3 tiers, control, status, dlq, usage, reply
 
     # --model: that model's priority topics only; the namespace's shared topics stay
     args = build_parser().parse_args(["topics", "delete", *common, f"{ns}.never-made"])
     assert args.func(args) == 0
     out = dict(reversed(line.split()) for line in capsys.readouterr().out.splitlines())
     tiers = [t for t in made if ".req." in t]
-    shared = [f"{ns}.control", f"{ns}.status", f"{ns}.dlq"]
+    shared = [f"{ns}.control", f"{ns}.status", f"{ns}.dlq", f"{ns}.usage"]
     assert len(tiers) == 3 and sorted(shared) == sorted(set(made) - set(tiers) - {f"{ns}.reply.edge-1"})
     assert out == {**{t: "deleted" for t in tiers}, f"{ns}.reply.edge-1": "deleted", f"{ns}.never-made": "missing"}
     args = build_parser().parse_args(["topics", "delete", "--bus", f"kafka://{kafka_bootstrap}", "--namespace", ns,

@@ -121,7 +121,7 @@ async def test_error_statuses_and_bodies(encoder):
         err = _error(e.value)
         assert err["param"] == "temperature" and err["type"] == "invalid_request_error"
         with pytest.raises(openai.BadRequestError) as e:
-            await client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
+            await client.chat.completions.create(model=MODEL, messages=HELLO, n=9)  # at most 8 choices
         assert _error(e.value)["param"] == "n"
         with pytest.raises(openai.BadRequestError) as e:
             await client.completions.create(model=MODEL, prompt="x", echo=True)

@@ -167,12 +167,12 @@ def test_wire_fields_validate_and_convert() -> None:
 
 
 @contextlib.asynccontextmanager
-async def platform(model_dir: str | Path, max_num_seqs: int = 16) -> AsyncIterator[tuple[Edge, list[str]]]:
+async def platform(model_dir: str | Path, max_num_seqs: int = 16, kv_cache_mib: int = 16) -> AsyncIterator[tuple[Edge, list[str]]]:
     """Edge (WebSocket + OpenAI port) and a real worker on ``model_dir``; yields the edge and the
     topics of everything the edge published."""
     layout = TopicLayout(namespace="guided", partitions=1)
     encoder = PromptEncoder.from_path(str(model_dir))
-    engine = Engine(EngineConfig(model=str(model_dir), kv_cache_bytes=16 << 20, max_num_seqs=max_num_seqs))
+    engine = Engine(EngineConfig(model=str(model_dir), kv_cache_bytes=kv_cache_mib << 20, max_num_seqs=max_num_seqs))
     bus = MemoryBus()
     await bus.start()
     sent: list[str] = []
@@ -285,7 +285,7 @@ async def test_default_model_json_schema_through_both_apis(default_model_dir: st
         "climate": {"enum": ["cold", "mild", "hot"]}}, "required": ["city", "country", "population", "landmarks", "climate"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
     msgs = [{"role": "user", "content": "Describe Paris as JSON."}]
-    async with platform(default_model_dir) as (edge, _), sdk(edge, timeout=1200) as client:
+    async with platform(default_model_dir, kv_cache_mib=128) as (edge, _), sdk(edge, timeout=1200) as client:
         rs = await asyncio.gather(*(client.chat.completions.create(
             model=MODEL, messages=msgs, temperature=1.0, seed=s, max_tokens=300, response_format=fmt)  # type: ignore[arg-type]
             for s in range(20)))
