@@ -293,7 +293,7 @@ class Worker:
         bs = self.engine.config.block_size
         job = Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
                   -(-(len(msg.prompt_token_ids) + 1) // bs),
-                  aging_from=aging_start(arrival, now, self.policy.aging_period_s))
+                  aging_from=aging_start(arrival, now, self.policy.aging_period_s, self.config.age_credit_periods))
         self.ledger.add(job)
         self._gate.submit(job)  # -> _accept once its reply topic is known to exist
 

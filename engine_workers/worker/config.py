@@ -25,6 +25,8 @@ class WorkerConfig:
     layout: TopicLayout = field(default_factory=TopicLayout)
     intake_mode: IntakeMode | str = IntakeMode.AGING
     aging_period_s: float = DEFAULT_AGING_PERIOD_S
+    # Aging periods of time on the topic that count, at most (intake.aging_start); None = all.
+    age_credit_periods: float | None = None
     # Within a tier, share admissions across tenants by start-time fair queueing over tokens, at
     # each request's ``weight`` (worker/fair.py; docs/worker.md, "Fair share"); off: FIFO per tier.
     fair_share: bool = True
@@ -52,6 +54,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         mode = parse_intake_mode(self.intake_mode)
         IntakePolicy(mode, self.aging_period_s)  # validates aging_period_s
+        if self.age_credit_periods is not None and not self.age_credit_periods >= 0:
+            raise ValueError(f"age_credit_periods must be >= 0 or None, got {self.age_credit_periods}")
         object.__setattr__(self, "intake_mode", mode)
         for name in ("heartbeat_s", "drain_grace_s", "revoke_flush_s", "commit_interval_s"):
             if not getattr(self, name) >= 0:

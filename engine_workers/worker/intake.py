@@ -55,20 +55,23 @@ def parse_intake_mode(value: IntakeMode | str) -> IntakeMode:
         raise ValueError(f"intake mode must be one of {[m.value for m in IntakeMode]}, got {value!r}") from None
 
 
-AGE_CREDIT_PERIODS = 1.0  # aging periods of waiting before the fetch that count (aging_start)
+def aging_start(enqueued_at: float, fetched_at: float, aging_period_s: float,
+                credit_periods: float | None) -> float:
+    """The instant a request's aging counts from: its enqueue time (never after this worker
+    fetched it: a producer clock running ahead cannot make a request look younger), and with
+    ``credit_periods`` set, at most that many aging periods before the fetch.
 
-
-def aging_start(enqueued_at: float, fetched_at: float, aging_period_s: float) -> float:
-    """The instant a request's aging counts from: its enqueue time, but at most
-    ``AGE_CREDIT_PERIODS`` aging periods before this worker fetched it.
-
-    Why the cap: a backlog on the topic (a batch job, a replay, a worker outage) would otherwise
-    arrive with hours of age and sort ahead of every fresh p0 request until it drained. With it, a
-    record fetched at ``f`` ranks as if it had arrived at ``f - P`` at the earliest, so a fresh p0
-    request is passed only by lower-tier records that already waited in this worker's intake
-    (at most ``prefetch_per_tier + free slots`` of each tier), and a producer whose clock runs
-    ahead or behind cannot move a request by more than one tier step either."""
-    return max(min(enqueued_at, fetched_at), fetched_at - AGE_CREDIT_PERIODS * aging_period_s)
+    The trade-off (docs/worker.md, "Intake and aging"): without a cap every second a record waited
+    on the topic counts, so a p2 request never waits more than ``2 P`` longer than the p0 traffic
+    of its time, but a large p2 backlog (a batch job, a replay, a worker outage) arrives with
+    minutes of age and is admitted ahead of every fresh p0 request until it has drained. With a
+    cap ``C``, a record fetched at ``f`` ranks as if it had arrived at ``f - C P`` at the earliest,
+    so a fresh p0 request is passed only by lower-tier records that already waited in this
+    worker's intake, while p2 records waiting on the topic longer than ``C P`` lose the excess."""
+    start = min(enqueued_at, fetched_at)
+    if credit_periods is None:
+        return start
+    return max(start, fetched_at - credit_periods * aging_period_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=env_default("fair-share", True),
                    help="within a tier, share admissions across tenants by weighted fair queueing over tokens; "
                         "--no-fair-share: FIFO per tier [LOCKGATE_FAIR_SHARE]")
+    g.add_argument("--age-credit-periods", type=float, default=env_default("age-credit-periods", None),
+                   help="count at most this many aging periods of a record's time on the topic (protects fresh "
+                        "p0 from an old p2 backlog; unset = all of it, the p2 starvation bound) [LOCKGATE_AGE_CREDIT_PERIODS]")
     g.add_argument("--prefetch-per-tier", type=int, default=env_default("prefetch-per-tier", 4),
                    help="requests held per tier beyond free sequence slots [LOCKGATE_PREFETCH_PER_TIER]")
     g.add_argument("--drain-grace", type=float, default=env_default("drain-grace", 30.0),
@@ -62,7 +65,7 @@ def worker_config_from_args(args: argparse.Namespace):
     return WorkerConfig(
         model=args.served_model_name or model_name(args.model),  # same name the edge uses
         layout=TopicLayout(namespace=args.namespace, partitions=args.partitions),
-        intake_mode=args.intake_mode, aging_period_s=args.aging_period, fair_share=args.fair_share,
+        intake_mode=args.intake_mode, aging_period_s=args.aging_period, age_credit_periods=args.age_credit_periods, fair_share=args.fair_share,
         prefetch_per_tier=args.prefetch_per_tier,
         heartbeat_s=args.heartbeat, drain_grace_s=args.drain_grace, commit_interval_s=args.commit_interval,
         send_failure_reruns=args.send_failure_reruns, max_reply_record_bytes=args.max_reply_record_bytes,

@@ -10,7 +10,7 @@ from pathlib import Path
 from bus import MemoryBus, TopicLayout
 from bus.messages import InferenceRequest, SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.intake import AGE_CREDIT_PERIODS, aging_start
+from engine_workers.worker.intake import aging_start
 from tests.engine_workers.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
     MODEL,
     Replies,
@@ -24,10 +24,10 @@ from tests.waiting import wait_until
 
 
 def test_aging_counts_from_at_most_one_period_before_the_fetch() -> None:
-    assert AGE_CREDIT_PERIODS == 1.0
-    assert aging_start(100.0, 101.0, 2.0) == 100.0  # a fresh record: its enqueue time
-    assert aging_start(10.0, 101.0, 2.0) == 99.0  # an old one: one period of credit
-    assert aging_start(150.0, 101.0, 2.0) == 101.0  # a producer clock ahead: never after the fetch
+    assert aging_start(100.0, 101.0, 2.0, 1.0) == 100.0  # a fresh record: its enqueue time
+    assert aging_start(10.0, 101.0, 2.0, 1.0) == 99.0  # an old one: one period of credit
+    assert aging_start(150.0, 101.0, 2.0, 1.0) == 101.0  # a producer clock ahead: never after the fetch
+    assert aging_start(10.0, 101.0, 2.0, None) == 10.0  # no cap (the default): all of its age
 
 
 def _req(rid: str, layout: TopicLayout, tier: int, enqueued_at: float) -> InferenceRequest:
@@ -42,7 +42,7 @@ async def test_a_p2_backlog_older_than_2p_does_not_hold_back_fresh_p0(tiny_dir: 
         old = time.time() - 60.0  # far older than 2 aging periods (P = 2 s)
         for i in range(backlog):
             await publish(bus, layout, _req(f"b{i}", layout, 2, old))
-        cfg = WorkerConfig(MODEL, layout=layout, prefetch_per_tier=prefetch)
+        cfg = WorkerConfig(MODEL, layout=layout, prefetch_per_tier=prefetch, age_credit_periods=1.0)
         async with Worker(cfg, bus, make_engine(tiny_dir, max_num_seqs=slots)) as w:
             submitted = record_submissions(w)
             await wait_until(lambda: len(submitted) >= 20, timeout=60, message="the backlog being served")
