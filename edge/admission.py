@@ -139,7 +139,8 @@ class Admission:
             deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages,
             # One prefix-cache namespace per tenant: a tenant never hits (and ``cached_tokens`` never
             # reveals) a prefix that another tenant sent.
-            cache_salt=f"tenant:{principal.tenant}", weight=principal.entry.weight)
+            cache_salt=f"tenant:{principal.tenant}" + (f"|{g.cache_salt}" if g.cache_salt else ""),
+            weight=principal.entry.weight)
         return Admitted(s, req)
 
     async def publish(self, a: Admitted) -> None:

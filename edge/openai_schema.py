@@ -27,7 +27,7 @@ from typing import Any
 from bus.messages import ChatMessage, ErrorCode, SamplingParams
 from edge.guided import FieldError, guided_fields
 from edge.openai_tools import ToolRequest, history_message, parse_tools
-from edge.protocol import MAX_MESSAGES, Generate, ProtocolError
+from edge.protocol import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_TOP_LOGPROBS = 20
@@ -239,7 +239,8 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         sampling = _with_logprobs(sampling, logprobs)
     if n > 1 and tool_req is not None and tool_req.active:
         raise ProtocolError("n > 1 is not supported with tools", "n")
-    return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model), stream, include_usage,
+    return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, cache_salt=_salt(obj)),
+                         stream, include_usage,
                          logprobs, tool_req, n)
 
 
@@ -271,8 +272,18 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     logprobs = _int(obj, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if logprobs is not None:
         sampling = _with_logprobs(sampling, logprobs)
-    return OpenAIRequest(False, Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids), stream,
+    return OpenAIRequest(False, Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids,
+                                         cache_salt=_salt(obj)), stream,
                          include_usage, logprobs, None, n)
+
+
+def _salt(obj: dict) -> str | None:
+    """vLLM's ``cache_salt`` extra: a prefix-cache namespace inside the tenant's own."""
+    salt = obj.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT):
+        raise ProtocolError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+                            "cache_salt")
+    return salt
 
 
 def _with_logprobs(sampling: SamplingParams, n: int) -> SamplingParams:

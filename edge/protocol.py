@@ -26,7 +26,9 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop
                     "ignore_eos", "logprobs", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "min_tokens")
 # logit_bias, response_format and the guided_* fields are converted by edge.guided (as for OpenAI)
-_GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids", "logit_bias", "response_format")
+MAX_CACHE_SALT = 256
+_GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids", "logit_bias", "response_format",
+                              "cache_salt")
                              + _SAMPLING_FIELDS + GUIDED_FIELDS)
 _CANCEL_FIELDS = frozenset(("type", "id", "request_id"))
 
@@ -57,6 +59,7 @@ class Generate:
     max_tokens_given: bool = False
     token_ids: bool = False  # echo token ids in each delta
     prompt_token_ids: tuple[int, ...] | None = None  # a pre-tokenized prompt (OpenAI completions)
+    cache_salt: str | None = None  # a prefix-cache namespace within the tenant's (vLLM's cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +174,8 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
         msg = str(exc)
         field = next((k for k in sorted(kwargs, key=len, reverse=True) if msg.startswith(k)), None)
         raise ProtocolError(msg[:300], field, cid) from None
-    return Generate(cid, sampling, messages, prompt, model, "max_tokens" in obj, token_ids)
+    salt = _str(obj, "cache_salt", cid, max_len=MAX_CACHE_SALT)
+    return Generate(cid, sampling, messages, prompt, model, "max_tokens" in obj, token_ids, cache_salt=salt)
 
 
 # --- server frames ------------------------------------------------------------------------------

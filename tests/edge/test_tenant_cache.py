@@ -39,3 +39,28 @@ async def test_a_prefix_is_cached_per_tenant(tiny_dir: Path) -> None:
             assert await cached(kb, "b1") == 0  # the same prompt, another tenant: not a hit
             assert await cached(ka, "a2") > 0  # the first tenant's repeat hits its own cache
             assert await cached(kb, "b2") > 0
+
+
+async def test_a_request_cache_salt_separates_prefixes_within_a_tenant(tiny_dir: Path) -> None:
+    """vLLM's ``cache_salt``: requests of one tenant share cached prefixes only with the same salt."""
+    engine = make_engine(tiny_dir)
+    async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, heartbeat_s=0.1), bus, engine):
+        config = EdgeConfig(model=MODEL, port=0, ping_interval_s=None)  # dev mode: one tenant
+        async with Edge(config, bus, PromptEncoder.from_path(str(tiny_dir))) as edge:
+            await wait_for(lambda: edge.readiness()[0])
+
+            async def cached(cid: str, salt: str | None) -> int:
+                async with client(edge, None) as ws:
+                    frame = {"type": "generate", "id": cid, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+                    if salt is not None:
+                        frame["cache_salt"] = salt
+                    await send(ws, frame)
+                    await recv(ws)
+                    _, _, done = await collect(ws, cid)
+                    return int(done["usage"]["cached_tokens"])
+
+            assert await cached("s1", "alice") == 0
+            assert await cached("s2", "bob") == 0  # another salt: not a hit
+            assert await cached("s3", None) == 0  # no salt: the tenant's shared namespace, cold
+            assert await cached("s4", "alice") > 0
+            assert await cached("s5", None) > 0
