@@ -9,7 +9,7 @@ import pytest
 
 
 @pytest.mark.parametrize("reuse_port", [True, False])
-def test_reuse_port_warns_that_limits_are_per_process(tiny_model_dir: str, tmp_path: Path, reuse_port: bool,
+def test_reuse_port_with_acknowledged_per_process_limits_warns(tiny_model_dir: str, tmp_path: Path, reuse_port: bool,
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     from edge.config import add_key
@@ -20,8 +20,24 @@ def test_reuse_port_warns_that_limits_are_per_process(tiny_model_dir: str, tmp_p
     monkeypatch.setattr(cmd, "run_loop", lambda coro: coro.close())  # parse and configure only
     parser = argparse.ArgumentParser()
     cmd.register(parser.add_subparsers(), None)  # type: ignore[arg-type]  # bench parsers unused
-    argv = ["edge", "--model", str(tiny_model_dir), "--keys", str(keys)] + (["--reuse-port"] if reuse_port else [])
+    argv = ["edge", "--model", str(tiny_model_dir), "--keys", str(keys)] + \
+        (["--reuse-port", "--limits-per-process"] if reuse_port else [])
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     err = capsys.readouterr().err
     assert ("per edge process" in err and "N x its limits" in err) == reuse_port
+
+
+def test_reuse_port_with_a_key_file_is_refused_unless_per_process_limits_are_accepted(
+        tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from edge.config import add_key
+    from lockgate.commands import edge as cmd
+
+    keys = tmp_path / "keys.jsonl"
+    add_key(keys, "acme", 1)
+    monkeypatch.setattr(cmd, "run_loop", lambda coro: coro.close())  # parse and configure only
+    parser = argparse.ArgumentParser()
+    cmd.register(parser.add_subparsers(), None)  # type: ignore[arg-type]  # bench parsers unused
+    args = parser.parse_args(["edge", "--model", str(tiny_model_dir), "--keys", str(keys), "--reuse-port"])
+    with pytest.raises(ValueError, match="--limits-per-process"):
+        args.func(args)
