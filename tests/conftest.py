@@ -173,7 +173,7 @@ def run_until_signalled(tmp_path):
     return run
 
 
-THREE_NODE_PORT = 19492  # its controllers on +100..+102; apart from the session broker and private_kafka
+THREE_NODE_PORT = 19700  # its controllers on +100..+102: apart from the session broker (9092, 9192) and private_kafka (19392, 19492)
 
 
 @pytest.fixture(scope="session")
