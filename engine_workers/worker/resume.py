@@ -12,8 +12,8 @@ the request's seed, whose draw for position k depends only on (seed, k). The cli
 twice and none generated twice. A request whose final reply is already there (its worker died
 between that reply and the commit) is committed without running.
 
-Which requests are looked up: those enqueued before their partition was assigned to this worker
-(plus ``CLOCK_SLACK_S`` for clocks that disagree): only they can have been started elsewhere.
+Which requests are looked up: those enqueued before their partition was assigned to this worker:
+only they can have been started elsewhere (``CLOCK_SLACK_S`` says what clocks that disagree cost).
 Requests of one reply partition held together share one read. The read is bounded
 (``READ_LIMIT`` records, ``READ_TIMEOUT_S``); where it fails or the history is longer, the request
 restarts from 0 as before, which the edge's dedupe (and its check that overlapping token ids
@@ -38,7 +38,12 @@ from engine_workers.worker.ledger import Job
 
 log = logging.getLogger(__name__)
 
-CLOCK_SLACK_S = 2.0  # enqueue stamps (the producer's clock) vs assignment time (ours)
+# Enqueue stamps are the producer's clock, the assignment time ours. No slack after the assignment:
+# every request enqueued later would pay a read of its reply partition before it could run (a
+# fresh worker's first seconds of traffic). A producer clock ahead of ours by d makes a request
+# enqueued up to d before the assignment skip the lookup: it then restarts from 0, which the edge's
+# dedupe and token-id check keep exact; only the decode steps are spent again.
+CLOCK_SLACK_S = 0.0
 READ_LIMIT = 50_000  # records read from one reply partition for one lookup
 READ_TIMEOUT_S = 5.0
 
