@@ -176,10 +176,12 @@ def run_until_signalled(tmp_path):
 THREE_NODE_PORT = 19700  # its controllers on +100..+102: apart from the session broker (9092, 9192) and private_kafka (19392, 19492)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def three_brokers(kafka_bootstrap: str):  # after the session broker (its jars fetched)
-    """A fresh 3-node cluster shared by the leader-failover tests (data removed afterwards); ~60 s to
-    start on 2 cores. A test that stops a node brings it back before it ends."""
+    """A fresh 3-node cluster for one test module's leader-failover tests (data removed afterwards);
+    ~20-60 s to start on 2 cores. Module-scoped, not session-scoped: three idle JVMs left running
+    for the rest of the session take CPU from the timing-sensitive tests that follow on 2 cores. A
+    test that stops a node brings it back before it ends."""
     import shutil
 
     from bus import kafka_local
