@@ -52,9 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU float32: none of the engine's C++ kernels (paged decode and causal prefill "
                         "attention, fused add + RMSNorm and SiLU gating, the small-batch linear): torch ops and "
                         "oneDNN instead [LOCKGATE_NO_CPU_KERNELS]")
-    g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "1.0"),
+    g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
                    help="a waiting request at least this much more urgent than the worst running one preempts it "
-                        "when every slot is busy (1.0 = one tier step); 'none' = never [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
+                        "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
 
 
 def _margin(text: str) -> float | None:
@@ -87,5 +87,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
         weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,
-        priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "1.0")),
+        priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "none")),
     )

@@ -24,8 +24,9 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU fp32: decode attention on the engine's own kernel (cpu_kernels.py)
     seed: int = 0  # engine RNG for unseeded sampling
     # Preempt the worst running sequence for a waiting one at least this much more urgent (1.0 = a
-    # tier step of the worker's priorities); None = never (scheduler.py, "Priority preemption").
-    priority_preemption_margin: float | None = 1.0
+    # tier step of the worker's priorities); None = never, the default (scheduler.py, "Priority
+    # preemption"; off by default: under a saturating load it trades throughput for tier latency).
+    priority_preemption_margin: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

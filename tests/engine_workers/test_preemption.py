@@ -8,6 +8,8 @@ from pathlib import Path
 
 from bus import MemoryBus, TopicLayout
 from bus.messages import Finished, InferenceRequest, SamplingParams
+from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.core import Engine
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
 from tests.engine_workers.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
@@ -33,7 +35,8 @@ async def test_a_p0_arrival_preempts_p2_work_and_every_stream_stays_exact(tiny_d
     ref = {r.request_id: out.token_ids for r, out in zip(
         p2 + [p0], make_engine(tiny_dir).generate([r.prompt_token_ids for r in p2 + [p0]],
                                                   [engine_params(r.sampling) for r in p2 + [p0]]))}
-    engine = make_engine(tiny_dir, max_num_seqs=2)
+    engine = Engine(EngineConfig(model=str(tiny_dir), max_num_seqs=2, num_threads=1, kv_cache_bytes=4 << 20,
+                                 max_model_len=512, priority_preemption_margin=1.0))
     async with MemoryBus() as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test")])
         replies = Replies(bus, layout.reply_topic("test"))
