@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bus.base import Bus, BusError, TopicPartition
 from bus.messages import DecodeError, Error, Finished, Message, TokenChunk, decode, replies_of
@@ -88,11 +88,6 @@ def decode_replies(values: Iterable[bytes]) -> list[Message]:
     return out
 
 
-@dataclass(slots=True)
-class _Batch:
-    jobs: list[Job] = field(default_factory=list)
-
-
 class ResumeFinder:
     """``accept(job, held)``: queue a request (``held`` True when it waited, here or at the reply
     gate); ``answered(job, final)``: a request already answered (commit it without running);
@@ -113,11 +108,11 @@ class ResumeFinder:
         self.assigned_at = assigned_at
         self.partition_count = partition_count
         self.on_resumed = on_resumed
-        self._waiting: dict[tuple[str, int], _Batch] = {}  # reply partition -> jobs not yet read for
+        self._waiting: dict[tuple[str, int], list[Job]] = {}  # reply partition -> jobs not yet read for
         self._tasks: set[asyncio.Task] = set()
 
     def __len__(self) -> int:
-        return sum(len(b.jobs) for b in self._waiting.values()) + len(self._tasks)
+        return sum(len(jobs) for jobs in self._waiting.values()) + len(self._tasks)
 
     def needs_lookup(self, job: Job) -> bool:
         """Only a request enqueued before its partition came to this worker can have been started
@@ -147,13 +142,13 @@ class ResumeFinder:
         key = (topic, partition_for_key(job.req.request_id.encode(), count))
         batch = self._waiting.get(key)
         if batch is not None:
-            batch.jobs.append(job)  # the read already scheduled for this partition serves it too
+            batch.append(job)  # the read already scheduled for this partition serves it too
             return
-        batch = self._waiting[key] = _Batch([job])
+        batch = self._waiting[key] = [job]
         await asyncio.sleep(0)  # let the rest of this fetch's requests join the batch
         del self._waiting[key]
-        found = await self._read(key, batch.jobs)
-        for j in batch.jobs:
+        found = await self._read(key, batch)
+        for j in batch:
             self._release(j, found.get(j.req.request_id) if found is not None else None)
 
     async def _read(self, key: tuple[str, int], jobs: list[Job]) -> dict[str, Progress] | None:
