@@ -118,14 +118,23 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
 
 def _lowp(model: LlamaForPagedLM, kind: str) -> None:
     from engine_workers.kernels.cpu_linear import LowpLinear, lowp_linears
+    from engine_workers.kernels.w8a8_linear import W8A8Linear, w8a8_linears
 
-    n = lowp_linears(model, kind)
-    if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
-        model.lm_head = LowpLinear.from_weight(kind, model.embed_tokens.weight)
-        n += 1
-    size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, LowpLinear))
-    log.info("%d linear layers with %s weights (%.0f MB) on the engine's CPU kernel; activations float32",
-             n, kind, size / 1e6)
+    if kind == "w8a8":
+        n = w8a8_linears(model)
+        if model.lm_head is None:  # tied: an int8 copy of the embedding matrix as the head
+            model.lm_head = W8A8Linear.from_weight(model.embed_tokens.weight)
+            n += 1
+        acts = "int8 per row"
+    else:
+        n = lowp_linears(model, kind)
+        if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
+            model.lm_head = LowpLinear.from_weight(kind, model.embed_tokens.weight)
+            n += 1
+        acts = "float32"
+    size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (LowpLinear, W8A8Linear)))
+    log.info("%d linear layers with %s weights (%.0f MB) on the engine's CPU kernels; activations %s",
+             n, kind, size / 1e6, acts)
 
 
 def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True) -> None:

@@ -17,6 +17,10 @@ torch::Tensor pack_i8(torch::Tensor w);
 torch::Tensor linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n,
                         c10::optional<torch::Tensor> bias);
 
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_i8(torch::Tensor x);
+torch::Tensor dequant_i32(torch::Tensor acc, torch::Tensor xscale, torch::Tensor wscale,
+                          c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do: the worker's event loop thread
   // keeps serving while the engine thread computes.
@@ -39,5 +43,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("pack_i8", &pack_i8, "pack an int8 weight [N, K] into linear_i8's panels");
   m.def("linear_i8", &linear_i8, "x @ (scales * W)^T (+ bias), float32 x and y, int8 weight panels (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_rows_i8", &quantize_rows_i8, "x [M, K] float32 -> (int8 [M, K], scale [M]), symmetric per row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequant_i32", &dequant_i32, "int32 [M, N] * xscale[m] * wscale[n] (+ bias) -> float32",
         py::call_guard<py::gil_scoped_release>());
 }

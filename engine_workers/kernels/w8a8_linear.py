@@ -1,0 +1,142 @@
+"""W8A8 linear layers on CPU (``--quantization w8a8``): int8 weights and int8 activations, int32 sums.
+
+Why: on CPUs with AVX512-VNNI an int8 dot-product instruction does four times the multiply-adds of a
+float32 FMA, and torch's int8 GEMM (``torch._int_mm``, oneDNN underneath) reaches that rate at the
+prefill shapes where the engine is compute-bound; the weights are also a quarter of float32's bytes
+for decode. float32 (or bf16 dot products where the CPU runs them at half the FMA rate) cannot get
+there. The figures are in docs/benchmarks.md ("Precision modes").
+
+Numerics: the weight is the int8 weight-only mode's (symmetric, one float32 scale per output row,
+:func:`engine_workers.kernels.cpu_kernels.quantize_int8`); each input row ("token") is quantized
+on the fly the same way (scale = max|row| / 127, round half to even), so the int32 sums are exact
+and ``y = acc * xscale[m] * wscale[n] + bias``. The error beyond int8 weights is the rounding of
+each activation to 1/254 of its row's largest magnitude. Everything outside the linear layers
+(embeddings, norms, RoPE, attention, KV cache, sampling) stays float32.
+
+The two elementwise passes around the GEMM are the engine's kernels (``csrc/int8_act.cpp``); the
+whole layer is checked against :func:`reference` at first use, and :func:`w8a8_problem` says why
+the mode cannot run where it cannot (then the engine keeps float32 weights and logs the reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine_workers.kernels import cpu_kernels as kernels
+
+
+@dataclass(frozen=True, slots=True)
+class W8A8Ops:
+    """The elementwise kernels of ``csrc/int8_act.cpp``."""
+
+    quantize_rows: Callable  # (x [M, K] contiguous f32) -> (int8 [M, K], scale [M] f32)
+    dequant: Callable  # (acc [M, N] int32, xscale [M], wscale [N], bias [N] or None) -> [M, N] f32
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference per-row int8 quantization, the same rule as ``csrc/int8_act.cpp``."""
+    amax = x.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(x * (1.0 / scale)[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, wscale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``W8A8Linear``'s output computed with torch ops only (int64 sums: exact)."""
+    xq, xs = quantize_rows(x)
+    y = (xq.long() @ q.long().t()).double() * xs.double()[:, None] * wscale.double()[None, :]
+    return (y if bias is None else y + bias.double()).float()
+
+
+def w8a8_ops() -> W8A8Ops | None:
+    """The kernels, checked, or ``None`` (then :func:`w8a8_problem` says why)."""
+    return kernels._resolved("w8a8", _resolve, "W8A8 linear layers unavailable")
+
+
+def w8a8_problem(cpu_kernels: bool = True) -> str | None:
+    """Why ``--quantization w8a8`` cannot run here, or ``None``."""
+    if not cpu_kernels:
+        return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
+    flags = kernels.cpu_flags()
+    if flags and "avx512_vnni" not in flags and "avx_vnni" not in flags:
+        return "this CPU lacks VNNI (avx512_vnni / avx_vnni): int8 GEMMs would be slower than float32"
+    if not hasattr(torch, "_int_mm"):
+        return "this torch build has no torch._int_mm (int8 GEMM)"
+    w8a8_ops()
+    return kernels._state["w8a8_problem"]
+
+
+def _check(ops: W8A8Ops) -> str | None:
+    """The whole layer against :func:`reference` over odd shapes, with and without bias; the int32
+    sums are exact, so only the float32 scaling may differ (relative ~1e-6)."""
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 96, 64), (7, 100, 71), (37, 97, 130), (300, 33, 17)):
+        w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+        x[0] = 0.0  # an all-zero row: scale 1, zeros
+        q, s = kernels.quantize_int8(w)
+        xq, xs = ops.quantize_rows(x)
+        rq, rs = quantize_rows(x)
+        if not torch.equal(xq, rq) or not torch.allclose(xs, rs, rtol=1e-6, atol=0):
+            return f"row quantization kernel disagrees with torch at M={m} K={k}"
+        for bias in (None, b):
+            got = ops.dequant(torch._int_mm(xq, q.t()), xs, s, bias)
+            if not torch.allclose(got, reference(x, q, s, bias), rtol=1e-5, atol=1e-5):
+                return f"W8A8 linear disagrees with its reference at M={m} N={n} K={k}"
+    return None
+
+
+def _resolve() -> tuple[W8A8Ops | None, str | None]:
+    return kernels._checked(lambda m: W8A8Ops(m.quantize_rows_i8, m.dequant_i32), _check, "W8A8 kernels")
+
+
+class W8A8Linear(nn.Module):
+    """``y = x @ W^T + b`` with W int8 (per-row scales) and x quantized per row on each call; ``x``
+    and ``y`` float32, any leading shape. Inference only. Built by :meth:`from_weight`."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, ops: W8A8Ops) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.q, self.scale, self.bias = q, scale, bias  # plain attributes: not parameters
+        self._qt = q.t()  # the (K, N) operand torch._int_mm takes; a view, oneDNN reads it transposed
+        self._ops = ops
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    ops: W8A8Ops | None = None) -> W8A8Linear:
+        ops = ops if ops is not None else w8a8_ops()
+        if ops is None:
+            raise RuntimeError(f"W8A8 kernels unavailable: {w8a8_problem()}")
+        q, s = kernels.quantize_int8(weight)
+        return cls(q, s.contiguous(), None if bias is None else bias.detach().float().contiguous(), ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        xq, xs = self._ops.quantize_rows(x2.contiguous())
+        y = self._ops.dequant(torch._int_mm(xq, self._qt), xs, self.scale, self.bias)
+        return y.view(*lead, self.out_features)
+
+    def weight_bytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                "weights=int8, activations=int8 per row")
+
+
+def w8a8_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by a :class:`W8A8Linear`, in place; returns how
+    many were replaced. The caller checks :func:`w8a8_problem` first."""
+    ops = w8a8_ops()
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, W8A8Linear.from_weight(child.weight, child.bias, ops))
+                replaced += 1
+    return replaced
