@@ -8,8 +8,9 @@ everything else) take turns: per round and shape ``BxL``, each runs ``--steps`` 
 sequences at context L through the model runner. The caches hold random K/V instead of a real
 prefill (a prefill of 16 x 2k tokens would take minutes here; a decode step's cost does not depend
 on the values it reads). Printed: ms per step (best and median over all steps of all rounds), the
-decode attention kernel's share (the kernel alone over every layer's cache, best), and the load
-average, because the machine is shared.
+decode attention kernel's share (the kernel alone over every layer's cache, best wall-clock and
+best CPU time of all threads, the steadier of the two on a shared machine), and the load average,
+because the machine is shared.
 """
 
 from __future__ import annotations
@@ -35,15 +36,13 @@ def main() -> None:
 
 def _run(args: argparse.Namespace) -> None:
     import torch
+    from transformers import AutoConfig
 
     from benchmarks.engine import machine_info
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.model.runner import kv_block_bytes
-
-    from transformers import AutoConfig
-
     from engine_workers.model.llama import ModelSpec
+    from engine_workers.model.runner import kv_block_bytes
     from tokenization.model_store import ensure_default_model
 
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
@@ -63,6 +62,7 @@ def _run(args: argparse.Namespace) -> None:
             v.copy_(torch.randn(v.shape, generator=gen) * 0.5)
     times: dict[tuple[str, tuple[int, int]], list[float]] = {}
     attn: dict[tuple[str, tuple[int, int]], list[float]] = {}
+    attn_cpu: dict[tuple[str, tuple[int, int]], list[float]] = {}  # CPU time, all threads: steadier under load
     for rnd in range(args.rounds):
         for shape in shapes:
             b, ln = shape
@@ -81,18 +81,19 @@ def _run(args: argparse.Namespace) -> None:
                     q = torch.randn(b, spec.num_heads, spec.head_dim, generator=gen)
                     tab, ctx = torch.tensor(tables), torch.full((b,), ln + 1)
                     for _ in range(args.steps):
-                        start = time.perf_counter()
+                        start, cpu = time.perf_counter(), time.process_time()
                         for kc, vc in engine.runner.kv_caches:
                             fn(q, kc, vc, tab, ctx, bs, 0.125)
                         attn.setdefault((name, shape), []).append((time.perf_counter() - start) * 1e3)
+                        attn_cpu.setdefault((name, shape), []).append((time.process_time() - cpu) * 1e3)
         print(f"round {rnd}: load {os.getloadavg()}", flush=True)
-    print(f"{'shape':>10}{'KV':>10}{'best ms/step':>14}{'median':>10}{'attn ms (best)':>16}")
+    print(f"{'shape':>10}{'KV':>10}{'best ms/step':>14}{'median':>10}{'attn ms (best)':>16}{'attn CPU ms':>13}")
     for shape in shapes:
         for name in engines:
             t = times[(name, shape)]
-            a = attn.get((name, shape))
+            a, c = attn.get((name, shape)), attn_cpu.get((name, shape))
             print(f"{shape[0]:>4}x{shape[1]:<5}{name:>10}{min(t):>14.1f}{statistics.median(t):>10.1f}"
-                  f"{min(a) if a else float('nan'):>16.1f}")
+                  f"{min(a) if a else float('nan'):>16.1f}{min(c) if c else float('nan'):>13.1f}")
 
 
 if __name__ == "__main__":
