@@ -8,8 +8,9 @@ attention over a bf16 cache equals float32 attention over the rounded K/V up to 
 order (the kernel tolerances below are float32's). Through a model the rounding adds up layer by
 layer. Measured 2026-12-05 (bound in brackets): tiny model (random weights), 3 prompts, next-token
 logits rel L2 0.0075 after a prefill and after a decode step, kernels or torch path (0.02), 16
-greedy tokens agree 1.0 (0.7); SmolLM2-135M, 6 chat prompts: rel L2 0.0020 (0.01), first tokens
-all equal, 32 greedy tokens agree 0.89 (0.6: one prompt's continuation flips late)."""
+greedy tokens agree 1.0 (0.7); SmolLM2-135M, the slow test's 4 chat prompts: rel L2 0.0013 (0.01),
+first tokens all equal, 24 greedy tokens agree 1.0 (0.6; with 6 prompts and 32 tokens 0.0020 and
+0.89: one prompt's continuation flips late)."""
 
 from __future__ import annotations
 
@@ -280,14 +281,14 @@ def test_prefix_cache_hit_gives_the_same_tokens_on_a_bf16_cache(engines):
 
 @pytest.mark.slow
 def test_default_model_bf16_cache_close_to_float32(default_model_dir: str) -> None:
-    """SmolLM2-135M, chat prompts: next-token logits and 32 greedy tokens, bf16 vs float32 cache."""
+    """SmolLM2-135M, chat prompts: next-token logits and 24 greedy tokens, bf16 vs float32 cache."""
     ref = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20))
     eng = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20, kv_cache_dtype="bfloat16"))
     chats = ["What is the capital of France?", "Write a haiku about rain.", "Explain what a hash table is.",
-             "List three prime numbers.", "How do I boil an egg?", "Translate 'good morning' into German."]
+             "Translate 'good morning' into German."]
     prompts = [ref.encode_prompt(messages=[{"role": "user", "content": c}]) for c in chats]
     got, want = next_logits(eng, prompts), next_logits(ref, prompts)
     err = rel_l2(got, want)
     assert err < 0.01, f"next-token logits rel L2 {err:.4f} vs a float32 cache"
     assert (got.argmax(-1) == want.argmax(-1)).all()
-    assert agreement(greedy(eng, prompts, 32), greedy(ref, prompts, 32)) >= 0.6
+    assert agreement(greedy(eng, prompts, 24), greedy(ref, prompts, 24)) >= 0.6
