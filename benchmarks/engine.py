@@ -227,6 +227,7 @@ def _run(args: argparse.Namespace) -> int:
     wl = make_workload(spec.vocab_size, args.num_requests, args.seed)
     results: dict = {"machine": machine, "model": str(engine.loaded.path), "device": str(engine.device),
                      "dtype": str(engine.dtype), "weights": engine.weight_format, "quantization": config.quantization,
+                     "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
                      "threads": torch.get_num_threads(), "requests": len(wl.prompts), "output_tokens": wl.output_tokens,
                      "prompt_tokens": sum(map(len, wl.prompts)), "repeat": args.repeat}
     hf = None if args.skip_hf else _hf_model(engine.loaded.path, engine.device, engine.dtype)
@@ -282,7 +283,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print(f"workload: {results['requests']} requests, {results['prompt_tokens']} prompt + {results['output_tokens']} output tokens "
           f"(seed {args.seed}); {results['model']} on {results['device']} {results['dtype']} "
-          f"(weights {results['weights']}), {results['threads']} threads")
+          f"(weights {results['weights']}, KV cache {results['kv_cache_dtype']}), {results['threads']} threads")
     m = machine
     have = ", ".join(f for f, on in (m["cpu_flags"] or {}).items() if on) or "unknown"
     lacks = ", ".join(f for f, on in (m["cpu_flags"] or {}).items() if not on)

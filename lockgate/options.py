@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "int32 sums on VNNI: the fastest CPU mode [LOCKGATE_QUANTIZATION]")
     g.add_argument("--block-size", type=int, default=env_default("block-size", 16), help="tokens per KV block [LOCKGATE_BLOCK_SIZE]")
     g.add_argument("--kv-cache-bytes", type=_bytes, default=env_default("kv-cache-bytes", None), help="KV budget, e.g. 512M, 4G; default: a fraction of free memory [LOCKGATE_KV_CACHE_BYTES]")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   default=env_default("kv-cache-dtype", "auto"),
+                   help="K/V cache storage: auto (the compute dtype)|float32|bfloat16|float16 (CUDA); bfloat16 on a "
+                        "CPU halves KV memory and decode's KV reads, attention math stays float32 [LOCKGATE_KV_CACHE_DTYPE]")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=env_default("kv-cache-memory-fraction", 0.9), help="fraction of free GPU memory for KV [LOCKGATE_KV_CACHE_MEMORY_FRACTION]")
     g.add_argument("--max-num-seqs", type=int, default=env_default("max-num-seqs", 64), help="sequences per step [LOCKGATE_MAX_NUM_SEQS]")
     g.add_argument("--max-num-batched-tokens", type=int, default=env_default("max-num-batched-tokens", 512), help="tokens per step [LOCKGATE_MAX_NUM_BATCHED_TOKENS]")
@@ -84,7 +88,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype,
         quantization=getattr(args, "quantization", "none"), block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        kv_cache_bytes=args.kv_cache_bytes, kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
         weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (model/runner.py resolves them)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -15,6 +17,9 @@ class EngineConfig:
     quantization: str = "none"
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
+    # K/V storage: auto (= the compute dtype) | float32 | bfloat16 | float16 (CUDA). Storage only:
+    # bfloat16 on a CPU halves KV bytes (twice the blocks per budget), attention math stays fp32.
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CPU: of a quarter of free RAM, <= 1 GiB)
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
@@ -45,6 +50,8 @@ class EngineConfig:
             raise ValueError(f"priority_preemption_margin must be > 0 or None, got {self.priority_preemption_margin}")
         if self.quantization not in ("none", "int8", "w8a8"):
             raise ValueError(f"quantization must be none, int8 or w8a8, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

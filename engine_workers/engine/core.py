@@ -31,7 +31,7 @@ from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
 from engine_workers.model.loader import load_model
-from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype
+from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
 from kv_store import KVCacheManager
 from tokenization.prompts import PromptTokenizer
 
@@ -110,13 +110,16 @@ class Engine:
         self.dtype, lowp = cpu_weight_plan(resolve_dtype(config.dtype, self.device), config.quantization,
                                            self.device, config.cpu_kernels)
         self.weight_format = lowp or str(self.dtype).removeprefix("torch.")
+        # K/V storage (auto = the compute dtype); checked before the model loads, so a refused
+        # combination costs nothing
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
                             config.cpu_kernels, lowp)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptTokenizer(loaded.tokenizer, loaded.spec.max_position_embeddings)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        num_blocks = kv_budget_blocks(loaded.spec, config.block_size, self.dtype, self.device,
+        num_blocks = kv_budget_blocks(loaded.spec, config.block_size, self.kv_dtype, self.device,
                                       config.kv_cache_bytes, config.kv_cache_memory_fraction)
         self.max_model_len = min(config.max_model_len or loaded.spec.max_position_embeddings,
                                  loaded.spec.max_position_embeddings, num_blocks * config.block_size)
@@ -126,7 +129,8 @@ class Engine:
                             config.long_prefill_token_threshold, config.priority_preemption_margin),
             self.kv,
         )
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype, config.cpu_kernels)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype, config.cpu_kernels,
+                                  self.kv_dtype)
         self.sampler = Sampler(self.device, sorted(self.eos_token_ids))
         # Seeds for requests without one: every request's draws are counter-based on a seed (see
         # engine.sampler), so an unseeded request is reproducible too once its seed is known.
@@ -140,9 +144,9 @@ class Engine:
         self._num_guided = 0
         self.stats = EngineStats()
         self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
-        log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens)",
+        log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens, %s)",
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
-                 num_blocks * config.block_size)
+                 num_blocks * config.block_size, str(self.kv_dtype).removeprefix("torch."))
 
     # -- input ------------------------------------------------------------------------------------
 

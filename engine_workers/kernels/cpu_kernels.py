@@ -1,9 +1,11 @@
-"""The engine's own CPU kernels (float32), one extension module (``csrc/module.cpp``) built on first use:
+"""The engine's own CPU kernels (float32 math), one extension module (``csrc/module.cpp``) built on first use:
 
 * paged decode attention (``csrc/paged_decode.cpp``): reads K/V in place from the blocks, one task
   per sequence. Through SDPA a decode step first gathered every context into a padded copy, and
   SDPA's kernel is built for long query blocks, so one-token decode queries spent far longer in it
-  than reading their K/V once takes (docs/design.md, Paged attention);
+  than reading their K/V once takes (docs/design.md, Paged attention). Both attention kernels read
+  a float32 or a bf16 cache (``--kv-cache-dtype``; widened to float32 before any math,
+  ``csrc/kv_elem.h``);
 * causal prefill attention (``csrc/prefill_attention.cpp``), for the short, few-headed chunks
   on which SDPA's CPU kernel, built for long sequences and many heads, runs far below the FMA peak;
 * small-batch linear layers (``csrc/small_m_linear.cpp``) for decode-sized inputs (at most
@@ -52,7 +54,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
            CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp"]
-HEADERS = [CSRC / "tile.h"]  # included by the sources: part of the build key, not compiled alone
+HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h"]  # included by the sources: part of the build key, not compiled alone
 # -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).
@@ -128,18 +130,23 @@ def reference_decode(q, k_cache, v_cache, tables, ctx, block_size: int, scale: f
     return sdpa_decode(q, k_cache, v_cache, tables, mask, block_size, scale)
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the attention kernels read (float32 math either way)
+
+
 def _check(fn: Callable) -> str | None:
-    """Compare with :func:`reference_decode` on random data; ``None`` when they agree."""
+    """Compare with :func:`reference_decode` on random data, float32 and bf16 caches; ``None`` when
+    they agree."""
     gen = torch.Generator().manual_seed(0)
     bs, hkv, hq, d, blocks = 4, 2, 6, 16, 12
     kc, vc = torch.randn(blocks * bs, hkv, d, generator=gen), torch.randn(blocks * bs, hkv, d, generator=gen)
     q = torch.randn(3, hq, d, generator=gen)
     tables = torch.tensor([[5, 2, 9], [0, 11, 3], [7, 0, 0]])
     ctx = torch.tensor([10, 12, 1])
-    got = fn(q, kc, vc, tables, ctx, bs, d**-0.5)
-    want = reference_decode(q, kc, vc, tables, ctx, bs, d**-0.5)
-    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        return "paged decode kernel disagrees with SDPA"
+    for dt in KV_DTYPES:
+        got = fn(q, kc.to(dt), vc.to(dt), tables, ctx, bs, d**-0.5)
+        want = reference_decode(q, kc.to(dt), vc.to(dt), tables, ctx, bs, d**-0.5)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            return f"paged decode kernel disagrees with SDPA ({str(dt).removeprefix('torch.')} cache)"
     return None
 
 
@@ -199,11 +206,13 @@ def prefill_problem() -> str | None:
 
 
 def reference_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The same attention through SDPA with an explicit offset-causal mask."""
+    """The same attention through SDPA with an explicit offset-causal mask (K/V of either cache
+    dtype, widened to q's)."""
     import torch.nn.functional as F
 
     n, ctx = q.shape[0], k.shape[0]
     mask = torch.ones(n, ctx, dtype=torch.bool).tril(ctx - n)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 cache's K/V, widened: the math is q's dtype
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != k.shape[1])
@@ -212,15 +221,17 @@ def reference_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def _check_prefill(fn: Callable) -> str | None:
     """Compare with :func:`reference_prefill`: a fresh chunk and a continuation, GQA, a strided
-    query view (as the engine passes it); ``None`` when they agree."""
+    query view (as the engine passes it), float32 and bf16 K/V; ``None`` when they agree."""
     gen = torch.Generator().manual_seed(0)
     for n, ctx, hq, hkv, d in ((37, 37, 6, 2, 16), (5, 70, 4, 4, 64), (40, 130, 9, 3, 64)):
         fused = torch.randn(n, (hq + hkv) * d, generator=gen)
         q = fused[:, : hq * d].view(n, hq, d)
         k, v = torch.randn(ctx, hkv, d, generator=gen), torch.randn(ctx, hkv, d, generator=gen)
-        got, want = fn(q, k, v, d**-0.5), reference_prefill(q, k, v, d**-0.5)
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            return f"prefill attention kernel disagrees with SDPA at n={n} ctx={ctx}"
+        for dt in KV_DTYPES:
+            got, want = fn(q, k.to(dt), v.to(dt), d**-0.5), reference_prefill(q, k.to(dt), v.to(dt), d**-0.5)
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                return (f"prefill attention kernel disagrees with SDPA at n={n} ctx={ctx} "
+                        f"({str(dt).removeprefix('torch.')} K/V)")
     return None
 
 

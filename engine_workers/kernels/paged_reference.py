@@ -1,5 +1,8 @@
 """Paged decode attention in plain torch (gather + SDPA): the engine's path where its CPU kernel
-is off or missing, and the reference the kernel is checked against when it loads."""
+is off or missing, and the reference the kernel is checked against when it loads.
+
+The cache may hold K/V in a narrower dtype than the queries (``--kv-cache-dtype``): the gathered
+copy is widened to the queries' dtype, so the attention math is the compute dtype's either way."""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, t
     KV head (``[B, Hkv, G, D]``), so GQA needs no K/V repeat."""
     b, hq, d = q.shape
     hkv = k_cache.shape[1]
-    kd = gather_blocks(k_cache, tables, block_size).transpose(1, 2)
-    vd = gather_blocks(v_cache, tables, block_size).transpose(1, 2)
+    kd = gather_blocks(k_cache, tables, block_size).to(q.dtype).transpose(1, 2)
+    vd = gather_blocks(v_cache, tables, block_size).to(q.dtype).transpose(1, 2)
     od = F.scaled_dot_product_attention(q.view(b, hkv, hq // hkv, d), kd, vd, attn_mask=mask, scale=scale)
     return od.reshape(b, hq, d)

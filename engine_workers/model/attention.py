@@ -14,6 +14,12 @@ paged cache (``slot = block_id * block_size + offset``) and then attends:
   continues one (chunked prefill, a prefix-cache hit, a resumed preemption) gathers its blocks and
   uses a causal mask offset by what was computed before.
 
+The cache may store K/V in a narrower dtype than the compute dtype (``--kv-cache-dtype bfloat16``
+on a CPU): the write converts, the readers widen (the CPU kernels element by element, the SDPA
+path after its gather), and the math stays in the compute dtype. A chunk that starts its sequence
+attends over its own K/V *as stored* (rounded to the cache dtype), not the unrounded values, so a
+sequence's output does not depend on how it was chunked or whether its prefix came from the cache.
+
 Padding a whole mixed batch into one call instead wastes work in proportion to the spread of
 lengths, and serving prompts vary widely in length, so per-chunk prefill calls and length groups
 do the work one padded call would spend on padding (docs/design.md, Paged attention; figures in
@@ -175,11 +181,14 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, attend, return ``[T, Hq * D]``."""
+    """Write this step's K/V into the cache (converted to its dtype), attend, return ``[T, Hq * D]``
+    in q's dtype."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
     bs = meta.block_size
+    if k_cache.dtype != k.dtype:  # a cache of another dtype: from here on, K/V are what it stores
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(t, hq, d)
@@ -201,6 +210,7 @@ def paged_attention(
             out[rows] = meta.prefill_kernel(q[rows], kp, vp, scale)
             continue
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        kp, vp = kp.to(q.dtype), vp.to(q.dtype)  # SDPA wants one dtype (no copy when they match)
         op = F.scaled_dot_product_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=group > 1,

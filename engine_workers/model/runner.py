@@ -26,7 +26,7 @@ def dtype_size(dtype: torch.dtype) -> int:
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
+    """Bytes one block takes across all layers (K and V), ``dtype`` the cache's storage dtype."""
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype_size(dtype)
 
 
@@ -41,10 +41,31 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """The K/V cache's storage dtype for ``--kv-cache-dtype name``; ``auto`` = ``compute``, the
+    engine's compute dtype. Storage only: the write converts, the readers widen to ``compute``
+    (model/attention.py). On a CPU (float32 compute) ``bfloat16`` halves the bytes every decode
+    step reads per context token; ``float16`` is refused there (the same size as bf16 but with a
+    narrow exponent range, and the CPU kernels do not read it). On CUDA every choice works through
+    SDPA, which attends over a gathered copy converted to the compute dtype."""
+    if name == "auto":
+        return compute
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(table)}; got {name!r}")
+    kv = table[name]
+    if kv == torch.float16 and device.type == "cpu" and compute != torch.float16:
+        raise ValueError("--kv-cache-dtype float16 is for CUDA; on a CPU use bfloat16 (the same size, float32's "
+                         "exponent range, and read by the engine's CPU attention kernels)")
+    return kv
+
+
 def kv_budget_blocks(
     spec: ModelSpec, block_size: int, dtype: torch.dtype, device: torch.device,
     kv_cache_bytes: int | None, memory_fraction: float,
 ) -> int:
+    """Blocks that fit the KV budget, ``dtype`` the cache's storage dtype: a bf16 cache fits twice
+    the blocks of a float32 one in the same bytes."""
     per_block = kv_block_bytes(spec, block_size, dtype)
     if kv_cache_bytes is None:
         if device.type == "cuda":
@@ -62,19 +83,23 @@ def kv_budget_blocks(
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, kv_dtype: torch.dtype | None = None) -> None:
+        """``dtype``: the compute dtype; ``kv_dtype``: the K/V cache's storage dtype (None = ``dtype``)."""
         self.model = loaded.model
         self.spec = loaded.spec
         self.device = device
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         slots = num_blocks * block_size
         shape = (slots, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
             for _ in range(self.spec.num_layers)
         ]
-        # CPU float32: attention on the engine's own kernels where they build (cpu_kernels.py)
+        # CPU float32: attention on the engine's own kernels where they build (cpu_kernels.py); they
+        # read a float32 or a bf16 cache (cpu_kernels.KV_DTYPES)
         self.decode_kernel = self.prefill_kernel = None
         # Decode groups trade launches for padding. A CPU is compute-bound: padded keys cost FLOPs,
         # so sequences are grouped by length. A GPU step of a small model is launch-bound (the host
@@ -89,11 +114,12 @@ class ModelRunner:
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
             from engine_workers.kernels import cpu_kernels as kernels
 
-            self.decode_kernel = kernels.paged_decode()
-            self.prefill_kernel = kernels.prefill_attention()
+            if kv_dtype in kernels.KV_DTYPES:
+                self.decode_kernel = kernels.paged_decode()
+                self.prefill_kernel = kernels.prefill_attention()
             self.model.use_fused(kernels.fused())
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, block_size, slots,
-                 kv_block_bytes(self.spec, block_size, dtype) * num_blocks / 2**20)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %.1f MiB", num_blocks, block_size, slots,
+                 str(kv_dtype).removeprefix("torch."), kv_block_bytes(self.spec, block_size, kv_dtype) * num_blocks / 2**20)
 
     @torch.inference_mode()
     def execute(self, chunks: list[tuple[list[int], int, list[int], bool]]) -> torch.Tensor:
@@ -109,7 +135,7 @@ class ModelRunner:
             meta_in.append((start, len(tokens), blocks))
             if samples:
                 logit_rows.append(len(ids) - 1)
-        meta, positions = build_metadata(meta_in, self.block_size, self.device, self.kv_caches[0][0].dtype,
+        meta, positions = build_metadata(meta_in, self.block_size, self.device, self.dtype,
                                          self.decode_kernel, self.prefill_kernel, self.max_decode_groups)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)

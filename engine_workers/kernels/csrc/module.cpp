@@ -24,9 +24,9 @@ torch::Tensor dequant_i32(torch::Tensor acc, torch::Tensor xscale, torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do: the worker's event loop thread
   // keeps serving while the engine thread computes.
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU, float32)",
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 q, float32 or bf16 K/V cache, float32 math)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of one chunk (CPU, float32)",
+  m.def("prefill_attention", &prefill_attention, "causal prefill attention of one chunk (CPU; float32 q, float32 or bf16 K/V, float32 math)",
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place); RMSNorm(residual) * weight (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());

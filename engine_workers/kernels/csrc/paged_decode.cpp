@@ -1,8 +1,10 @@
-// Paged decode attention for CPU, float32: one query token per sequence, K/V read in place from the
-// block-paged cache (no gather copy, no padding to the longest sequence, no mask).
+// Paged decode attention for CPU, float32 math: one query token per sequence, K/V read in place from
+// the block-paged cache (no gather copy, no padding to the longest sequence, no mask).
 //
-// q        [B, Hq, D]      contiguous
-// k_cache  [slots, Hkv, D] contiguous (slot = block * block_size + offset), v_cache likewise
+// q        [B, Hq, D]      contiguous float32
+// k_cache  [slots, Hkv, D] contiguous (slot = block * block_size + offset), v_cache likewise; both
+//                          float32 or both bfloat16 (kv_elem.h: a bf16 row is widened to float32
+//                          once, into a buffer the G query heads of each KV head then read)
 // tables   [B, N] int64    block table of each sequence (entries past its context are ignored)
 // ctx      [B] int64       context length of each sequence, >= 1 (its new token included)
 // returns  [B, Hq, D]
@@ -23,6 +25,8 @@
 #include <math.h>
 #include <vector>
 
+#include "kv_elem.h"
+
 namespace {
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -36,47 +40,30 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
 }
 
 // The next block of a sequence is anywhere in the cache: ask for it while this one is read.
-inline void prefetch_block(const float* base, int64_t block, int64_t floats) {
-  const char* p = reinterpret_cast<const char*>(base + block * floats);
-  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(p + off);
+template <class KV>
+inline void prefetch_block(const KV* base, int64_t block, int64_t elems) {
+  const char* p = reinterpret_cast<const char*>(base + block * elems);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(KV)); off += 64) __builtin_prefetch(p + off);
 }
 
-}  // namespace
+// A cache row (all KV heads of one token) as float32: the row itself for a float32 cache, else
+// widened into buf.
+inline const float* row_f32(const float* r, float*, int64_t) { return r; }
+inline const float* row_f32(const uint16_t* r, float* buf, int64_t n) {
+  widen_row(buf, r, n);
+  return buf;
+}
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                           at::Tensor tables, at::Tensor ctx, int64_t block_size, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong, "int64 tables and ctx");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(1), N = tables.size(1), slots = k_cache.size(0);
-  TORCH_CHECK(k_cache.size(2) == D && Hq % Hkv == 0, "head shapes disagree");
-  TORCH_CHECK(tables.size(0) == B && ctx.size(0) == B, "one table and one length per sequence");
+template <class KV>
+void decode(const float* qp, const KV* kp, const KV* vp, float* op, const int64_t* tab, const int64_t* lens,
+            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t N, int64_t block_size, float sc) {
   const int64_t G = Hq / Hkv;
-  auto tabc = tables.contiguous();
-  auto ctxc = ctx.contiguous();
-  const int64_t* tab = tabc.data_ptr<int64_t>();
-  const int64_t* lens = ctxc.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= N * block_size, "context length outside the block table");
-    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
-      TORCH_CHECK(tab[b * N + j] >= 0 && (tab[b * N + j] + 1) * block_size <= slots, "block id outside the cache");
-  }
-  auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-
-  // One task per sequence: its K/V rows are read whole (all KV heads, Hkv * D contiguous floats per
-  // token), so memory streams block by block; a task per (sequence, head) reads a third of each row
-  // at a stride, which was much slower on cold caches (docs/benchmarks.md, Engine).
+  // One task per sequence: its K/V rows are read whole (all KV heads, Hkv * D contiguous elements
+  // per token), so memory streams block by block; a task per (sequence, head) reads a third of each
+  // row at a stride, which was much slower on cold caches (docs/benchmarks.md, Engine).
   const int64_t row = Hkv * D;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(Hq * D), inv(Hq);
+    std::vector<float> scores, acc(Hq * D), inv(Hq), wide(row);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t L = lens[b];
       const float* qb = qp + b * Hq * D;
@@ -84,7 +71,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       for (int64_t t = 0; t < L; ++t) {
         const int64_t slot = tab[b * N + t / block_size] * block_size + t % block_size;
         if (t % block_size == 0 && t + block_size < L) prefetch_block(kp, tab[b * N + t / block_size + 1], block_size * row);
-        const float* kr = kp + slot * row;
+        const float* kr = row_f32(kp + slot * row, wide.data(), row);
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * L + t] = dot(qb + (h * G + g) * D, kr + h * D, D) * sc;
       }
@@ -103,7 +90,7 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
       for (int64_t t = 0; t < L; ++t) {
         const int64_t slot = tab[b * N + t / block_size] * block_size + t % block_size;
         if (t % block_size == 0 && t + block_size < L) prefetch_block(vp, tab[b * N + t / block_size + 1], block_size * row);
-        const float* vr = vp + slot * row;
+        const float* vr = row_f32(vp + slot * row, wide.data(), row);
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t g = 0; g < G; ++g) axpy(acc.data() + (h * G + g) * D, scores[(h * G + g) * L + t], vr + h * D, D);
       }
@@ -112,5 +99,37 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
         for (int64_t i = 0; i < D; ++i) o[j * D + i] = acc[j * D + i] * inv[j];
     }
   });
+}
+
+}  // namespace
+
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor tables, at::Tensor ctx, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32, got ", q.scalar_type());
+  kv_is_bf16(k_cache, v_cache);  // float32 or bfloat16, one dtype for both
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs only");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong, "int64 tables and ctx");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), N = tables.size(1), slots = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && Hq % Hkv == 0 && v_cache.sizes() == k_cache.sizes(), "head shapes disagree");
+  TORCH_CHECK(tables.size(0) == B && ctx.size(0) == B, "one table and one length per sequence");
+  auto tabc = tables.contiguous();
+  auto ctxc = ctx.contiguous();
+  const int64_t* tab = tabc.data_ptr<int64_t>();
+  const int64_t* lens = ctxc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= N * block_size, "context length outside the block table");
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tab[b * N + j] >= 0 && (tab[b * N + j] + 1) * block_size <= slots, "block id outside the cache");
+  }
+  auto out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  if (kv_is_bf16(k_cache, v_cache))
+    decode(qp, kv_data<uint16_t>(k_cache), kv_data<uint16_t>(v_cache), op, tab, lens, B, Hq, Hkv, D, N, block_size, sc);
+  else
+    decode(qp, kv_data<float>(k_cache), kv_data<float>(v_cache), op, tab, lens, B, Hq, Hkv, D, N, block_size, sc);
   return out;
 }

@@ -1,9 +1,11 @@
-// Causal prefill attention for CPU, float32: one chunk of n query rows against its sequence's ctx
-// keys (ctx >= n; the chunk's own K/V are the last n of them). Query row i attends keys
+// Causal prefill attention for CPU, float32 math: one chunk of n query rows against its sequence's
+// ctx keys (ctx >= n; the chunk's own K/V are the last n of them). Query row i attends keys
 // 0 .. ctx - n + i. Called per chunk by engine_workers/model/attention.py.
 //
-// q    [n, Hq, D]   any row stride, unit stride in D (the engine passes a view of the fused QKV)
-// k, v [ctx, Hkv, D] likewise
+// q    [n, Hq, D]   float32, any row stride, unit stride in D (the engine passes a view of the fused QKV)
+// k, v [ctx, Hkv, D] likewise, both float32 or both bfloat16 (a bf16 cache, kv_elem.h): bf16 keys
+//                   are widened as they are transposed, bf16 values once per task into a float32
+//                   buffer, so the tiles below see float32 either way
 // returns [n, Hq, D] contiguous
 //
 // Why: SDPA's CPU kernel is built for long sequences with many heads; for the engine's chunks
@@ -27,8 +29,10 @@
 #include <ATen/Parallel.h>
 
 #include <math.h>
+#include <type_traits>
 #include <vector>
 
+#include "kv_elem.h"
 #include "tile.h"
 
 namespace {
@@ -132,28 +136,13 @@ void tile(const float* const* qrows, float* const* orows, const int64_t* len, co
   weighted_values<R>(s, lds, len, v, ldv, D, orows);
 }
 
-}  // namespace
-
-at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "float32 only");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "unit stride in the head dimension");
-  TORCH_CHECK(q.stride(1) == q.size(2) && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
-              "heads must be adjacent in each row");
-  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), ctx = k.size(0), Hkv = k.size(1);
-  TORCH_CHECK(v.size(0) == ctx && v.size(1) == Hkv && k.size(2) == D && v.size(2) == D, "k and v shapes differ");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(n >= 1 && ctx >= n, "need 1 <= n <= ctx, got n=", n, " ctx=", ctx);
+template <class KV>
+void prefill(const float* qp, const KV* kp, const KV* vp, float* op, int64_t qs, int64_t ks, int64_t vs, int64_t n,
+             int64_t Hq, int64_t Hkv, int64_t D, int64_t ctx, float scale) {
   const int64_t G = Hq / Hkv, off = ctx - n, blocks = (n + BQ - 1) / BQ;
-  auto out = at::empty({n, Hq, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
+  constexpr bool f32 = std::is_same<KV, float>::value;
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> kt, s;
+    std::vector<float> kt, s, vbuf;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / blocks, i0 = (t % blocks) * BQ, i1 = std::min(n, i0 + BQ);
       const int64_t keys = off + i1;                 // the block's last row sees keys [0, off + i1)
@@ -161,10 +150,20 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sc
       kt.assign(D * ldk, 0.f);
       s.resize(TR * ldk);
       for (int64_t j = 0; j < keys; ++j) {
-        const float* kr = kp + j * ks + h * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = kr[d];
+        const KV* kr = kp + j * ks + h * D;
+        for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = widen(kr[d]);
       }
-      const float* vh = vp + h * D;
+      const float* vh;
+      int64_t ldv;
+      if constexpr (f32) {
+        vh = vp + h * D;
+        ldv = vs;
+      } else {
+        vbuf.resize(keys * D);
+        for (int64_t j = 0; j < keys; ++j) widen_row(vbuf.data() + j * D, vp + j * vs + h * D, D);
+        vh = vbuf.data();
+        ldv = D;
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t head = h * G + g;
         for (int64_t r0 = i0; r0 < i1; r0 += TR) {
@@ -178,14 +177,37 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double sc
             len[r] = off + r0 + r + 1;
           }
           switch (R) {
-            case 4: tile<4>(qrows, orows, len, kt.data(), ldk, vh, vs, D, s.data(), ldk, (float)scale); break;
-            case 3: tile<3>(qrows, orows, len, kt.data(), ldk, vh, vs, D, s.data(), ldk, (float)scale); break;
-            case 2: tile<2>(qrows, orows, len, kt.data(), ldk, vh, vs, D, s.data(), ldk, (float)scale); break;
-            default: tile<1>(qrows, orows, len, kt.data(), ldk, vh, vs, D, s.data(), ldk, (float)scale); break;
+            case 4: tile<4>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
+            case 3: tile<3>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
+            case 2: tile<2>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
+            default: tile<1>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
           }
         }
       }
     }
   });
+}
+
+}  // namespace
+
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be 3-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32, got ", q.scalar_type());
+  const bool bf16 = kv_is_bf16(k, v);  // float32 or bfloat16, one dtype for both
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "unit stride in the head dimension");
+  TORCH_CHECK(q.stride(1) == q.size(2) && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "heads must be adjacent in each row");
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), ctx = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(v.size(0) == ctx && v.size(1) == Hkv && k.size(2) == D && v.size(2) == D, "k and v shapes differ");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(n >= 1 && ctx >= n, "need 1 <= n <= ctx, got n=", n, " ctx=", ctx);
+  auto out = at::empty({n, Hq, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs = q.stride(0), ks = k.stride(0), vs = v.stride(0);
+  if (bf16)
+    prefill(qp, kv_data<uint16_t>(k), kv_data<uint16_t>(v), op, qs, ks, vs, n, Hq, Hkv, D, ctx, (float)scale);
+  else
+    prefill(qp, kv_data<float>(k), kv_data<float>(v), op, qs, ks, vs, n, Hq, Hkv, D, ctx, (float)scale);
   return out;
 }

@@ -1,0 +1,51 @@
+// K/V cache elements: float32, or bf16 stored as raw uint16 bits (the top half of a float32).
+// The attention kernels read either kind and widen each element to float32 before any math, so a
+// bf16 cache halves the bytes read per token while every score, softmax and sum stays float32
+// (--kv-cache-dtype bfloat16; docs/design.md, Precision and devices). Widening is exact: a bf16
+// value is a float32 whose low 16 mantissa bits are zero.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+inline float widen(float x) { return x; }
+
+inline float widen(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// dst[i] = float(src[i]) for i < n.
+inline void widen_row(float* __restrict dst, const uint16_t* __restrict src, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+// The cache's element pointer, typed for the kernels (the caller has checked the dtype).
+template <class KV>
+inline const KV* kv_data(const at::Tensor& t) {
+  return static_cast<const KV*>(t.data_ptr());
+}
+
+// Both caches float32 or both bfloat16; anything else is refused with the dtypes named.
+inline bool kv_is_bf16(const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "K and V must have one dtype, got ", k.scalar_type(), " and ",
+              v.scalar_type());
+  TORCH_CHECK(k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16,
+              "K/V must be float32 or bfloat16, got ", k.scalar_type());
+  return k.scalar_type() == at::kBFloat16;
+}
