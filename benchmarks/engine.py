@@ -27,113 +27,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
-import random
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
+from benchmarks.engine_workload import ANCHOR_WORKLOAD_SHA256_16, Workload, capacity, make_workload
 from benchmarks.machine import loadavg, machine_info
+from benchmarks.roofline import measure_gemm_flops, model_flops
 
 __all__ = ["Workload", "make_workload", "machine_info", "measure_gemm_flops", "model_flops", "capacity", "run"]
 
 log = logging.getLogger(__name__)
 
-# The anchors' workload (shared/anchors/README.md): 32 requests, seed 0, SmolLM2's 49152-token vocabulary.
-ANCHOR_WORKLOAD_SHA256_16 = "aab3167ce97ad994"
 WARMUP_REQUESTS = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    prompts: list[list[int]]
-    outputs: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.outputs)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(map(len, self.prompts))
-
-    def fingerprint(self) -> str:
-        """The anchors' ``workload_sha256_16``: equal fingerprints, equal requests."""
-        return hashlib.sha256(json.dumps([self.prompts, self.outputs], separators=(",", ":")).encode()).hexdigest()[:16]
-
-
-def make_workload(vocab: int, n: int, seed: int, prompt_range=(8, 256), output_range=(8, 96), low: int = 3) -> Workload:
-    # The draw order is the anchors': each prompt's length then its ids, then all output lengths.
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(low, vocab) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
-    outputs = [rng.randint(*output_range) for _ in range(n)]
-    return Workload(prompts, outputs)
-
-
-def measure_gemm_flops(dtype=torch.float32, n: int = 1024, seconds: float = 1.5) -> dict[str, float]:
-    """fp32 GEMM FLOP/s of this machine, ``n``-cubed, by each path this process can use: plain
-    ``torch.mm`` (the BLAS every HF model runs on) and, where available, oneDNN with the weight
-    packed once (what lockgate's CPU linears use, engine_workers/kernels/cpu_linear.py). The machine's
-    roofline is the faster of the two: on some CPUs (AMD, where the BLAS is not tuned) the two
-    differ by more than 2x."""
-    from engine_workers.kernels.cpu_linear import PackedLinear, packing_problem
-
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-
-    def rate(fn) -> float:
-        fn()
-        iters, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            fn()
-            iters += 1
-        return 2 * n**3 * iters / (time.perf_counter() - start)
-
-    out = {"torch_mm": rate(lambda: torch.mm(a, b))}
-    if packing_problem(torch.device("cpu"), dtype) is None:
-        packed = PackedLinear.from_weight(b)
-        out["onednn_packed"] = rate(lambda: packed(a))
-    return out
 
 
 def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work: a timer read before that would stop early on CUDA."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def model_flops(spec, computed_tokens: int, sampled_tokens: int, seq_lens: list[int]) -> float:
-    """FLOPs of the model work a run did: every linear layer for each computed token, the LM head
-    for each sampled token, and attention (QK^T and PV) exactly: a sequence of final length ``L``
-    computes positions ``0 .. L-2`` and position ``i`` attends to ``i + 1`` keys. Padding and
-    masked-out keys an implementation computes anyway are not counted: they are not useful work."""
-    h, hd = spec.hidden_size, spec.head_dim
-    per_layer = 2 * h * (spec.num_heads + 2 * spec.num_kv_heads) * hd + 2 * spec.num_heads * hd * h + 2 * 3 * h * spec.intermediate_size
-    key_visits = sum((n - 1) * n // 2 for n in seq_lens)
-    attn = 4 * spec.num_heads * hd * key_visits * spec.num_layers
-    return computed_tokens * spec.num_layers * per_layer + attn + sampled_tokens * 2 * h * spec.vocab_size
-
-
-def capacity(wl: Workload, num_blocks: int, block_size: int, max_model_len: int) -> dict:
-    """Sequences of the workload's mix resident at once in a KV budget of ``num_blocks`` blocks:
-    paged (each holds ceil(tokens / block_size) blocks) vs contiguous, where each reserves its
-    prompt + max_tokens up front (what an engine without paging reserves; with EOS ignored every
-    sequence fills its reservation, so paging gains nothing here but loses its last block's slack:
-    its gain is requests that stop early). ``contiguous_sequences_at_max_model_len`` is the
-    reservation of an engine that sizes every slot for the longest context, for reference."""
-    lens = [len(p) + m for p, m in zip(wl.prompts, wl.outputs)]
-    blocks = sum(-(-n // block_size) for n in lens)
-    tokens = num_blocks * block_size
-    paged, contiguous = num_blocks * len(lens) // blocks, tokens * len(lens) // sum(lens)
-    return {"kv_blocks": num_blocks, "block_size": block_size, "kv_tokens": tokens,
-            "mean_sequence_tokens": sum(lens) / len(lens), "mean_sequence_blocks": blocks / len(lens),
-            "paged_sequences": paged, "contiguous_sequences": contiguous,
-            "ratio": paged / contiguous if contiguous else float("inf"),
-            "max_model_len": max_model_len, "contiguous_sequences_at_max_model_len": tokens // max_model_len}
 
 
 def ablation_skip_reason(config, device_type: str) -> str | None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.machine import process_cpu_seconds
 
 if TYPE_CHECKING:
-    from benchmarks.engine import Workload
+    from benchmarks.engine_workload import Workload
     from engine_workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class _Lockgate:
         return {"seconds": elapsed, "computed_tokens": self.engine.stats.computed_tokens - computed0}
 
     def gemm(self) -> dict[str, float]:
-        from benchmarks.engine import measure_gemm_flops
+        from benchmarks.roofline import measure_gemm_flops
 
         return measure_gemm_flops() if self.engine.device.type == "cpu" else {}
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from benchmarks.engine import Workload
+    from benchmarks.engine_workload import Workload
     from engine_workers.engine.config import EngineConfig
 
 

@@ -5,6 +5,8 @@ capacity is against a prompt + max_tokens reservation, and the workload is the a
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from types import SimpleNamespace
 
@@ -17,55 +19,61 @@ from engine_workers.engine.config import EngineConfig
 from lockgate.cli import build_parser
 
 
-def _bench_json(capsys) -> dict:
-    text = capsys.readouterr().out
-    return json.loads(text[text.index("{"):])
-
-
-def test_bench_engine_rows_machine_and_rounds(tiny_model_dir, capsys):
+@pytest.fixture(scope="module")
+def bench(tiny_model_dir) -> dict:
+    """One run of every row, shared by the tests below (each engine process costs seconds to start).
+    bfloat16: HF runs the model in bf16 on any CPU; lockgate has bf16 weights where its kernels can.
+    Seed 167: three requests of 15, 27 and 10 output tokens, the shortest draw (the tiny model in
+    bf16 steps slowly in HF)."""
     args = build_parser().parse_args(["bench", "engine", "--model", tiny_model_dir, "--kv-cache-bytes", "16M",
-                                      "--block-size", "8", "--num-requests", "3", "--repeat", "2", "--skip-hf", "--json"])
-    assert args.func(args) == 0
-    out = _bench_json(capsys)
-    m = out["machine"]
+                                      "--block-size", "8", "--num-requests", "3", "--seed", "167", "--repeat", "2",
+                                      "--dtype", "bfloat16", "--json"])
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert args.func(args) == 0
+    return json.loads(buf.getvalue())
+
+
+def test_bench_engine_names_the_machine_and_records_engine_flags(bench):
+    m = bench["machine"]
     for key in ("cpu_model", "cpu_flags", "cpu_count", "usable_cores", "clock_mhz_at_start", "max_clock_mhz", "torch",
                 "onednn", "loadavg_1_5_15_at_start", "loadavg_1_5_15_at_end"):
         assert key in m
     # every engine flag is recorded, and reached the engine (block size 8 in its KV cache)
-    assert out["engine_config"]["block_size"] == 8 == out["capacity"]["block_size"]
-    assert out["engine_config"]["kv_cache_bytes"] == 16 << 20
-    assert out["repeat"] == 2 and out["hf_skipped"] == "--skip-hf"
+    assert bench["engine_config"]["block_size"] == 8 == bench["capacity"]["block_size"]
+    assert bench["engine_config"]["kv_cache_bytes"] == 16 << 20 and bench["engine_config"]["dtype"] == "bfloat16"
+    assert bench["prompt_tokens"] == sum(len(p) for p in make_workload(512, 3, 167).prompts)
+
+
+def test_bench_engine_lockgate_and_its_ablation_keep_best_of_rounds(bench):
+    assert bench["repeat"] == 2
     for key, kernels in (("lockgate", True), ("lockgate_ablation", False)):
-        row = out[key]
+        row = bench[key]
         assert row["weight_prepack"] is kernels and row["cpu_kernels"] is kernels
         assert len(row["all_seconds"]) == 2 and row["seconds"] == min(row["all_seconds"])
-        assert row["warmup_s"] > 0 and row["threads"] == out["threads"]
+        assert row["warmup_s"] > 0 and row["threads"] == bench["threads"]
         # every round computes every prompt: no round is made cheaper by an earlier round's prefix cache
-        assert row["computed_tokens"] == out["prompt_tokens"] + out["output_tokens"] - out["requests"]
-    assert out["speedup_vs_lockgate_ablation"] == pytest.approx(out["lockgate_ablation"]["seconds"] / out["lockgate"]["seconds"])
-    assert f"{out['lockgate']['seconds']:.2f}" in out["table_row"]
-    assert set(out["gemm_flops_by_path"]) >= {"torch_mm"}
-    assert out["gemm_flops"] == max(out["gemm_flops_by_path"].values())
-    share = out["lockgate"]["roofline_share"]
-    assert 0 < share == pytest.approx(out["lockgate"]["model_flops_per_s"] / out["gemm_flops"])
+        assert row["computed_tokens"] == bench["prompt_tokens"] + bench["output_tokens"] - bench["requests"]
+    assert bench["lockgate_ablation"]["weights"] == "float32"  # low-precision weights are kernels too
+    assert bench["speedup_vs_lockgate_ablation"] == pytest.approx(
+        bench["lockgate_ablation"]["seconds"] / bench["lockgate"]["seconds"])
+    assert f"{bench['lockgate']['seconds']:.2f}" in bench["table_row"]
+    assert set(bench["gemm_flops_by_path"]) >= {"torch_mm"}
+    assert bench["gemm_flops"] == max(bench["gemm_flops_by_path"].values())
+    share = bench["lockgate"]["roofline_share"]
+    assert 0 < share == pytest.approx(bench["lockgate"]["model_flops_per_s"] / bench["gemm_flops"])
 
 
-def test_bench_engine_hf_rows_warm_and_follow_dtype(tiny_model_dir, capsys):
-    # bfloat16: HF runs the model in bf16 on any CPU; lockgate uses bf16 weights where its kernels can
-    args = build_parser().parse_args(["bench", "engine", "--model", tiny_model_dir, "--kv-cache-bytes", "16M",
-                                      "--num-requests", "2", "--no-ablation", "--dtype", "bfloat16", "--json"])
-    assert args.func(args) == 0
-    out = _bench_json(capsys)
-    assert out["lockgate_ablation"] == {"skipped": "--no-ablation"}
+def test_bench_engine_hf_rows_warm_up_and_follow_dtype(bench):
     for key in ("hf_static_b8", "hf_continuous"):
-        row = out[key]
-        assert len(row["all_seconds"]) == 1 and row["seconds"] > 0
-        assert row["warmup_s"] > 0  # the same warm-up as lockgate's, before the timed run
-        assert row["threads"] == out["threads"] == out["lockgate"]["threads"]
+        row = bench[key]
+        assert len(row["all_seconds"]) == 2 and row["seconds"] == min(row["all_seconds"])
+        assert row["warmup_s"] > 0  # the same warm-up as lockgate's, before the timed runs
+        assert row["threads"] == bench["threads"] == bench["lockgate"]["threads"]
         assert row["dtype"] == "bfloat16" and row["precision"].startswith("bfloat16 throughout")
-        assert out[f"speedup_vs_{key}"] == pytest.approx(row["seconds"] / out["lockgate"]["seconds"])
+        assert bench[f"speedup_vs_{key}"] == pytest.approx(row["seconds"] / bench["lockgate"]["seconds"])
     # transformers' continuous batching gets lockgate's KV budget, not its default share of host RAM
-    assert out["hf_continuous"]["kv_tokens"] >= out["capacity"]["kv_tokens"]
+    assert bench["hf_continuous"]["kv_tokens"] >= bench["capacity"]["kv_tokens"]
 
 
 def test_bench_engine_rejects_repeat_below_one(tiny_model_dir):
