@@ -39,7 +39,7 @@ def hf_precision(config: EngineConfig, device_type: str) -> tuple[str, str]:
 def load_model(path: str, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()  # type: ignore[arg-type]  # PreTrainedModel.to is functools.wraps'd; typeshed's _Wrapped does not bind self
     model.generation_config.eos_token_id = None  # EOS ignored: every engine makes exactly the tokens asked for
     return model
 

@@ -15,7 +15,9 @@ MACHINE_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf
 
 
 def _cpuinfo() -> tuple[str | None, set[str], list[float]]:
-    model, flags, mhz = None, set[str](), []
+    model: str | None = None
+    flags: set[str] = set()
+    mhz: list[float] = []
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
