@@ -123,14 +123,19 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    b = bench.add_parser("engine", help="engine throughput vs HF generate() and HF continuous batching")
-    add_engine_args(b)
-    b.add_argument("--num-requests", type=int, default=32)
+    b = bench.add_parser("engine", help="engine throughput vs its own ablation, HF generate() and HF continuous "
+                                        "batching, each engine in its own process")
+    add_engine_args(b)  # every engine flag reaches lockgate (and its ablation) through engine_config_from_args
+    b.add_argument("--num-requests", type=int, default=32,
+                   help="requests drawn from the seeded generator (32 with seed 0: the anchors' workload)")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--skip-hf", action="store_true", help="run lockgate only")
+    b.add_argument("--skip-hf", action="store_true", help="no HF rows")
+    b.add_argument("--no-ablation", dest="ablation", action="store_false",
+                   help="no lockgate --no-weight-prepack --no-cpu-kernels row (CPU only)")
     b.add_argument("--repeat", type=int, default=1,
                    help="rounds of every engine and the GEMM peak; each keeps its best (default 1)")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--json", action="store_true", help="print one JSON object (it has the table row too)")
+    b.add_argument("--table-row", action="store_true", help="also print a Markdown table row for docs/benchmarks.md")
     b.set_defaults(func=_bench_engine)
 
     from benchmarks.priority import add_args as add_priority_args
