@@ -229,6 +229,7 @@ class Report:
     new_tokens: int
     text_tokens: int
     ppl_targets: int
+    reference_perplexity: float  # float32's
     window: int
     stride: int
     reference_seconds: float
@@ -316,8 +317,8 @@ def _measure(config, modes, messages, steps, text, text_tokens, window, stride, 
         results.append(measure_mode(config, name, ref, text, window, stride))
         progress(format_row(results[-1]))
     model = str(config.model or "default")
-    return Report(model, config.resolved_device(), len(ref.prompts), steps, ref.text_tokens, ref.nll_count, window, stride,
-                  ref_seconds, results)
+    return Report(model, config.resolved_device(), len(ref.prompts), steps, ref.text_tokens, ref.nll_count, ref.perplexity,
+                  window, stride, ref_seconds, results)
 
 
 HEADER = (f"{'mode':<9}{'weights':<10}{'agree':>8}{'prefix':>8}{'ident':>7}{'relL2 mean':>12}{'relL2 max':>11}"
@@ -354,7 +355,8 @@ def run(args) -> int:
     print(f"machine: {m['cpu_model']}, {m['usable_cores']} of {m['cpu_count']} cores; torch {m['torch']}; load average at "
           f"start {'/'.join(f'{v:.2f}' for v in m['loadavg_1_5_15_at_start'] or [])}")
     print(f"model {report.model} on {report.device}; {report.prompts * report.new_tokens} teacher-forced positions; "
-          f"{report.ppl_targets} perplexity targets of {report.text_tokens} tokens; reference {report.reference_seconds:.0f} s")
+          f"{report.ppl_targets} perplexity targets of {report.text_tokens} tokens; float32 reference: perplexity "
+          f"{report.reference_perplexity:.4f}, {report.reference_seconds:.0f} s")
     print(format_table(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
