@@ -10,11 +10,29 @@ from pathlib import Path
 
 from lockgate.options import add_engine_args, env_default
 
+# `lockgate bench accuracy`'s default modes (benchmarks/accuracy.py, MODES): add a name when its mode merges
+ACCURACY_MODES = "fp32,bf16,int8"
+
 
 def _bench_engine(args: argparse.Namespace) -> int:
     from benchmarks.engine import run
 
     return run(args)
+
+
+def _bench_accuracy(args: argparse.Namespace) -> int:
+    from benchmarks.accuracy import run
+
+    return run(args)
+
+
+def _accuracy_modes(text: str) -> list[str]:
+    from benchmarks.accuracy import parse_modes
+
+    try:
+        return parse_modes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
@@ -137,6 +155,20 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     b.add_argument("--json", action="store_true", help="print one JSON object (it has the table row too)")
     b.add_argument("--table-row", action="store_true", help="also print a Markdown table row for docs/benchmarks.md")
     b.set_defaults(func=_bench_engine)
+
+    b = bench.add_parser("accuracy", help="each precision mode vs float32: greedy agreement, logits error, perplexity")
+    add_engine_args(b)
+    b.add_argument("--modes", type=_accuracy_modes, default=ACCURACY_MODES,
+                   help="comma-separated modes, each measured against a float32 reference (benchmarks/accuracy.py, "
+                        "MODES: fp32, bf16, int8, q4_1, bf16-kv; a mode this build lacks is refused)")
+    b.add_argument("--prompts", type=int, default=64, help="chat prompts (of the 64 in benchmarks/data/accuracy_prompts.json)")
+    b.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    b.add_argument("--text-tokens", type=int, default=0, help="perplexity over the first N tokens of the text (0: all)")
+    b.add_argument("--window", type=int, default=1024, help="perplexity window (tokens)")
+    b.add_argument("--stride", type=int, default=1024,
+                   help="tokens between window starts; each window scores only targets no earlier window scored")
+    b.add_argument("--out", type=Path, default=None, help="also write the figures to this JSON file")
+    b.set_defaults(func=_bench_accuracy)
 
     from benchmarks.priority import add_args as add_priority_args
 
