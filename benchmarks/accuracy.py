@@ -61,6 +61,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("int8", {"quantization": "int8"}, "int8"),
     Mode("q4_1", {"quantization": "q4_1"}, None),
     Mode("bf16-kv", {"kv_cache_dtype": "bfloat16"}, "float32"),
+    Mode("w8a8", {"quantization": "w8a8"}, "w8a8"),
 )}
 
 
