@@ -10,7 +10,9 @@ class EngineConfig:
     model: str | None = None  # None/"default" = SmolLM2-135M-Instruct (converted on first use)
     device: str = "auto"  # auto = cuda if available, else cpu
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; bfloat16 on CPU = bf16 linear weights, fp32 rest
-    quantization: str = "none"  # none | int8 (CPU: weight-only int8, per output row; fp32 activations)
+    # none | int8 (CPU: weight-only int8, per output row) | q4_1 (CPU: Q4_1 blocks of 32, head Q8_0,
+    # from the GGUF the model came from where it did); both with float32 activations
+    quantization: str = "none"
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CPU: of a quarter of free RAM, <= 1 GiB)
@@ -41,8 +43,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.priority_preemption_margin is not None and not self.priority_preemption_margin > 0:
             raise ValueError(f"priority_preemption_margin must be > 0 or None, got {self.priority_preemption_margin}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "q4_1"):
+            raise ValueError(f"quantization must be none, int8 or q4_1, got {self.quantization!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

@@ -16,6 +16,9 @@ torch::Tensor linear_bf16f(torch::Tensor x, torch::Tensor panels, int64_t n, c10
 torch::Tensor pack_i8(torch::Tensor w);
 torch::Tensor linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n,
                         c10::optional<torch::Tensor> bias);
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t n,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor block_dequant_t(torch::Tensor packed, int64_t kind, int64_t n, int64_t k);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do: the worker's event loop thread
@@ -39,5 +42,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("pack_i8", &pack_i8, "pack an int8 weight [N, K] into linear_i8's panels");
   m.def("linear_i8", &linear_i8, "x @ (scales * W)^T (+ bias), float32 x and y, int8 weight panels (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_linear", &block_linear, "x @ W^T (+ bias), float32 x and y, W in packed Q4_1 / Q8_0 blocks (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_dequant_t", &block_dequant_t, "the float32 W^T [K, N] of packed Q4_1 / Q8_0 blocks (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
