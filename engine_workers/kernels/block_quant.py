@@ -92,13 +92,16 @@ class BlockWeight:
         size = BLOCK_BYTES[kind]
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % size:
             raise ValueError(f"{kind} data must be uint8 [N, K/32 * {size}]; got {raw.dtype} {tuple(raw.shape)}")
-        n = raw.shape[0]
-        b = raw.reshape(n, -1, size)
-        d = b[..., 0:2].contiguous().view(torch.float16).view(n, -1)
+        n, raw = raw.shape[0], raw.contiguous()
+        # Records are 20 / 34 bytes: as int16 lanes, d (and m) are lanes 0 (and 1) and the codes the
+        # rest, so each field is one strided copy of 2- or 4-byte elements (byte-wise copies are slow).
+        lanes = raw.view(torch.int16).view(n, -1, size // 2)
+        d = lanes[..., 0].contiguous().view(torch.float16)
         if kind == "q8_0":
-            return BlockWeight(kind, b[..., 2:].contiguous().view(torch.int8).view(n, -1), d)
-        m = b[..., 2:4].contiguous().view(torch.float16).view(n, -1)
-        return BlockWeight(kind, b[..., 4:].contiguous().view(n, -1), d, m)
+            return BlockWeight(kind, lanes[..., 1:].contiguous().view(torch.int8).view(n, -1), d)
+        m = lanes[..., 1].contiguous().view(torch.float16)
+        codes = raw.view(torch.int32).view(n, -1, size // 4)[..., 1:].contiguous().view(torch.uint8).view(n, -1)
+        return BlockWeight(kind, codes, d, m)
 
 
 def quantize(kind: str, w: torch.Tensor) -> BlockWeight:

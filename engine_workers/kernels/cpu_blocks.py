@@ -104,6 +104,8 @@ class BlockLinear(nn.Module):
         return cls.from_blocks(quantize(kind, weight), bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1] if x.dim() else 0} features, the layer {self.in_features}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
