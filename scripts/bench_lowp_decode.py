@@ -1,10 +1,11 @@
-"""Decode steps with fp32, bf16 and int8 linear weights, one process (docs/benchmarks.md,
-"Low-precision weights").
+"""Decode steps with fp32, bf16, int8 and 4-bit (Q4_1) linear weights, one process
+(docs/benchmarks.md, "Low-precision weights", "4-bit weights").
 
     .venv/bin/python scripts/bench_lowp_decode.py [--batches 1 8 32] [--tokens 64 --rounds 3]
+        [--engines fp32 bf16 int8 q4_1]
 
-Three engines on the default model (``--dtype auto``, ``--dtype bfloat16``, ``--quantization int8``)
-take turns: per round and batch size, each generates ``--tokens`` greedy tokens for ``batch``
+Engines on the default model (``--dtype auto``, ``--dtype bfloat16``, ``--quantization int8``,
+``--quantization q4_1``) take turns: per round and batch size, each generates ``--tokens`` greedy tokens for ``batch``
 8-token prompts (fresh prefix-cache salt). Printed: ms per step (the 8-token prefill amortised in),
 best over rounds, and the load average, because the machine is shared.
 """
@@ -16,12 +17,15 @@ import os
 import time
 import uuid
 
+ENGINES = {"fp32": ("auto", "none"), "bf16": ("bfloat16", "none"), "int8": ("auto", "int8"), "q4_1": ("auto", "q4_1")}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--engines", nargs="+", choices=sorted(ENGINES), default=list(ENGINES))
     args = p.parse_args()
 
     from engine_workers.engine import torch_thread
@@ -36,8 +40,8 @@ def _run(args: argparse.Namespace) -> None:
     from engine_workers.engine.params import SamplingParams
 
     print(machine_info(), flush=True)
-    engines = {name: Engine(EngineConfig(kv_cache_bytes=256 << 20, dtype=dtype, quantization=quant))
-               for name, dtype, quant in (("fp32", "auto", "none"), ("bf16", "bfloat16", "none"), ("int8", "auto", "int8"))}
+    engines = {name: Engine(EngineConfig(kv_cache_bytes=256 << 20, dtype=ENGINES[name][0], quantization=ENGINES[name][1]))
+               for name in args.engines}
     best: dict[tuple[str, int], float] = {}
     for rnd in range(args.rounds):
         for batch in args.batches:
