@@ -39,7 +39,6 @@ def main() -> None:
 
     from benchmarks.engine import machine_info
     from engine_workers.kernels import cpu_kernels
-    from engine_workers.kernels.block_quant import quantize
     from engine_workers.kernels.cpu_blocks import BlockLinear, block_ops
     from engine_workers.kernels.cpu_linear import PackedLinear
 
@@ -59,10 +58,9 @@ def main() -> None:
                 continue
             x = torch.randn(m, blk.in_features, generator=gen)
             loops = max(1, int(2e8 // (m * blk.in_features * blk.out_features + 1e7)))
-            kern = _time(lambda: ops.linear(x, blk.packed, blk._code, blk.out_features, None), loops, args.repeat)
-            gemm = _time(lambda: torch.mm(x, ops.dequant_t(blk.packed, blk._code, blk.out_features, blk.in_features)),
-                         loops, args.repeat)
-            ref = _time(lambda: f32(x), loops, args.repeat)
+            kern = _time(lambda x=x, blk=blk: blk(x), loops, args.repeat)
+            gemm = _time(lambda x=x, blk=blk: torch.mm(x, blk.dequantized().t()), loops, args.repeat)
+            ref = _time(lambda x=x, f32=f32: f32(x), loops, args.repeat)
             print(f"{m:>5} {name:>8} {kern:>10.3f} {gemm:>12.3f} {ref:>9.3f}", flush=True)
     print(f"load {os.getloadavg()}")
 

@@ -3,12 +3,16 @@ bindings of ``csrc/block_linear.cpp``, its check, and :class:`BlockLinear`.
 
 Layers keep their weights as Q4_1 blocks and the (tied) head as Q8_0 blocks
 (:mod:`engine_workers.kernels.block_quant`), regrouped once at load into the kernel's panels
-(:func:`pack_blocks`: same codes and scales, 64 output columns per panel). Decode-sized inputs
-(at most ``BLOCK_KERNEL_MAX_ROWS`` rows) run on the kernel, which reads each block once per call
-and dequantizes it in registers; larger inputs (prefill chunks) dequantize the whole weight into a
-float32 ``W^T`` and use torch's GEMM, whose speed the kernel cannot match once the weights are
-reused across many rows. Both give F.linear of the dequantized weight up to float32 summation
-order. Design and figures: docs/design.md ("Precision and devices"), docs/benchmarks.md.
+(:func:`pack_blocks`: same codes and scales, 64 output columns per panel). Every row count runs
+on the kernel, which reads each block once per call: up to 4 rows it dequantizes in registers and
+uses the weights at once; from 5 rows (larger decode batches, prefill chunks) it dequantizes 128 k
+at a time into an L1 buffer that every row tile reuses, i.e. a float32 micro-GEMM on a
+dequantized tile. Measured on SmolLM2's shapes, that matched or beat both float32 oneDNN and
+dequantizing the whole weight for torch's GEMM at every row count up to 1024
+(scripts/bench_block_linear.py, docs/benchmarks.md "4-bit weights"), so there is no separate
+prefill path; the whole-weight dequantization (:meth:`BlockLinear.dequantized`) serves the load-time
+check. Results equal F.linear of the dequantized weight up to float32 summation order. Design:
+docs/design.md ("Precision and devices").
 
 The kernel is part of the engine's extension module (:mod:`engine_workers.kernels.cpu_kernels`
 builds it) and is checked against ``F.linear`` on random blocks before use; where it cannot build
@@ -30,8 +34,7 @@ from engine_workers.kernels.block_quant import QK, BlockWeight, quantize
 
 PANEL = 64  # output columns per panel of csrc/block_linear.cpp (its NC)
 KIND_CODES = {"q4_1": 0, "q8_0": 1}
-# Rows up to which the block kernel runs; above, dequantize + GEMM (docs/benchmarks.md, "4-bit").
-BLOCK_KERNEL_MAX_ROWS = 32
+REGISTER_ROWS = 4  # up to this many rows the kernel dequantizes in registers (csrc/block_linear.cpp, MR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +113,7 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        x2 = x2.contiguous()
-        if x2.shape[0] <= BLOCK_KERNEL_MAX_ROWS:
-            y = self._ops.linear(x2, self.packed, self._code, self.out_features, self.bias)
-        else:
-            wt = self._ops.dequant_t(self.packed, self._code, self.out_features, self.in_features)
-            y = torch.mm(x2, wt) if self.bias is None else torch.addmm(self.bias, x2, wt)
+        y = self._ops.linear(x2.contiguous(), self.packed, self._code, self.out_features, self.bias)
         return y.view(*lead, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
@@ -131,10 +129,11 @@ class BlockLinear(nn.Module):
 
 
 def _check(ops: BlockOps) -> str | None:
-    """Compare both paths of both formats with ``F.linear`` of the dequantized weight over row-tile
-    and panel tails, with and without bias; ``None`` when they agree."""
+    """Compare both loops of both formats, and the dequantization, with ``F.linear`` of the
+    dequantized weight over row-tile, panel and 128-k group tails, with and without bias; ``None``
+    when they agree."""
     gen = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 64, 32), (7, 100, 96), (13, 200, 320)):
+    for m, n, k in ((1, 64, 32), (3, 100, 96), (13, 200, 320)):
         w, b, x = (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen))
         for kind in ("q4_1", "q8_0"):
             blocks = quantize(kind, w)

@@ -26,16 +26,17 @@ import torch.nn.functional as F
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels.block_quant import BlockWeight, quantize
-from engine_workers.kernels.cpu_blocks import BLOCK_KERNEL_MAX_ROWS, BlockLinear, block_ops, pack_blocks
+from engine_workers.kernels.cpu_blocks import REGISTER_ROWS, BlockLinear, block_ops
 from engine_workers.kernels.cpu_linear import cpu_weight_plan, lowp_problem
 
 CPU = torch.device("cpu")
 needs_q4 = pytest.mark.skipif(lowp_problem("q4_1") is not None, reason=f"q4_1 kernel: {lowp_problem('q4_1')}")
 
-# (M, N, K): one row, row-tile tails (M not a multiple of 4), panel tails (N not of 64), the largest
-# kernel M, the first GEMM M, a prefill chunk
-SHAPES = [(1, 64, 32), (3, 1, 64), (5, 97, 160), (BLOCK_KERNEL_MAX_ROWS, 200, 576),
-          (BLOCK_KERNEL_MAX_ROWS + 1, 130, 96), (77, 191, 1536)]
+# (M, N, K): the kernel's in-register loop (1..4 rows) and its buffered loop (more), with row-tile
+# tails (M not a multiple of 6), panel tails (N not of 64), 128-k group tails (K not of 128), a
+# prefill chunk on SmolLM2's down_proj shape
+SHAPES = [(1, 64, 32), (2, 1, 64), (REGISTER_ROWS, 97, 160), (REGISTER_ROWS + 1, 200, 576), (16, 130, 96),
+          (77, 191, 1536), (512, 576, 1536)]
 
 
 def ggml_q4_1(row: list[float]) -> list[tuple[float, float, list[int]]]:
@@ -105,13 +106,8 @@ def test_kernel_matches_torch(m: int, n: int, k: int, kind: str, bias: bool) -> 
     assert torch.equal(lin.dequantized(), blocks.dequantize())  # packing keeps every code and scale
     got = lin(x)
     assert got.shape == (m, n) and got.dtype == torch.float32
-    torch.testing.assert_close(got, F.linear(x, blocks.dequantize(), b), rtol=1e-4, atol=1e-4)
-    ops = block_ops()
-    assert ops is not None  # both regimes on every shape: the kernel and dequantize + GEMM
-    code = 0 if kind == "q4_1" else 1
-    torch.testing.assert_close(ops.linear(x, lin.packed, code, n, b), got, rtol=1e-4, atol=1e-4)
-    wt = ops.dequant_t(lin.packed, code, n, k)
-    torch.testing.assert_close(x @ wt + (0 if b is None else b), got, rtol=1e-4, atol=1e-4)
+    # summation order only: |y| ~ sqrt(K) here, float32 sums of 1536 terms differ by ~1e-4
+    torch.testing.assert_close(got, F.linear(x, blocks.dequantize(), b), rtol=1e-4, atol=1e-3)
 
 
 @needs_q4
@@ -213,7 +209,7 @@ def _helpers():
 
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TINY_PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(20, 60)), [300, 301, 302, 7, 9] * 5]  # 40 rows: GEMM path
+TINY_PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(20, 60)), [300, 301, 302, 7, 9] * 5]
 
 
 def _kind(name: str) -> str | None:
