@@ -59,7 +59,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("fp32", {}, "float32"),  # the reference re-run: checks the measurement is deterministic
     Mode("bf16", {"dtype": "bfloat16"}, "bfloat16"),
     Mode("int8", {"quantization": "int8"}, "int8"),
-    Mode("q4_1", {"quantization": "q4_1"}, None),
+    Mode("q4_1", {"quantization": "q4_1"}, "q4_1"),
     Mode("bf16-kv", {"kv_cache_dtype": "bfloat16"}, "float32"),
     Mode("w8a8", {"quantization": "w8a8"}, "w8a8"),
 )}

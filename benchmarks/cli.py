@@ -11,7 +11,7 @@ from pathlib import Path
 from lockgate.options import add_engine_args, env_default
 
 # `lockgate bench accuracy`'s default modes (benchmarks/accuracy.py, MODES): add a name when its mode merges
-ACCURACY_MODES = "fp32,bf16,int8"
+ACCURACY_MODES = "fp32,bf16,int8,q4_1,bf16-kv,w8a8"
 
 
 def _bench_engine(args: argparse.Namespace) -> int:

@@ -12,8 +12,9 @@ class EngineConfig:
     model: str | None = None  # None/"default" = SmolLM2-135M-Instruct (converted on first use)
     device: str = "auto"  # auto = cuda if available, else cpu
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; bfloat16 on CPU = bf16 linear weights, fp32 rest
-    # none | int8 (CPU: weight-only int8, per output row; fp32 activations) | w8a8 (CPU: int8 weights
-    # and int8 activations per row, int32 sums on VNNI)
+    # none | int8 (CPU: weight-only int8, per output row) | q4_1 (CPU: Q4_1 blocks of 32, head Q8_0,
+    # from the GGUF the model came from where it did); both with float32 activations | w8a8 (CPU:
+    # int8 weights and int8 activations per row, int32 sums on VNNI)
     quantization: str = "none"
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
@@ -48,8 +49,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.priority_preemption_margin is not None and not self.priority_preemption_margin > 0:
             raise ValueError(f"priority_preemption_margin must be > 0 or None, got {self.priority_preemption_margin}")
-        if self.quantization not in ("none", "int8", "w8a8"):
-            raise ValueError(f"quantization must be none, int8 or w8a8, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "q4_1", "w8a8"):
+            raise ValueError(f"quantization must be none, int8, q4_1 or w8a8, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -145,7 +145,7 @@ def prepack_linears(model: nn.Module, small_m=None) -> int:
 
 # -- low-precision weights ---------------------------------------------------------------------------
 
-QUANTIZATIONS = ("none", "int8", "w8a8")  # --quantization values
+QUANTIZATIONS = ("none", "int8", "q4_1", "w8a8")  # --quantization values
 # bf16 weights through AVX512-BF16 dot products (x rounded to bf16) instead of widening each bf16
 # pair to float32 in registers and using FMAs. Off: on the benchmark machine (Xeon with
 # avx512_bf16, no AMX) the dot-product kernel was no faster at 1-2 rows and 1.4-1.5x slower at
@@ -159,20 +159,24 @@ def cpu_weight_plan(dtype: torch.dtype, quantization: str, device: torch.device,
     ``quantization`` on ``device``. On a CPU, ``bfloat16`` means bf16 *weights* in the linear
     layers with float32 everywhere else (norms, RoPE, attention, KV cache, activations), so the
     compute dtype is float32 and the kind ``"bfloat16"``; ``int8`` likewise (weight-only, per
-    output row); ``w8a8`` int8 weights and int8 activations per row (:mod:`engine_workers.kernels.w8a8_linear`). Where the kernels cannot serve that (no AVX512-BF16, no build, ``--no-cpu-kernels``)
+    output row), ``q4_1`` (Q4_1 blocks of 32 weights, head Q8_0; :mod:`engine_workers.kernels.cpu_blocks`) and
+    ``w8a8`` (int8 weights and int8 activations per row; :mod:`engine_workers.kernels.w8a8_linear`).
+    Where the kernels cannot serve that (no AVX512-BF16, no build, ``--no-cpu-kernels``)
     it logs a warning naming the reason and returns float32 weights. Raises ``ValueError`` for what
-    is never supported: an unknown quantization, int8/w8a8 on CUDA or with a non-float32 dtype."""
+    is never supported: an unknown quantization, int8/q4_1/w8a8 on CUDA or with a non-float32 dtype."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    if quantization in ("int8", "w8a8"):
+    if quantization != "none":
+        what = {"int8": "weight-only int8", "q4_1": "4-bit Q4_1 blocks", "w8a8": "int8 weights and activations"}[quantization]
         if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} is implemented for CPU only; device is {device.type}")
+            raise ValueError(f"--quantization {quantization} ({what}) is implemented for CPU only; "
+                             f"device is {device.type}")
         if dtype != torch.float32:
             raise ValueError(f"--quantization {quantization} computes outside the linear layers in float32; "
                              f"use --dtype auto or float32, not {dtype}")
     if device.type != "cpu" or (dtype != torch.bfloat16 and quantization == "none"):
         return dtype, None
-    kind = quantization if quantization != "none" else "bfloat16"
+    kind = "bfloat16" if quantization == "none" else quantization
     why = lowp_problem(kind, cpu_kernels)
     if why is not None:
         log.warning("%s weights on CPU unavailable (%s): linear weights stay float32", kind, why)
@@ -181,7 +185,7 @@ def cpu_weight_plan(dtype: torch.dtype, quantization: str, device: torch.device,
 
 
 def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
-    """Why the ``kind`` (``"bfloat16"``, ``"int8"`` or ``"w8a8"``) weight kernel cannot run here, or ``None``."""
+    """Why the ``kind`` (``"bfloat16"``, ``"int8"``, ``"q4_1"`` or ``"w8a8"``) weight kernel cannot run here, or ``None``."""
     from engine_workers.kernels import cpu_kernels as kernels
 
     if kind == "w8a8":
@@ -193,6 +197,10 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     flags = kernels.cpu_flags()
     if flags and "avx512f" not in flags:  # the plain-loop build would run, far slower than float32
         return f"this CPU lacks the avx512f flag (AVX-512) the {kind} kernel needs"
+    if kind == "q4_1":
+        from engine_workers.kernels.cpu_blocks import block_problem
+
+        return block_problem()
     if kind == "bfloat16" and BF16_DOT_PRODUCTS and flags and "avx512_bf16" not in flags:
         return "this CPU lacks the avx512_bf16 flag (AVX512-BF16 dot products) the bf16 kernel needs"
     ops = kernels.lowp()

@@ -73,9 +73,11 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     """Load ``spec`` (a folder, ``default`` or a hub id). ``weight_prepack``: on CPU in float32,
     run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.kernels.cpu_linear`);
     with ``cpu_kernels`` too, decode-sized batches on the engine's own kernel where it builds.
-    ``lowp``: ``"bfloat16"`` or ``"int8"`` (from :func:`engine_workers.kernels.cpu_linear.cpu_weight_plan`,
-    CPU, ``dtype`` float32): the linear layers keep only that copy of their weights, on the engine's
-    low-precision kernel; everything else stays ``dtype``."""
+    ``lowp``: ``"bfloat16"``, ``"int8"`` or ``"q4_1"`` (from
+    :func:`engine_workers.kernels.cpu_linear.cpu_weight_plan`, CPU, ``dtype`` float32): the linear
+    layers keep only that copy of their weights, on the engine's low-precision kernel; everything
+    else stays ``dtype``. ``q4_1``: Q4_1 layers and a Q8_0 head, read from the GGUF the folder was
+    converted from where there is one (:func:`_blocks`), else quantized at load."""
     from transformers import AutoConfig, AutoTokenizer
 
     resolved = resolve_model(spec)
@@ -107,7 +109,9 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     model = model.to(device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    if lowp is not None:
+    if lowp == "q4_1":
+        _blocks(model, Path(path))
+    elif lowp is not None:
         _lowp(model, lowp)
     elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
@@ -135,6 +139,49 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
     size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (LowpLinear, W8A8Linear)))
     log.info("%d linear layers with %s weights (%.0f MB) on the engine's CPU kernels; activations %s",
              n, kind, size / 1e6, acts)
+
+
+def _blocks(model: LlamaForPagedLM, path: Path) -> None:
+    """Every linear layer (and the head) onto :class:`engine_workers.kernels.cpu_blocks.BlockLinear`:
+    Q4_1 layers and a Q8_0 head. Where ``path`` was converted from a GGUF whose blocks dequantize
+    to exactly the float32 weights just loaded, those blocks are used as they are (the model's
+    numerics unchanged but for summation order); otherwise, or for a layer the GGUF lacks, the
+    float32 weight is quantized here. Logs which."""
+    from engine_workers.kernels.cpu_blocks import BlockLinear
+    from engine_workers.model.gguf_blocks import gguf_source, layer_blocks
+
+    linears: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+        name: (mod.weight, mod.bias) for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    if model.lm_head is None:  # tied: the head is a copy of the embedding matrix (which stays float32)
+        linears["lm_head"] = (model.embed_tokens.weight, None)
+    source, blocks = gguf_source(path), {}
+    if source is not None:
+        try:
+            blocks = layer_blocks(source, model.spec)
+        except ModelError as exc:
+            log.warning("q4_1: not using the GGUF's blocks (%s); quantizing at load", exc)
+    made: dict[str, BlockLinear] = {}
+    for name, b in blocks.items():
+        if name in linears and b.shape == tuple(linears[name][0].shape):
+            made[name] = BlockLinear.from_blocks(b, linears[name][1])
+    # The folder's float32 weights are what the model is; the GGUF's blocks stand in for them only
+    # where they dequantize to exactly those weights (an edited folder, another GGUF: quantize here).
+    wrong = [name for name, lin in made.items() if not torch.equal(lin.dequantized(), linears[name][0])]
+    if wrong:
+        log.warning("q4_1: %d of %s's tensors (first %s) do not dequantize to %s's weights; quantizing at load",
+                    len(wrong), source, wrong[0], path)
+        made = {}
+    from_gguf = len(made)
+    for name, (weight, bias) in linears.items():
+        if name not in made:
+            made[name] = BlockLinear.quantized("q8_0" if name == "lm_head" else "q4_1", weight, bias)
+    for name, lin in made.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, lin)
+    size = sum(lin.weight_bytes() for lin in made.values())
+    log.info("%d linear layers on the engine's CPU block kernel (Q4_1, head %s; %.0f MB): %d from the GGUF's "
+             "blocks (%s), %d quantized at load; activations float32",
+             len(made), made["lm_head"].kind, size / 1e6, from_gguf, source, len(made) - from_gguf)
 
 
 def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True) -> None:

@@ -16,6 +16,9 @@ torch::Tensor linear_bf16f(torch::Tensor x, torch::Tensor panels, int64_t n, c10
 torch::Tensor pack_i8(torch::Tensor w);
 torch::Tensor linear_i8(torch::Tensor x, torch::Tensor panels, torch::Tensor scales, int64_t n,
                         c10::optional<torch::Tensor> bias);
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, int64_t n,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor block_dequant_t(torch::Tensor packed, int64_t kind, int64_t n, int64_t k);
 
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows_i8(torch::Tensor x);
 torch::Tensor dequant_i32(torch::Tensor acc, torch::Tensor xscale, torch::Tensor wscale,
@@ -47,5 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_i8", &quantize_rows_i8, "x [M, K] float32 -> (int8 [M, K], scale [M]), symmetric per row",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequant_i32", &dequant_i32, "int32 [M, N] * xscale[m] * wscale[n] (+ bias) -> float32",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_linear", &block_linear, "x @ W^T (+ bias), float32 x and y, W in packed Q4_1 / Q8_0 blocks (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("block_dequant_t", &block_dequant_t, "the float32 W^T [K, N] of packed Q4_1 / Q8_0 blocks (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
