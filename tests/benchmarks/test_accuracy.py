@@ -100,10 +100,13 @@ def test_disjoint_windows_leave_each_first_token_as_context(tiny_config, text):
 TINY_BOUNDS = {
     "bf16": (0.8, 0.03, 0.08, 0.005),
     "int8": (0.75, 0.08, 0.2, 0.01),
-    # provisional (not measured: the mode is not in this build yet); its merge measures and tightens
-    "q4_1": (0.5, 0.3, 0.8, 0.1),
-    "bf16-kv": (0.8, 0.03, 0.08, 0.005),
-    "w8a8": (0.5, 0.15, 0.4, 0.03),  # provisional until measured on the tiny model
+    # measured 2026-12-05 (agreement, rel L2 mean / max, |ppl ratio - 1|), bounds with margin:
+    # q4_1 quantized at load 0.44, 0.43 / 0.64, 0.017 (random weights: 16 levels per group of 32 lose
+    # much of a random Gaussian's detail; the default model's GGUF blocks are exact instead);
+    # bf16-kv 1.0, 0.006 / 0.010, 0.0004; w8a8 0.94, 0.050 / 0.11, 0.0013
+    "q4_1": (0.3, 0.6, 0.9, 0.05),
+    "bf16-kv": (0.8, 0.02, 0.04, 0.003),
+    "w8a8": (0.75, 0.1, 0.25, 0.01),
 }
 
 

@@ -169,7 +169,7 @@ def test_kernel_refuses_mismatched_inputs() -> None:
 
 def test_q4_1_plan_and_refusals() -> None:
     assert EngineConfig(quantization="q4_1").quantization == "q4_1"
-    with pytest.raises(ValueError, match="none, int8 or q4_1"):
+    with pytest.raises(ValueError, match="none, int8, q4_1 or w8a8"):
         EngineConfig(quantization="q4_0")
     with pytest.raises(ValueError, match="CPU only"):
         cpu_weight_plan(torch.float32, "q4_1", torch.device("cuda"))

@@ -83,7 +83,7 @@ def test_plan_and_refusals() -> None:
         cpu_weight_plan(torch.float32, "w8a8", torch.device("cuda"))
     with pytest.raises(ValueError, match="float32"):
         cpu_weight_plan(torch.bfloat16, "w8a8", CPU)
-    with pytest.raises(ValueError, match="none, int8 or w8a8"):
+    with pytest.raises(ValueError, match="none, int8, q4_1 or w8a8"):
         EngineConfig(quantization="w4a4")
     if w8a8_problem() is None:
         assert cpu_weight_plan(torch.float32, "w8a8", CPU) == (torch.float32, "w8a8")
