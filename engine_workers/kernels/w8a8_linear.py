@@ -4,7 +4,7 @@ Why: on CPUs with AVX512-VNNI an int8 dot-product instruction does four times th
 float32 FMA, and torch's int8 GEMM (``torch._int_mm``, oneDNN underneath) reaches that rate at the
 prefill shapes where the engine is compute-bound; the weights are also a quarter of float32's bytes
 for decode. float32 (or bf16 dot products where the CPU runs them at half the FMA rate) cannot get
-there. The figures are in docs/benchmarks.md ("Precision modes").
+there. The figures are in docs/benchmarks.md ("Issue #23: every precision mode ...").
 
 Numerics: the weight is the int8 weight-only mode's (symmetric, one float32 scale per output row,
 :func:`engine_workers.kernels.cpu_kernels.quantize_int8`); each input row ("token") is quantized

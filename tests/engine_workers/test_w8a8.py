@@ -6,7 +6,7 @@ Bounds (measured, with margin): the int32 sums are exact, so a layer differs fro
 only by float32 scaling (~1e-6). Against the float32 layer the error is int8 weights plus int8
 activations, relative L2 ~1.5e-2 on random data. Through SmolLM2-135M (6 chat prompts) the
 next-token logits are 0.073 off float32 (int8 weight-only: 0.036) and greedy tokens agree to the
-first difference on 34 % of 32 (docs/benchmarks.md, "Precision modes", has the perplexity)."""
+first difference on 34 % of 32 (docs/benchmarks.md, "Accuracy", has the perplexity)."""
 
 from __future__ import annotations
 

@@ -224,7 +224,10 @@ async def run_mode(bootstrap: str, tiny_dir: Path, mode: str, period: float, sat
     # and with the CPU kernels a 96-token request on the tiny model took ~0.09 s, so the p2 burst
     # drained in ~0.7 s and fifo's penalty sank into the noise of Kafka's fetch gaps. With the floor
     # a request takes ~0.2 s on any machine, as when these bounds were set.
-    cfg = WorkerConfig(MODEL, layout=layout, intake_mode=mode, aging_period_s=period, prefetch_per_tier=4)
+    # prefetch_per_tier = the burst: the intake orders only what it has fetched, so with a smaller
+    # buffer fifo saw the p2 burst a few records at a time and, between p2 fetches, ran the newer p0
+    # it did hold: its after-burst p0 penalty then depended on fetch timing (1.4-4.2 s in three runs)
+    cfg = WorkerConfig(MODEL, layout=layout, intake_mode=mode, aging_period_s=period, prefetch_per_tier=n_p2)
     async with connect(kafka_url(bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
         async with Worker(cfg, bus, engine, before_step=lambda: time.sleep(STEP_FLOOR_S)):
