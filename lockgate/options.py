@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from engine_workers.engine.config import EngineConfig
+from engine_workers.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig  # dataclasses only: cheap
 
 
 def env_default(name: str, default: object) -> object:
@@ -35,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=env_default("dtype", "auto"),
                    help="auto (bf16 on CUDA, fp32 on CPU)|float32|bfloat16|float16; bfloat16 on a CPU: bf16 weights "
                         "in the linear layers (needs AVX-512), float32 everything else [LOCKGATE_DTYPE]")
-    g.add_argument("--quantization", choices=("none", "int8", "q4_1", "w8a8"), default=env_default("quantization", "none"),
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=env_default("quantization", "none"),
                    help="int8: weight-only int8 linear weights (per output row scales); q4_1: 4-bit weights in "
                         "ggml Q4_1 blocks of 32 (head Q8_0), read from the GGUF the model was converted from "
                         "(the default model: its exact weights), else quantized at load; both with float32 "
@@ -43,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "VNNI: the fastest CPU mode. CPU with AVX-512 only [LOCKGATE_QUANTIZATION]")
     g.add_argument("--block-size", type=int, default=env_default("block-size", 16), help="tokens per KV block [LOCKGATE_BLOCK_SIZE]")
     g.add_argument("--kv-cache-bytes", type=_bytes, default=env_default("kv-cache-bytes", None), help="KV budget, e.g. 512M, 4G; default: a fraction of free memory [LOCKGATE_KV_CACHE_BYTES]")
-    g.add_argument("--kv-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    default=env_default("kv-cache-dtype", "auto"),
                    help="K/V cache storage: auto (the compute dtype)|float32|bfloat16|float16 (CUDA); bfloat16 on a "
                         "CPU halves KV memory and decode's KV reads, attention math stays float32 [LOCKGATE_KV_CACHE_DTYPE]")
@@ -85,8 +83,6 @@ def _bytes(text: str) -> int:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from engine_workers.engine.config import EngineConfig
-
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype,
         quantization=getattr(args, "quantization", "none"), block_size=args.block_size,

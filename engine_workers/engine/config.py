@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+QUANTIZATIONS = ("none", "int8", "q4_1", "w8a8")  # --quantization (kernels/cpu_linear.py plans them)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (model/runner.py resolves them)
 
 
@@ -49,8 +50,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.priority_preemption_margin is not None and not self.priority_preemption_margin > 0:
             raise ValueError(f"priority_preemption_margin must be > 0 or None, got {self.priority_preemption_margin}")
-        if self.quantization not in ("none", "int8", "q4_1", "w8a8"):
-            raise ValueError(f"quantization must be none, int8, q4_1 or w8a8, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            names = ", ".join(QUANTIZATIONS[:-1]) + " or " + QUANTIZATIONS[-1]
+            raise ValueError(f"quantization must be {names}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):

@@ -29,6 +29,7 @@ gets and logs why when it falls back to float32 weights. docs/design.md, "Precis
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,17 +131,23 @@ def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def prepack_linears(model: nn.Module, small_m=None) -> int:
-    """Replace every ``nn.Linear`` inside ``model`` by a :class:`PackedLinear`, in place; returns
-    how many were replaced. The caller checks :func:`packing_problem` first. ``small_m``: the
-    small-batch kernel's ``(pack, linear)`` (:func:`engine_workers.kernels.cpu_kernels.small_m`), or None."""
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by ``make(it)``, in place; returns how many were
+    replaced. The one loop behind every CPU weight format (packed, low-precision, W8A8)."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear.from_linear(child, small_m))
+                setattr(parent, name, make(child))
                 replaced += 1
     return replaced
+
+
+def prepack_linears(model: nn.Module, small_m=None) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` by a :class:`PackedLinear`, in place; returns
+    how many were replaced. The caller checks :func:`packing_problem` first. ``small_m``: the
+    small-batch kernel's ``(pack, linear)`` (:func:`engine_workers.kernels.cpu_kernels.small_m`), or None."""
+    return replace_linears(model, lambda lin: PackedLinear.from_linear(lin, small_m))
 
 
 # -- low-precision weights ---------------------------------------------------------------------------
@@ -188,12 +195,12 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     """Why the ``kind`` (``"bfloat16"``, ``"int8"``, ``"q4_1"`` or ``"w8a8"``) weight kernel cannot run here, or ``None``."""
     from engine_workers.kernels import cpu_kernels as kernels
 
-    if kind == "w8a8":
-        from engine_workers.kernels.w8a8_linear import w8a8_problem
-
-        return w8a8_problem(cpu_kernels)
     if not cpu_kernels:
         return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
+    if kind == "w8a8":  # its own flag (VNNI, not AVX-512F) and kernels
+        from engine_workers.kernels.w8a8_linear import w8a8_problem
+
+        return w8a8_problem()
     flags = kernels.cpu_flags()
     if flags and "avx512f" not in flags:  # the plain-loop build would run, far slower than float32
         return f"this CPU lacks the avx512f flag (AVX-512) the {kind} kernel needs"
@@ -261,18 +268,3 @@ class LowpLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weights={self.kind}")
-
-
-def lowp_linears(model: nn.Module, kind: str) -> int:
-    """Replace every ``nn.Linear`` inside ``model`` by a :class:`LowpLinear` of ``kind``, in place;
-    returns how many were replaced. The caller checks :func:`lowp_problem` first."""
-    from engine_workers.kernels import cpu_kernels as kernels
-
-    ops = kernels.lowp()
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, LowpLinear.from_weight(kind, child.weight, child.bias, ops))
-                replaced += 1
-    return replaced

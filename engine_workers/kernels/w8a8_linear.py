@@ -56,10 +56,9 @@ def w8a8_ops() -> W8A8Ops | None:
     return kernels._resolved("w8a8", _resolve, "W8A8 linear layers unavailable")
 
 
-def w8a8_problem(cpu_kernels: bool = True) -> str | None:
-    """Why ``--quantization w8a8`` cannot run here, or ``None``."""
-    if not cpu_kernels:
-        return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
+def w8a8_problem() -> str | None:
+    """Why ``--quantization w8a8`` cannot run here, or ``None`` (``--no-cpu-kernels`` is checked by
+    the caller, :func:`engine_workers.kernels.cpu_linear.lowp_problem`)."""
     flags = kernels.cpu_flags()
     if flags and "avx512_vnni" not in flags and "avx_vnni" not in flags:
         return "this CPU lacks VNNI (avx512_vnni / avx_vnni): int8 GEMMs would be slower than float32"
@@ -127,16 +126,3 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 "weights=int8, activations=int8 per row")
-
-
-def w8a8_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` inside ``model`` by a :class:`W8A8Linear`, in place; returns how
-    many were replaced. The caller checks :func:`w8a8_problem` first."""
-    ops = w8a8_ops()
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, W8A8Linear.from_weight(child.weight, child.bias, ops))
-                replaced += 1
-    return replaced

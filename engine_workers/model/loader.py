@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,21 +122,21 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
 
 
 def _lowp(model: LlamaForPagedLM, kind: str) -> None:
-    from engine_workers.kernels.cpu_linear import LowpLinear, lowp_linears
-    from engine_workers.kernels.w8a8_linear import W8A8Linear, w8a8_linears
+    from engine_workers.kernels import cpu_kernels as kernels
+    from engine_workers.kernels.cpu_linear import LowpLinear, replace_linears
+    from engine_workers.kernels.w8a8_linear import W8A8Linear, w8a8_ops
 
+    make: Callable[[torch.Tensor, torch.Tensor | None], torch.nn.Module]
     if kind == "w8a8":
-        n = w8a8_linears(model)
-        if model.lm_head is None:  # tied: an int8 copy of the embedding matrix as the head
-            model.lm_head = W8A8Linear.from_weight(model.embed_tokens.weight)
-            n += 1
-        acts = "int8 per row"
+        ops = w8a8_ops()
+        make, acts = (lambda w, b: W8A8Linear.from_weight(w, b, ops)), "int8 per row"
     else:
-        n = lowp_linears(model, kind)
-        if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
-            model.lm_head = LowpLinear.from_weight(kind, model.embed_tokens.weight)
-            n += 1
-        acts = "float32"
+        lowp_ops = kernels.lowp()
+        make, acts = (lambda w, b: LowpLinear.from_weight(kind, w, b, lowp_ops)), "float32"
+    n = replace_linears(model, lambda lin: make(lin.weight, lin.bias))
+    if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
+        model.lm_head = make(model.embed_tokens.weight, None)
+        n += 1
     size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (LowpLinear, W8A8Linear)))
     log.info("%d linear layers with %s weights (%.0f MB) on the engine's CPU kernels; activations %s",
              n, kind, size / 1e6, acts)
