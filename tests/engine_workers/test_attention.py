@@ -77,10 +77,13 @@ def test_mixed_batch_matches_dense_attention(kernel, groups):
 
 
 @pytest.mark.parametrize("n, ctx, hq, hkv, d", [(1, 1, 9, 3, 64), (4, 4, 6, 2, 8), (33, 33, 9, 3, 64),
-                                                (200, 200, 9, 3, 64), (1, 97, 4, 4, 32), (96, 300, 6, 2, 64)])
+                                                (200, 200, 9, 3, 64), (1, 97, 4, 4, 32), (96, 300, 6, 2, 64),
+                                                (70, 130, 8, 1, 128), (17, 17, 6, 2, 80), (40, 1000, 9, 3, 64)])
 def test_prefill_kernel_matches_sdpa(n, ctx, hq, hkv, d):
-    """Tile tails (rows not a multiple of 4, keys not of 96, query blocks of 32), continuations
-    (ctx > n), GQA and plain multi-head, a strided query view like the engine's fused QKV."""
+    """Tile tails (rows not a multiple of the 8-row tile, keys not of the 48-key block, partial
+    query blocks), continuations (ctx > n), GQA (up to 8 query heads per KV head) and plain
+    multi-head, head sizes past one 64-wide value tile, a strided query view like the engine's
+    fused QKV."""
     fn = cpu_kernels.prefill_attention()
     if fn is None:
         pytest.skip(f"no CPU prefill kernel here: {cpu_kernels.prefill_problem()}")
@@ -89,6 +92,22 @@ def test_prefill_kernel_matches_sdpa(n, ctx, hq, hkv, d):
     q = fused[:, : hq * d].view(n, hq, d)
     k, v = torch.randn(ctx, hkv, d, generator=gen), torch.randn(ctx, hkv, d, generator=gen)
     torch.testing.assert_close(fn(q, k, v, 0.3), cpu_kernels.reference_prefill(q, k, v, 0.3), rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_kernel_online_softmax_rescales():
+    """Scores whose maximum keeps rising with the key position (so each key block raises a row's
+    running max and rescales what it summed before) and spans far more than float32's exp range
+    within a row: the kernel must still match SDPA."""
+    fn = cpu_kernels.prefill_attention()
+    if fn is None:
+        pytest.skip(f"no CPU prefill kernel here: {cpu_kernels.prefill_problem()}")
+    gen = torch.Generator().manual_seed(5)
+    n, hq, hkv, d = 300, 9, 3, 64
+    q = torch.randn(n, hq, d, generator=gen).abs()
+    ramp = torch.linspace(0.0, 8.0, n).view(n, 1, 1)  # later keys score higher against positive q
+    k = torch.randn(n, hkv, d, generator=gen).abs() * ramp
+    v = torch.randn(n, hkv, d, generator=gen)
+    torch.testing.assert_close(fn(q, k, v, 0.5), cpu_kernels.reference_prefill(q, k, v, 0.5), rtol=1e-4, atol=1e-5)
 
 
 def test_prefill_kernel_rejects_bad_shapes():

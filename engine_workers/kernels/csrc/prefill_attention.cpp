@@ -3,24 +3,30 @@
 // 0 .. ctx - n + i. Called per chunk by engine_workers/model/attention.py.
 //
 // q    [n, Hq, D]   float32, any row stride, unit stride in D (the engine passes a view of the fused QKV)
-// k, v [ctx, Hkv, D] likewise, both float32 or both bfloat16 (a bf16 cache, kv_elem.h): bf16 keys
-//                   are widened as they are transposed, bf16 values once per task into a float32
-//                   buffer, so the tiles below see float32 either way
+// k, v [ctx, Hkv, D] likewise, both float32 or both bfloat16 (a bf16 cache, kv_elem.h)
 // returns [n, Hq, D] contiguous
 //
 // Why: SDPA's CPU kernel is built for long sequences with many heads; for the engine's chunks
-// (a few sequences of 8..512 tokens, 9 query heads over 3 KV heads) it runs far below what a GEMM
+// (a few sequences of 8..1024 tokens, 9 query heads over 3 KV heads) it runs far below what a GEMM
 // reaches, and was a large share of every prefill step (docs/design.md, Paged attention).
 //
-// Per task = (KV head, block of BQ query rows): the task's keys are transposed once into
-// Kt[D][keys] (a thread-local buffer), then for each of the G query heads sharing the KV head and
-// each tile of 4 query rows:
-//   1. S = q . Kt over 96-key column blocks, outer-product form (tile.h: broadcast 4 q values
-//      per d, 6 vector loads, 24 FMAs into 24 registers; no horizontal sums),
-//   2. softmax over each row's own keys only (no masking, so no -inf: the build uses -ffast-math),
-//   3. O = P . V, again outer-product (broadcast 4 probabilities per key, 4 vector loads of V).
-// Tasks run on torch's intra-op pool (at::parallel_for). Without AVX-512F a plain loop nest does
-// the same work; GCC vectorises it for whatever the CPU has.
+// Layout of the work (flash-attention's loop order, on a CPU's caches):
+//   1. Pack once per call: every KV head's keys transposed to Kt[h][D][ctx'] (ctx' = ctx padded
+//      to whole key blocks) and, for a bf16 cache, its values widened to float32. Each key is
+//      packed once, not once per query block.
+//   2. A task = (KV head, block of BQ query positions); its rows are every (position, query head
+//      of that KV head) pair, position-major, so rows sharing keys share each loaded key block.
+//   3. For each block of KB keys (Kt's block and V's block are ~24 KiB each: L1/L2-resident while
+//      every row tile of the task passes over them), for each tile of TR rows:
+//        S = q . Kt over the block, outer-product form (tile.h: TR broadcasts, 6 vector loads, 6·TR
+//        FMAs per d; no horizontal sums), scaled; then the online softmax (running max m and sum l
+//        per row; O rescaled by exp(m_old - m_new) when the max grows); then O += P . V.
+//      A key past a row's causal limit gets p = 0 (never -inf: the build uses -ffast-math, finite
+//      math only); the running max starts at the finite kNoMax.
+//   4. out = O / l.
+// Tasks are claimed from an atomic counter, heaviest (latest query block) first, so a causal
+// chunk's uneven tasks balance over the threads; the pool is torch's (at::parallel_for).
+// Without AVX-512F the same loop order runs with plain loops that GCC vectorises.
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
 // whole C++ frontend) makes each file that includes it several times slower to compile (build
 // times in docs/design.md, Paged attention). Only module.cpp binds.
@@ -29,6 +35,9 @@
 #include <ATen/Parallel.h>
 
 #include <math.h>
+#include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -37,152 +46,269 @@
 
 namespace {
 
-constexpr int64_t BQ = 32;   // query rows per task
-constexpr int64_t TR = 4;    // query rows per register tile
-constexpr int64_t KC = 96;   // keys per score column block (6 vectors)
+constexpr int64_t TR = 8;         // rows per tile (8 rows x 3 vectors: 24 score accumulators)
+constexpr int64_t KB = 48;        // keys per block
+constexpr float kNoMax = -1e30f;  // running max before a row has seen a key (finite: -ffast-math)
+constexpr float kLog2e = 1.4426950408889634f;
 
-// s[r][j] = scale * q_r . Kt[:, j] for r < R, j in [0, nk), nk rounded up to KC (Kt is padded).
-template <int R>
-inline void scores(const float* const* qrows, const float* __restrict kt, int64_t ldk, int64_t D, int64_t nk,
-                   float* __restrict s, int64_t lds, float scale) {
-  for (int64_t j0 = 0; j0 < nk; j0 += KC) {
-#ifdef __AVX512F__
-    __m512 acc[R][6];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 6; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      tile_step<R>(acc, kt + d * ldk + j0, [&](int r) { return qrows[r][d]; });
-    }
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 6; ++c) _mm512_storeu_ps(s + r * lds + j0 + 16 * c, _mm512_mul_ps(acc[r][c], sc));
-#else
-    float acc[R][KC] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const float* kr = kt + d * ldk + j0;
-      for (int r = 0; r < R; ++r) {
-        const float qv = qrows[r][d];
-        for (int64_t c = 0; c < KC; ++c) acc[r][c] += qv * kr[c];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < KC; ++c) s[r * lds + j0 + c] = acc[r][c] * scale;
-#endif
+// The rows of one task: their query and output pointers, visible key counts, and online-softmax
+// state (running max m in log2 units, running sum l kept as 16 lane-wise partial sums per row,
+// so a block adds to it without a horizontal sum; unnormalised output o).
+struct Rows {
+  std::vector<const float*> q;
+  std::vector<float*> out;
+  std::vector<int64_t> len;
+  std::vector<float> m, l, o;
+  void reset(int64_t M, int64_t D) {
+    q.resize(M);
+    out.resize(M);
+    len.resize(M);
+    m.assign(M, kNoMax);
+    l.assign(M * 16, 0.f);
+    o.assign(M * D, 0.f);
   }
+};
+
+#ifdef __AVX512F__
+// 2^x for x <= 0, relative error ~2e-7 (degree-7 Taylor series of 2^f on f in [-1/2, 1/2];
+// results below 2^-127 flush towards 0). Inline, so the softmax keeps its registers (a call to
+// glibc's vector expf clobbers every zmm register).
+inline __m512 exp2_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));  // f ln 2
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
-// o_r = sum_j p[r][j] v_j for j < len[r] (p already normalised), D a multiple of 16 on AVX-512.
+inline __mmask16 first_lanes(int64_t k) { return k >= 16 ? 0xFFFF : k <= 0 ? 0 : (__mmask16)((1u << k) - 1); }
+#endif
+
+// Scores of R rows against one packed key block kt [D][KB], then the online softmax, in
+// registers: p[r][j] = 2^(t - m_new) with t = log2(e) * scale * q_r . k_j for the row's first
+// nv[r] keys of the block, p = 0 past them; m and l (16 partial sums per row) updated; corr[r] =
+// the factor the row's earlier o must be scaled by. Rows with nv <= 0 are left as they were
+// (corr 1, p 0).
 template <int R>
-inline void weighted_values(const float* __restrict p, int64_t ldp, const int64_t* len, const float* __restrict v,
-                            int64_t ldv, int64_t D, float* const* orows) {
-  int64_t nk = 0;
-  for (int r = 0; r < R; ++r) nk = std::max(nk, len[r]);
+inline void scores_softmax(const float* const* qrows, const float* __restrict kt, int64_t D, const int64_t* nv,
+                           float* m, float* l, float* corr, float* __restrict p, float scale) {
 #ifdef __AVX512F__
-  if (D % 64 == 0) {
-    for (int64_t d0 = 0; d0 < D; d0 += 64) {
-      __m512 acc[R][4];
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < nk; ++j) {
-        const float* vr = v + j * ldv + d0;
-        __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
-        __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
-        for (int r = 0; r < R; ++r) {
-          // rows shorter than nk have p = 0 past their length (zeroed by the caller)
-          __m512 pv = _mm512_set1_ps(p[r * ldp + j]);
-          acc[r][0] = _mm512_fmadd_ps(pv, v0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(pv, v1, acc[r][1]);
-          acc[r][2] = _mm512_fmadd_ps(pv, v2, acc[r][2]);
-          acc[r][3] = _mm512_fmadd_ps(pv, v3, acc[r][3]);
-        }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(orows[r] + d0 + 16 * c, acc[r][c]);
+  constexpr int NV = KB / 16;
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kv[NV];
+    for (int c = 0; c < NV; ++c) kv[c] = _mm512_loadu_ps(kt + d * KB + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(qrows[r][d]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(xv, kv[c], acc[r][c]);
     }
-    return;
+  }
+  const __m512 sc = _mm512_set1_ps(scale * kLog2e), none = _mm512_set1_ps(kNoMax);
+  for (int r = 0; r < R; ++r) {
+    if (nv[r] <= 0) {
+      corr[r] = 1.f;
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(p + r * KB + 16 * c, _mm512_setzero_ps());
+      continue;
+    }
+    __mmask16 mask[NV];
+    __m512 t[NV], mx = none;
+    for (int c = 0; c < NV; ++c) {
+      mask[c] = first_lanes(nv[r] - 16 * c);
+      t[c] = _mm512_mask_mul_ps(none, mask[c], acc[r][c], sc);
+      mx = _mm512_max_ps(mx, t[c]);
+    }
+    const float mn = std::max(m[r], _mm512_reduce_max_ps(mx));
+    corr[r] = m[r] == kNoMax ? 0.f
+              : mn == m[r]   ? 1.f
+                             : _mm512_cvtss_f32(exp2_nonpos(_mm512_set1_ps(m[r] - mn)));
+    const __m512 mv = _mm512_set1_ps(mn);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < NV; ++c) {
+      const __m512 e = _mm512_maskz_mov_ps(mask[c], exp2_nonpos(_mm512_sub_ps(t[c], mv)));
+      _mm512_storeu_ps(p + r * KB + 16 * c, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(l + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(l + 16 * r), _mm512_set1_ps(corr[r]), sum));
+    m[r] = mn;
+  }
+#else
+  float acc[R][KB] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* kr = kt + d * KB;
+    for (int r = 0; r < R; ++r) {
+      const float qv = qrows[r][d];
+      for (int64_t c = 0; c < KB; ++c) acc[r][c] += qv * kr[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* pr = p + r * KB;
+    const int64_t n = std::min(KB, nv[r]);
+    for (int64_t j = 0; j < KB; ++j) pr[j] = 0.f;
+    if (n <= 0) {
+      corr[r] = 1.f;
+      continue;
+    }
+    float mx = kNoMax;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, acc[r][j] * scale * kLog2e);
+    const float mn = std::max(m[r], mx);
+    corr[r] = m[r] == kNoMax ? 0.f : exp2f(m[r] - mn);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      pr[j] = exp2f(acc[r][j] * scale * kLog2e - mn);
+      sum += pr[j];
+    }
+    l[16 * r] = l[16 * r] * corr[r] + sum;  // one partial sum of the 16 suffices here
+    m[r] = mn;
   }
 #endif
+}
+
+// o_r = corr_r * o_r + sum_{j < nk} p[r][j] v_j for r < R.
+template <int R>
+inline void block_values(const float* __restrict p, const float* corr, const float* __restrict v, int64_t ldv,
+                         int64_t D, int64_t nk, float* const* orows) {
+  int64_t d0 = 0;
+#ifdef __AVX512F__
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      const __m512 c = _mm512_set1_ps(corr[r]);
+      for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_mul_ps(c, _mm512_loadu_ps(orows[r] + d0 + 16 * u));
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* vr = v + j * ldv + d0;
+      const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
+      const __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pv = _mm512_set1_ps(p[r * KB + j]);
+        acc[r][0] = _mm512_fmadd_ps(pv, v0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(pv, v1, acc[r][1]);
+        acc[r][2] = _mm512_fmadd_ps(pv, v2, acc[r][2]);
+        acc[r][3] = _mm512_fmadd_ps(pv, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(orows[r] + d0 + 16 * u, acc[r][u]);
+  }
+#endif
+  if (d0 == D) return;
   for (int r = 0; r < R; ++r) {
     float* o = orows[r];
-    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-    for (int64_t j = 0; j < len[r]; ++j) {
-      const float pj = p[r * ldp + j];
+    for (int64_t d = d0; d < D; ++d) o[d] *= corr[r];
+    for (int64_t j = 0; j < nk; ++j) {
+      const float pj = p[r * KB + j];
       const float* vr = v + j * ldv;
-      for (int64_t d = 0; d < D; ++d) o[d] += pj * vr[d];
+      for (int64_t d = d0; d < D; ++d) o[d] += pj * vr[d];
     }
   }
 }
 
-template <int R>
-void tile(const float* const* qrows, float* const* orows, const int64_t* len, const float* kt, int64_t ldk,
-          const float* v, int64_t ldv, int64_t D, float* s, int64_t lds, float scale) {
-  int64_t nk = 0;
-  for (int r = 0; r < R; ++r) nk = std::max(nk, len[r]);
-  scores<R>(qrows, kt, ldk, D, nk, s, lds, scale);
-  for (int r = 0; r < R; ++r) {
-    float* row = s + r * lds;
-    const int64_t L = len[r];
-    float m = row[0];
-    for (int64_t j = 1; j < L; ++j) m = std::max(m, row[j]);
-    float sum = 0.f;
-    for (int64_t j = 0; j < L; ++j) {
-      row[j] = expf(row[j] - m);
-      sum += row[j];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t j = 0; j < L; ++j) row[j] *= inv;
-    for (int64_t j = L; j < nk; ++j) row[j] = 0.f;
+// o rows += p . v for R (<= 4) rows: block_values with R fixed at compile time.
+inline void values_rows(int R, const float* p, const float* corr, const float* v, int64_t ldv, int64_t D,
+                        int64_t nk, float* const* orows) {
+  switch (R) {
+    case 4: block_values<4>(p, corr, v, ldv, D, nk, orows); break;
+    case 3: block_values<3>(p, corr, v, ldv, D, nk, orows); break;
+    case 2: block_values<2>(p, corr, v, ldv, D, nk, orows); break;
+    default: block_values<1>(p, corr, v, ldv, D, nk, orows); break;
   }
-  weighted_values<R>(s, lds, len, v, ldv, D, orows);
+}
+
+// Rows [r0, r0 + R) of a task (R <= TR) over the key block starting at key kb0 (kt: that block,
+// packed; vb: its first value row). A partial tile scores its last row again in the unused slots
+// (cheaper than a variant per row count) and gives those slots no keys.
+void tile(Rows& rows, int64_t r0, int R, int64_t kb0, const float* kt, const float* vb, int64_t ldv, int64_t D,
+          float* p, float scale) {
+  const float* q[TR];
+  float* o[TR];
+  int64_t nv[TR];
+  int64_t nk = 0;
+  for (int r = 0; r < TR; ++r) {
+    const int64_t i = r0 + std::min(r, R - 1);
+    q[r] = rows.q[i];
+    o[r] = rows.o.data() + i * D;
+    nv[r] = r < R ? std::min(KB, rows.len[i] - kb0) : 0;
+    nk = std::max(nk, nv[r]);
+  }
+  float corr[TR];
+  scores_softmax<TR>(q, kt, D, nv, rows.m.data() + r0, rows.l.data() + 16 * r0, corr, p, scale);
+  values_rows(std::min(R, 4), p, corr, vb, ldv, D, nk, o);
+  if (R > 4) values_rows(R - 4, p + 4 * KB, corr + 4, vb, ldv, D, nk, o + 4);
 }
 
 template <class KV>
 void prefill(const float* qp, const KV* kp, const KV* vp, float* op, int64_t qs, int64_t ks, int64_t vs, int64_t n,
              int64_t Hq, int64_t Hkv, int64_t D, int64_t ctx, float scale) {
-  const int64_t G = Hq / Hkv, off = ctx - n, blocks = (n + BQ - 1) / BQ;
   constexpr bool f32 = std::is_same<KV, float>::value;
-  at::parallel_for(0, Hkv * blocks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> kt, s, vbuf;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t h = t / blocks, i0 = (t % blocks) * BQ, i1 = std::min(n, i0 + BQ);
-      const int64_t keys = off + i1;                 // the block's last row sees keys [0, off + i1)
-      const int64_t ldk = (keys + KC - 1) / KC * KC;  // padded to whole column blocks
-      kt.assign(D * ldk, 0.f);
-      s.resize(TR * ldk);
-      for (int64_t j = 0; j < keys; ++j) {
+  const int64_t G = Hq / Hkv, off = ctx - n;
+  const int64_t nblk = (ctx + KB - 1) / KB;
+
+  // 1. Pack: Kt[h][block][d][j - block start], each block contiguous (padding keys zero: their
+  //    scores are computed, then given p = 0) and, for bf16, V widened to [h][j][d].
+  std::vector<float> kt(Hkv * nblk * D * KB, 0.f), vw(f32 ? 0 : Hkv * ctx * D);
+  at::parallel_for(0, Hkv * nblk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t h = b / nblk, j0 = (b % nblk) * KB, j1 = std::min(ctx, j0 + KB);
+      float* blk = kt.data() + b * D * KB;
+      for (int64_t j = j0; j < j1; ++j) {
         const KV* kr = kp + j * ks + h * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * ldk + j] = widen(kr[d]);
+        for (int64_t d = 0; d < D; ++d) blk[d * KB + (j - j0)] = widen(kr[d]);
       }
-      const float* vh;
-      int64_t ldv;
-      if constexpr (f32) {
-        vh = vp + h * D;
-        ldv = vs;
-      } else {
-        vbuf.resize(keys * D);
-        for (int64_t j = 0; j < keys; ++j) widen_row(vbuf.data() + j * D, vp + j * vs + h * D, D);
-        vh = vbuf.data();
-        ldv = D;
+      if constexpr (!f32)
+        for (int64_t j = j0; j < j1; ++j) widen_row(vw.data() + (h * ctx + j) * D, vp + j * vs + h * D, D);
+    }
+  });
+
+  // 2. Tasks: (KV head, block of BQ query positions), enough of them to keep every thread busy
+  //    on a short chunk; claimed heaviest (latest positions) first. BQ * G rows fill whole tiles
+  //    (BQ a multiple of TR / gcd(G, TR)) wherever the chunk allows.
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t step = TR / std::gcd(G, TR);
+  const int64_t want = (n * Hkv + 4 * nth - 1) / (4 * nth);  // positions per task for ~4 tasks per thread
+  const int64_t BQ = std::clamp<int64_t>((want + step - 1) / step * step, 1, std::max<int64_t>(32, step));
+  const int64_t qblocks = (n + BQ - 1) / BQ, tasks = Hkv * qblocks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
+    Rows rows;
+    std::vector<float> p(TR * KB);
+    for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+      const int64_t h = t % Hkv, i0 = (qblocks - 1 - t / Hkv) * BQ, i1 = std::min(n, i0 + BQ);
+      const int64_t M = (i1 - i0) * G;  // rows: (position, query head of h), position-major
+      rows.reset(M, D);
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t pos = i0 + r / G, head = h * G + r % G;
+        rows.q[r] = qp + pos * qs + head * D;
+        rows.out[r] = op + (pos * Hq + head) * D;
+        rows.len[r] = off + pos + 1;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t head = h * G + g;
-        for (int64_t r0 = i0; r0 < i1; r0 += TR) {
-          const int R = (int)std::min<int64_t>(TR, i1 - r0);
-          const float* qrows[TR];
-          float* orows[TR];
-          int64_t len[TR];
-          for (int r = 0; r < R; ++r) {
-            qrows[r] = qp + (r0 + r) * qs + head * D;
-            orows[r] = op + ((r0 + r) * Hq + head) * D;
-            len[r] = off + r0 + r + 1;
-          }
-          switch (R) {
-            case 4: tile<4>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
-            case 3: tile<3>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
-            case 2: tile<2>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
-            default: tile<1>(qrows, orows, len, kt.data(), ldk, vh, ldv, D, s.data(), ldk, scale); break;
-          }
+      const float* kth = kt.data() + h * nblk * D * KB;
+      const float* vh = f32 ? reinterpret_cast<const float*>(vp) + h * D : vw.data() + h * ctx * D;
+      const int64_t ldv = f32 ? vs : D;
+      // 3. Key blocks outer, row tiles inner: a block's keys and values stay cached while every
+      //    tile passes over them. Rows are in position order, so a tile whose last row's keys
+      //    end before the block sees none of it.
+      for (int64_t kb0 = 0; kb0 < off + i1; kb0 += KB)
+        for (int64_t r0 = 0; r0 < M; r0 += TR) {
+          const int R = (int)std::min<int64_t>(TR, M - r0);
+          if (rows.len[r0 + R - 1] > kb0)
+            tile(rows, r0, R, kb0, kth + kb0 * D, vh + kb0 * ldv, ldv, D, p.data(), scale);
         }
+      // 4. Normalise into the output (every row saw at least its own key, so l > 0).
+      for (int64_t r = 0; r < M; ++r) {
+        float l = 0.f;
+        for (int u = 0; u < 16; ++u) l += rows.l[16 * r + u];
+        const float inv = 1.f / l;
+        const float* o = rows.o.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) rows.out[r][d] = o[d] * inv;
       }
     }
   });
