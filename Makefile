@@ -26,7 +26,7 @@ model: install
 	$(BIN)/lockgate model fetch >/dev/null
 	# The engine's CPU kernels build on first use (~40 s on 2 cores, once per machine); build them now.
 	# Without a compiler this prints why and the engine uses SDPA instead.
-	$(BIN)/python -c "from engine_workers.kernels import cpu_kernels; print(cpu_kernels.problems() or 'CPU kernels ready')"
+	$(BIN)/python -c "from engine_workers.kernels import readiness; print(readiness.problems() or 'CPU kernels ready')"
 
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }

@@ -13,8 +13,9 @@
   ``UNKNOWN_TOPIC_OR_PARTITION`` count as success) and reads one topic's partitions without
   auto-creating it.
 * Broker unreachable: :meth:`KafkaBus.start` retries with exponential backoff (0.1 s doubling to 2
-  s) and raises :class:`BusError` naming the bootstrap address once ``connect_timeout_s`` (default
-  15) has passed; every start attempt is itself bounded by what is left, so it never hangs.
+  s; :mod:`bus.kafka_connect`) and raises :class:`BusError` naming the bootstrap address once
+  ``connect_timeout_s`` (default 15) has passed; every start attempt is itself bounded by what is
+  left, so it never hangs.
   Broker gone after start: each client's metadata refresh backs off and aiokafka's repeated log
   lines are limited (:mod:`bus.kafka_outage`); sends wait and retry as aiokafka does.
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
@@ -54,6 +55,7 @@ from bus.base import (
     check_partition_arg,
     checked_topic_names,
 )
+from bus.kafka_connect import retrying
 from bus.kafka_consumer import KafkaConsumer
 from bus.kafka_metadata import TopicNotReady, led_partitions
 from bus.kafka_outage import limit_repeated_logs, throttle_metadata_refresh
@@ -61,54 +63,6 @@ from bus.kafka_reader import read_kafka_partition
 from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
-
-BACKOFF_START_S = 0.1
-BACKOFF_MAX_S = 2.0
-
-
-class _BootstrapErrors(logging.Filter):
-    """Drops aiokafka's ERROR line for each failed bootstrap connect while a start is retrying: the
-    retry loop logs at DEBUG and ends in one ``BusError`` naming the address, where a broker that
-    is still starting produced a dozen ERROR lines first. Installed on the ``aiokafka`` logger
-    while at least one start is retrying (counted), so errors after start-up are logged as ever."""
-
-    active = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Unable connect to \"")
-
-
-_BOOTSTRAP_FILTER = _BootstrapErrors()
-
-
-async def _retrying(what: str, bootstrap: str, timeout_s: float, attempt: Callable[[], Awaitable[Any]]) -> Any:
-    """Run ``attempt`` until it succeeds or ``timeout_s`` has passed, with exponential backoff.
-
-    ``attempt`` must clean up after itself when it fails or is cancelled."""
-    deadline = time.monotonic() + timeout_s
-    backoff = BACKOFF_START_S
-    last: BaseException | None = None
-    if _BootstrapErrors.active == 0:
-        logging.getLogger("aiokafka").addFilter(_BOOTSTRAP_FILTER)
-    _BootstrapErrors.active += 1
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                return await asyncio.wait_for(attempt(), left)
-            except (KafkaError, OSError, TimeoutError) as exc:
-                last = exc
-                log.debug("%s: %s unreachable (%s); retrying", what, bootstrap, exc)
-            await asyncio.sleep(min(backoff, max(deadline - time.monotonic(), 0)))
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
-    finally:
-        _BootstrapErrors.active -= 1
-        if _BootstrapErrors.active == 0:
-            logging.getLogger("aiokafka").removeFilter(_BOOTSTRAP_FILTER)
-    raise BusError(f"{what}: Kafka broker at {bootstrap} unreachable after {timeout_s:g}s ({last!r})")
-
 
 class KafkaBus(Bus):
     """A connection to a Kafka cluster; see the module docstring. Owns its producer, admin client
@@ -185,10 +139,10 @@ class KafkaBus(Bus):
             return a
 
         t0 = time.monotonic()
-        producer = await _retrying("bus start", self.bootstrap, self.connect_timeout_s, start_producer)
+        producer = await retrying("bus start", self.bootstrap, self.connect_timeout_s, start_producer)
         try:
             left = max(self.connect_timeout_s - (time.monotonic() - t0), 1.0)
-            self._admin = await _retrying("bus start (admin)", self.bootstrap, left, start_admin)
+            self._admin = await retrying("bus start (admin)", self.bootstrap, left, start_admin)
         except BaseException:
             await producer.stop()
             raise

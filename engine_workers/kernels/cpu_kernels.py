@@ -13,11 +13,13 @@
   computing (:mod:`engine_workers.kernels.cpu_linear`);
 * fused residual add + RMSNorm and SiLU gating (``csrc/fused_elementwise.cpp``);
 * linears with bf16 or weight-only int8 weights and float32 activations (``csrc/small_m_lowp.cpp``,
-  ``--dtype bfloat16`` / ``--quantization int8`` on a CPU): :func:`lowp`. The engine's bf16 and int8
-  kernels need AVX-512F; the bf16 variant on AVX512-BF16 dot products (``linear_bf16_dot``) needs
-  ``avx512_bf16``. The build is ``-march=native``, so on a CPU without a flag the file still
-  compiles (plain loops instead) and :func:`engine_workers.kernels.cpu_linear.lowp_problem` names
-  the missing flag.
+  ``--dtype bfloat16`` / ``--quantization int8`` on a CPU), bound and checked in
+  :mod:`engine_workers.kernels.lowp_kernels`;
+* linears on Q4_1/Q8_0 block weights (``csrc/block_linear.cpp``, ``--quantization q4_1``):
+  :mod:`engine_workers.kernels.cpu_blocks`; the elementwise passes of int8-activation linears
+  (``csrc/int8_act.cpp``, ``--quantization w8a8``): :mod:`engine_workers.kernels.w8a8_linear`.
+  Those modules resolve their kernels through :func:`_resolved` and :func:`_checked` here;
+  :func:`engine_workers.kernels.readiness.problems` builds and checks them all.
 
 All run on torch's own thread pool and release the GIL; figures in docs/benchmarks.md, design in
 docs/design.md. CUDA and other dtypes keep torch's ops.
@@ -64,8 +66,9 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
 
 _lock = threading.Lock()
-# "module" and, per kernel key ("decode", "prefill", "small_m", "fused"), the kernel (or None)
-# and "<key>_problem" once resolved; values differ by key, and the module has no static type
+# "module" and, per kernel key ("decode", "prefill", "small_m", "fused", and the other modules'
+# "lowp", "blocks", "w8a8"), the kernel (or None) and "<key>_problem" once resolved; values differ
+# by key, and the module has no static type
 _state: dict[str, Any] = {}
 
 T = TypeVar("T")
@@ -160,12 +163,6 @@ def paged_decode() -> Callable | None:
 def problem() -> str | None:
     paged_decode()
     return _state["decode_problem"]
-
-
-def problems() -> str | None:
-    """Build and check every kernel; the first reason one is unavailable, or ``None`` when all
-    are ready (``make model`` prints it, so the build happens at install time, not in a test)."""
-    return problem() or prefill_problem() or small_m_problem() or fused_problem() or lowp_problem()
 
 
 def _resolved(key: str, resolve: Callable[[], tuple[T | None, str | None]], fallback: str) -> T | None:
@@ -340,12 +337,6 @@ def _resolve_small_m() -> tuple[tuple[Callable, Callable] | None, str | None]:
                     "small-batch linear kernel")
 
 
-# -- low-precision weights (csrc/small_m_lowp.cpp) ---------------------------------------------------
-
-
-LOWP_PANEL_COLS = 96  # output columns per panel of csrc/small_m_lowp.cpp (its NR); scales are padded to it
-
-
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
@@ -355,68 +346,3 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
-
-
-@dataclass(frozen=True, slots=True)
-class LowpOps:
-    """The low-precision-weight linear kernels (``csrc/small_m_lowp.cpp``); x and y float32."""
-
-    pack_bf16: Callable  # (weight [N, K] any float dtype) -> bf16 panels
-    linear_bf16: Callable  # (x [M, K] contiguous f32, panels, N, bias or None) -> [M, N]; f32 FMAs, AVX-512F
-    linear_bf16_dot: Callable  # the same through AVX512-BF16 dot products (x rounded to bf16)
-    pack_i8: Callable  # (int8 weight [N, K]) -> int8 panels
-    linear_i8: Callable  # (x [M, K] contiguous f32, panels, scales [P * 96] f32, N, bias or None) -> [M, N]
-    bf16_native: bool  # built with AVX512-BF16 (else linear_bf16_dot is a slow plain loop)
-
-
-def lowp() -> LowpOps | None:
-    """The low-precision linear kernels, or ``None`` (then :func:`lowp_problem` says why). Both are
-    checked against a float32 ``F.linear`` of the dequantized weight before use."""
-    return _resolved("lowp", _resolve_lowp, "bf16/int8 linear kernels unavailable")
-
-
-def lowp_problem() -> str | None:
-    lowp()
-    return _state["lowp_problem"]
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-row int8: ``(q [N, K] int8, scale [N] float32)`` with
-    ``w ~= q * scale[:, None]``, ``scale = max|row| / 127`` (an all-zero row gets scale 1)."""
-    w = w.detach().float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def _check_lowp(ops: LowpOps) -> str | None:
-    """Compare both kernels with ``F.linear`` of the same rounded/dequantized weight over row-tile,
-    panel and k-block tails (odd K for the bf16 pairs), with and without bias."""
-    import torch.nn.functional as F
-
-    gen = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 96, 64), (7, 100, 71), (13, 200, 300), (37, 97, 130)):
-        w, b, x = (torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen))
-        wb, xb = w.bfloat16().float(), x.bfloat16().float()
-        q, s = quantize_int8(w)
-        panels, qpanels = ops.pack_bf16(w), ops.pack_i8(q)
-        scales = torch.zeros(-(-n // LOWP_PANEL_COLS) * LOWP_PANEL_COLS)
-        scales[:n] = s
-        for bias in (None, b):
-            got, want = ops.linear_bf16(x, panels, n, bias), F.linear(x, wb, bias)
-            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
-                return f"bf16 linear kernel disagrees with F.linear at M={m} N={n} K={k}"
-            got, want = ops.linear_bf16_dot(x, panels, n, bias), F.linear(xb, wb, bias)
-            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
-                return f"bf16 dot-product linear kernel disagrees with F.linear at M={m} N={n} K={k}"
-            got, want = ops.linear_i8(x, qpanels, scales, n, bias), F.linear(x, q.float() * s[:, None], bias)
-            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-3):
-                return f"int8 linear kernel disagrees with F.linear at M={m} N={n} K={k}"
-    return None
-
-
-def _resolve_lowp() -> tuple[LowpOps | None, str | None]:
-    return _checked(lambda m: LowpOps(m.pack_bf16, m.linear_bf16f, m.linear_bf16, m.pack_i8, m.linear_i8,
-                                      bool(m.bf16_native())),
-                    _check_lowp, "bf16/int8 linear kernels")

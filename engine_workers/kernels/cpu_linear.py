@@ -194,6 +194,7 @@ def cpu_weight_plan(dtype: torch.dtype, quantization: str, device: torch.device,
 def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     """Why the ``kind`` (``"bfloat16"``, ``"int8"``, ``"q4_1"`` or ``"w8a8"``) weight kernel cannot run here, or ``None``."""
     from engine_workers.kernels import cpu_kernels as kernels
+    from engine_workers.kernels import lowp_kernels
 
     if not cpu_kernels:
         return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
@@ -210,9 +211,9 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
         return block_problem()
     if kind == "bfloat16" and BF16_DOT_PRODUCTS and flags and "avx512_bf16" not in flags:
         return "this CPU lacks the avx512_bf16 flag (AVX512-BF16 dot products) the bf16 kernel needs"
-    ops = kernels.lowp()
+    ops = lowp_kernels.lowp()
     if ops is None:
-        return kernels.lowp_problem()
+        return lowp_kernels.lowp_problem()
     if kind == "bfloat16" and BF16_DOT_PRODUCTS and not ops.bf16_native:
         return "the kernels were built without AVX512-BF16 (compiler or CPU lacks avx512_bf16)"
     return None
@@ -233,18 +234,18 @@ class LowpLinear(nn.Module):
     @classmethod
     def from_weight(cls, kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     ops: Any = None) -> LowpLinear:
-        from engine_workers.kernels import cpu_kernels as kernels
+        from engine_workers.kernels import lowp_kernels
 
-        ops = ops if ops is not None else kernels.lowp()
+        ops = ops if ops is not None else lowp_kernels.lowp()
         if ops is None:
-            raise RuntimeError(f"low-precision linear kernels unavailable: {kernels.lowp_problem()}")
+            raise RuntimeError(f"low-precision linear kernels unavailable: {lowp_kernels.lowp_problem()}")
         out_f, in_f = weight.shape
         b = None if bias is None else bias.detach().float().contiguous()
         if kind == "bfloat16":
             return cls(kind, ops.pack_bf16(weight.detach()), None, b, in_f, out_f, ops)
         if kind == "int8":
-            q, s = kernels.quantize_int8(weight)
-            scales = torch.zeros(-(-out_f // kernels.LOWP_PANEL_COLS) * kernels.LOWP_PANEL_COLS)
+            q, s = lowp_kernels.quantize_int8(weight)
+            scales = torch.zeros(-(-out_f // lowp_kernels.LOWP_PANEL_COLS) * lowp_kernels.LOWP_PANEL_COLS)
             scales[:out_f] = s
             return cls(kind, ops.pack_i8(q), scales, b, in_f, out_f, ops)
         raise ValueError(f"unknown low-precision weight kind {kind!r}")

@@ -7,7 +7,7 @@ for decode. float32 (or bf16 dot products where the CPU runs them at half the FM
 there. The figures are in docs/benchmarks.md ("Issue #23: every precision mode ...").
 
 Numerics: the weight is the int8 weight-only mode's (symmetric, one float32 scale per output row,
-:func:`engine_workers.kernels.cpu_kernels.quantize_int8`); each input row ("token") is quantized
+:func:`engine_workers.kernels.lowp_kernels.quantize_int8`); each input row ("token") is quantized
 on the fly the same way (scale = max|row| / 127, round half to even), so the int32 sums are exact
 and ``y = acc * xscale[m] * wscale[n] + bias``. The error beyond int8 weights is the rounding of
 each activation to 1/254 of its row's largest magnitude. Everything outside the linear layers
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine_workers.kernels import cpu_kernels as kernels
+from engine_workers.kernels.lowp_kernels import quantize_int8
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,13 @@ def w8a8_problem() -> str | None:
     flags = kernels.cpu_flags()
     if flags and "avx512_vnni" not in flags and "avx_vnni" not in flags:
         return "this CPU lacks VNNI (avx512_vnni / avx_vnni): int8 GEMMs would be slower than float32"
+    return w8a8_kernel_problem()
+
+
+def w8a8_kernel_problem() -> str | None:
+    """Why the kernels cannot build or disagree with :func:`reference`, or ``None``, whatever the
+    CPU's flags: without VNNI they still run correctly, only slower than float32, so that is
+    :func:`w8a8_problem`'s concern, not the build's."""
     if not hasattr(torch, "_int_mm"):
         return "this torch build has no torch._int_mm (int8 GEMM)"
     w8a8_ops()
@@ -75,7 +83,7 @@ def _check(ops: W8A8Ops) -> str | None:
     for m, n, k in ((1, 96, 64), (7, 100, 71), (37, 97, 130), (300, 33, 17)):
         w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
         x[0] = 0.0  # an all-zero row: scale 1, zeros
-        q, s = kernels.quantize_int8(w)
+        q, s = quantize_int8(w)
         xq, xs = ops.quantize_rows(x)
         rq, rs = quantize_rows(x)
         if not torch.equal(xq, rq) or not torch.allclose(xs, rs, rtol=1e-6, atol=0):
@@ -108,7 +116,7 @@ class W8A8Linear(nn.Module):
         ops = ops if ops is not None else w8a8_ops()
         if ops is None:
             raise RuntimeError(f"W8A8 kernels unavailable: {w8a8_problem()}")
-        q, s = kernels.quantize_int8(weight)
+        q, s = quantize_int8(weight)
         return cls(q, s.contiguous(), None if bias is None else bias.detach().float().contiguous(), ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
 
 
 def _lowp(model: LlamaForPagedLM, kind: str) -> None:
-    from engine_workers.kernels import cpu_kernels as kernels
+    from engine_workers.kernels import lowp_kernels
     from engine_workers.kernels.cpu_linear import LowpLinear, replace_linears
     from engine_workers.kernels.w8a8_linear import W8A8Linear, w8a8_ops
 
@@ -131,7 +131,7 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
         ops = w8a8_ops()
         make, acts = (lambda w, b: W8A8Linear.from_weight(w, b, ops)), "int8 per row"
     else:
-        lowp_ops = kernels.lowp()
+        lowp_ops = lowp_kernels.lowp()
         make, acts = (lambda w, b: LowpLinear.from_weight(kind, w, b, lowp_ops)), "float32"
     n = replace_linears(model, lambda lin: make(lin.weight, lin.bias))
     if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head

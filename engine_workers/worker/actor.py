@@ -9,12 +9,14 @@ A thin asyncio shell; each stage is a module of its own (``docs/worker.md`` walk
   ``expired``, cancelled earlier -> ``abort``) and queued in the :class:`IntakeQueue` (``intake``).
 * **admission** — into the engine by effective priority while it has room, and the intake's flow
   control (``admission``).
-* **replies** — per-step outputs become ``TokenChunk`` records, one per reply partition per step
-  (``reply_sender``, split under the record size limit), and a final ``Finished``/``Error``
-  (``answers``); a failed send re-runs the request (``send_failures``).
+* **replies** — per-step outputs (``outputs``) become ``TokenChunk`` records, one per reply
+  partition per step (``reply_sender``, split under the record size limit), and a final
+  ``Finished``/``Error`` (``answers``); a failed send re-runs the request (``send_failures``).
 * **offsets** — a record's offset is finished when its final reply is acknowledged; each partition
-  commits its low watermark; rebalance aborts the requests of partitions that moved (``ledger``).
-* **control** — ``Cancel`` aborts the request wherever it is, freeing KV within one engine step;
+  commits its low watermark; rebalance aborts the requests of partitions that moved (``ledger``,
+  ``aborts``).
+* **control** — ``Cancel`` aborts the request wherever it is, freeing KV within one engine step
+  (``aborts``);
   **heartbeat** — ``WorkerStatus`` every ``heartbeat_s`` (``loops``); metrics and
   ``/healthz``/``/readyz``/``/metrics`` (``metrics``, ``health``).
 
@@ -31,8 +33,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Set
+from collections.abc import Callable
 
 from bus.base import Bus, BusError, Consumer, TopicPartition
 from bus.messages import (
@@ -46,6 +47,7 @@ from bus.messages import (
 from bus.topics import safe_name
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.core import Engine, RequestOutput
+from engine_workers.worker.aborts import Aborts
 from engine_workers.worker.admission import EngineAdmission
 from engine_workers.worker.answers import Answers
 from engine_workers.worker.config import WorkerConfig
@@ -60,6 +62,7 @@ from engine_workers.worker.ledger import Job, RequestLedger
 from engine_workers.worker.loops import heartbeat, read_cancels
 from engine_workers.worker.metrics import CONTENT_TYPE, WorkerMetrics
 from engine_workers.worker.offsets import OffsetTracker
+from engine_workers.worker.outputs import StepOutputs
 from engine_workers.worker.reply_gate import ReplyGate
 from engine_workers.worker.reply_sender import ReplySender
 from engine_workers.worker.resume import ResumeFinder
@@ -70,8 +73,6 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 50
 STOP_COMMIT_S = 5.0
-RECENT_CANCELS = 10_000
-EXPIRY_CHECK_S = 0.25  # how often running requests are checked against their deadlines
 
 
 class Worker:
@@ -101,16 +102,17 @@ class Worker:
         self.aengine.on_step = self.metrics.observe_step
         self.policy = IntakePolicy(parse_intake_mode(config.intake_mode), config.aging_period_s, reference_time=time.time())
         self.intake: IntakeQueue[Job] = IntakeQueue(self.policy, fair_share=config.fair_share)
-        self.ledger = RequestLedger(config.worker_id, config.revoke_flush_s, on_lost=self._release)
+        self.ledger = RequestLedger(config.worker_id, config.revoke_flush_s, on_lost=lambda lost: self.aborts.release(lost))
         self.offsets: OffsetTracker[TopicPartition] = self.ledger.offsets
         self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed,
                                    max_record_bytes=config.max_reply_record_bytes)
         self.usage = UsageLog(bus, config.layout.usage_topic, self.metrics.registry, config.model, config.worker_id)
         self.answers = Answers(self.replies, self.ledger, self.metrics, config.worker_id, self.usage)
+        self.outputs = StepOutputs(self.aengine, self.ledger, self.replies, self.answers, self.metrics)
+        self.aborts = Aborts(self.aengine, self.ledger, self.intake, self.answers, self.replies)
         self.admission = EngineAdmission(config.worker_id, self.aengine, self.ledger, self.intake, self.policy,
                                          self.answers, config.prefetch_per_tier, lambda: self.state == "started")
         self._topics = config.layout.request_topics(config.model)
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._eids = itertools.count()
         self._consumer: Consumer | None = None
         self._control: Consumer | None = None
@@ -122,7 +124,6 @@ class Worker:
                                self.metrics.dead_letters.inc)
         self._send_failures = SendFailures(config.worker_id, self.ledger, self._gate.dead_letters, self._rerun,
                                            self.answers.error, reruns=config.send_failure_reruns)
-        self._next_expiry_check = 0.0
         self._lag: tuple[int, ...] = (0, 0, 0)
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
@@ -307,7 +308,7 @@ class Worker:
         msg, now = job.req, time.time()
         if safe_name(msg.model) != safe_name(self.config.model):
             self.answers.error(job, ErrorCode.INVALID_REQUEST, f"model {msg.model!r} is not served here ({self.config.model!r})")
-        elif msg.request_id in self._cancelled:
+        elif self.aborts.cancelled(msg.request_id):
             self.answers.unrun(job, FinishReason.ABORT)
         elif msg.deadline is not None and msg.deadline <= now:
             self.answers.error(job, ErrorCode.EXPIRED, f"deadline passed {now - msg.deadline:.3f}s before intake")
@@ -320,48 +321,9 @@ class Worker:
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         """AsyncEngine callback, on the event loop: publish (non-blocking), then admit more."""
-        prompt = generated = 0
-        for out in outputs:
-            job = self.ledger.get(out.request_id)
-            if job is None:
-                continue
-            if not job.started and job.admitted and out.token_ids:
-                self.ledger.started(job)
-                prompt += out.num_prompt_tokens
-            generated += len(out.token_ids)
-            if job.lost:
-                if out.finished:
-                    self.ledger.left_engine(job)
-                    self.ledger.forget(job)
-                continue
-            r = job.req
-            if out.token_ids or out.text:
-                self.replies.chunk(job.eid, r.reply_to, r.request_id, r.attempt, out.seq, out.token_ids, out.text,
-                                   out.text_offset, out.logprobs)
-            if out.finished:
-                self.ledger.left_engine(job)
-                if job.expiring:
-                    self.answers.error(job, ErrorCode.EXPIRED, f"deadline passed while running; stopped after "
-                                      f"{out.num_output_tokens} tokens")
-                else:
-                    self.answers.finished(job, out)
-        self.metrics.observe_tokens(prompt, generated)
-        self._expire_running()
+        self.outputs.publish(outputs)
         self._observe()
         self.admission.admit()
-
-    def _expire_running(self) -> None:
-        """Abort admitted requests past their deadline (checked at most every ``EXPIRY_CHECK_S``,
-        from the step callback). A live edge cancels a stream at its deadline itself; this bounds
-        the work of a requester that died without cancelling (an edge crash): its requests would
-        otherwise run to ``max_tokens`` for nobody."""
-        now = time.time()
-        if now < self._next_expiry_check:
-            return
-        self._next_expiry_check = now + EXPIRY_CHECK_S
-        for job in self.ledger.overdue(now):
-            job.expiring = True
-            self.aengine.abort(job.eid)  # frees its KV before the next step; the final output follows
 
     def _on_send_failed(self, eid: str, undeliverable: str | None) -> None:
         """ReplySender's ``on_failed``. The bus failed (``undeliverable`` None): the request runs
@@ -390,34 +352,7 @@ class Worker:
 
     def cancel(self, request_id: str) -> int:
         """Abort ``request_id`` wherever it is here; remember it for a while (it may arrive later)."""
-        self._cancelled[request_id] = None
-        while len(self._cancelled) > RECENT_CANCELS:
-            self._cancelled.popitem(last=False)
-        n = 0
-        for job in self.ledger.of_request(request_id):
-            if job.pending is not None and self.intake.remove(job.pending):
-                job.pending = None
-                self.answers.unrun(job, FinishReason.ABORT)
-                n += 1
-            elif job.admitted and not job.closing:
-                self.aengine.abort(job.eid)  # frees its KV before the next step; Finished(abort) follows
-                n += 1
-        return n
-
-    def _release(self, lost: Set[TopicPartition]) -> None:
-        """The ledger's ``on_lost`` (rebalance moved ``lost`` away): drop their queued requests,
-        abort the admitted ones and publish nothing more for them; the new owner re-runs them."""
-        for p in self.intake.remove_if(lambda p: p.item.tp in lost):
-            p.item.pending = None
-            self.ledger.forget(p.item)
-        for job in self.ledger.on_partitions(lost):
-            if not job.lost:
-                job.lost = True
-                self.replies.drop(job.eid)
-                if job.admitted:
-                    self.aengine.abort(job.eid)  # its final output is swallowed
-                else:
-                    self.ledger.forget(job)
+        return self.aborts.cancel(request_id)
 
     # -- status -----------------------------------------------------------------------------------
 

@@ -35,10 +35,11 @@ commits them, so one request naming a missing topic cannot pin its partition's c
 topic is checked before its first round (again over ~0.7 s before it counts as missing, as a topic
 its requester has just created may not be in every broker's metadata yet) and after a failed send
 (deleted since); nothing is ever sent to a missing topic, which on a broker with auto-create would
-create it for no reader, and on one without would wait out the request timeout. A topic found
-missing is remembered for ``MISSING_TTL_S``. The worker's intake asks :meth:`verify` before the
-first request naming a topic runs (engine_workers/worker/reply_gate.py), so a request to a missing topic
-is dead-lettered without a prefill; the rounds' own checks catch a topic deleted later.
+create it for no reader, and on one without would wait out the request timeout. Those checks and
+the partition counts are :class:`~engine_workers.worker.reply_topics.ReplyTopics`' (``topics``).
+The worker's intake asks :meth:`verify` before the first request naming a topic runs
+(engine_workers/worker/reply_gate.py), so a request to a missing topic is dead-lettered without a
+prefill; the rounds' own checks catch a topic deleted later.
 
 Concurrency: ``chunk``/``final``/``drop`` are synchronous and called from the event loop only.
 Memory: at most the not-yet-sent tokens of the requests in flight. ``stop`` cancels every task
@@ -52,27 +53,13 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from bus.base import Bus, BusError, UnknownTopicError
+from bus.base import Bus, BusError
 from bus.messages import Error, Finished, TokenChunk
 from bus.partitioner import partition_for_key
 from engine_workers.worker.reply_split import RECORD_OVERHEAD, Piece, reply_records
+from engine_workers.worker.reply_topics import ReplyTopics, Undeliverable
 
 log = logging.getLogger(__name__)
-
-MAX_CACHED_TOPICS = 10_000  # partition counts remembered (reply topics may be per request)
-MISSING_RECHECK_S = (0.1, 0.2, 0.4)  # waits before a reply topic not found counts as missing
-MISSING_TTL_S = 2.0  # how long a topic found missing is remembered (``still_missing``)
-
-
-class Undeliverable(Exception):
-    """The reply topic does not exist: no retry or other worker can deliver these replies."""
-
-
-def missing_topic_reason(topic: str) -> str:
-    """Why a request naming ``topic`` is undeliverable: the text of its dead letter's ``dlq.reason``
-    (the same whether the reply rounds or the worker's intake found the topic missing)."""
-    return f"reply topic {topic!r} does not exist"
-
 
 class _Pending:
     """One request's replies queued for the next round."""
@@ -121,9 +108,7 @@ class ReplySender:
         self._keys: dict[str, _Topic] = {}  # request key -> its topic, until its final is acknowledged
         self._closing: set[str] = set()  # keys whose final is queued: no more chunks
         self._partition: dict[str, int] = {}  # request key -> its partition (murmur2 in Python: once)
-        self._counts: dict[str, int] = {}  # topic -> partition count
-        self._missing: dict[str, float] = {}  # topic -> when (loop time) it was found missing
-        self._verifying: dict[str, asyncio.Task] = {}  # topic -> its check in progress (verify)
+        self.topics = ReplyTopics(bus)  # partition counts, missing topics (reply_topics.py)
         self._tasks: set[asyncio.Task] = set()
         self.records_sent = 0
         self.replies_sent = 0  # chunks and finals inside those records
@@ -190,7 +175,7 @@ class ReplySender:
             while t.queued:
                 round_, t.queued = t.queued, {}
                 try:
-                    count = await self._count(t.name)
+                    count = await self.topics.count(t.name)
                 except Undeliverable as exc:
                     self._fail(t, list(round_), exc)
                     continue
@@ -219,99 +204,20 @@ class ReplySender:
             groups.setdefault(part, []).append((key, p))
         return list(groups.items())
 
-    async def _count(self, topic: str) -> int | None:
-        """The topic's partition count (cached); ``None`` when the bus could not be asked (the
-        records are then keyed one by one, as Kafka would place them). Raises
-        :class:`Undeliverable` when the topic does not exist."""
-        n = self._counts.get(topic)
-        if n is None:
-            try:
-                n = len(await self._partitions(topic))  # Undeliverable (not a BusError) propagates
-            except BusError:
-                return None
-            self._remember_count(topic, n)
-        return n
-
-    def _remember_count(self, topic: str, n: int) -> None:
-        if len(self._counts) >= MAX_CACHED_TOPICS:
-            self._counts.clear()
-        self._counts[topic] = n
-
-    async def _partitions(self, topic: str) -> list[int]:
-        """``partitions_for``; a topic not found is asked for again after each of
-        ``MISSING_RECHECK_S``, then raises :class:`Undeliverable`. Other ``BusError``s propagate."""
-        for wait in (*MISSING_RECHECK_S, None):
-            try:
-                return await self.bus.partitions_for(topic)
-            except UnknownTopicError:
-                if wait is None:
-                    if len(self._missing) >= MAX_CACHED_TOPICS:
-                        self._missing.clear()
-                    self._missing[topic] = asyncio.get_running_loop().time()
-                    raise Undeliverable(missing_topic_reason(topic)) from None
-                await asyncio.sleep(wait)
-        raise AssertionError("unreachable")
+    # -- reply topics (reply_topics.py), for the worker's intake and resume -------------------------
 
     def partition_count(self, topic: str) -> int | None:
         """``topic``'s partition count when cached (it existed when last asked), else None."""
-        return self._counts.get(topic)
+        return self.topics.partition_count(topic)
 
     def known(self, topic: str) -> bool:
         """True when ``topic``'s partition count is cached: it existed when last asked."""
-        return topic in self._counts
+        return self.topics.known(topic)
 
     async def verify(self, topic: str) -> str | None:
-        """Check that ``topic`` exists before a request naming it runs: ``None`` when it does (its
-        partition count is then cached for the reply rounds) or when the bus could not be asked
-        (the rounds check again); the dead letter's reason when it does not, after the rechecks of
-        ``MISSING_RECHECK_S`` (or one check while it is remembered missing). Concurrent calls for
-        one topic share one check. Cancelling a caller does not cancel the shared check;
-        :meth:`stop` does."""
-        if topic in self._counts:
-            return None
-        task = self._verifying.get(topic)
-        if task is None:
-            task = self._verifying[topic] = asyncio.get_running_loop().create_task(self._verify(topic),
-                                                                                   name=f"verify-{topic}")
-            self._tasks.add(task)
-
-            def done(t: asyncio.Task) -> None:
-                self._tasks.discard(t)
-                if self._verifying.get(topic) is t:
-                    del self._verifying[topic]
-
-            task.add_done_callback(done)
-        return await asyncio.shield(task)
-
-    async def _verify(self, topic: str) -> str | None:
-        if await self.still_missing(topic):
-            return missing_topic_reason(topic)
-        try:
-            await self._count(topic)
-        except Undeliverable as exc:
-            return str(exc)
-        return None
-
-    async def still_missing(self, topic: str) -> bool:
-        """True when ``topic`` was found missing in the last ``MISSING_TTL_S`` and the bus still
-        does not know it (asked once more, so a topic created since is never taken for missing).
-        For the intake: a flood of requests naming a missing reply topic is dead-lettered before
-        it runs, at the cost of one metadata request each, instead of a prefill each."""
-        found = self._missing.get(topic)
-        if found is None:
-            return False
-        if asyncio.get_running_loop().time() - found > MISSING_TTL_S:
-            del self._missing[topic]
-            return False
-        try:
-            parts = await self.bus.partitions_for(topic)
-        except UnknownTopicError:
-            return True
-        except BusError:
-            return False  # could not ask: let it run, the reply rounds check again
-        del self._missing[topic]
-        self._remember_count(topic, len(parts))
-        return False
+        """:meth:`ReplyTopics.verify <engine_workers.worker.reply_topics.ReplyTopics.verify>`: None
+        when ``topic`` exists (or the bus could not be asked), else the dead letter's reason."""
+        return await self.topics.verify(topic)
 
     async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
         """Send one partition's record of a round (several, in order, when it would pass
@@ -329,7 +235,7 @@ class ReplySender:
                 except ValueError:  # the topic was re-created with fewer partitions: the count is stale
                     if part is None:
                         raise
-                    self._counts.pop(t.name, None)
+                    self.topics.forget_count(t.name)
                     for k, _ in items:
                         self._partition.pop(k, None)
                     part = None
@@ -376,9 +282,9 @@ class ReplySender:
                 return
             except BusError:
                 # Deleted since its count was cached? Then no retry can deliver (and the count goes).
-                self._counts.pop(topic, None)
+                self.topics.forget_count(topic)
                 with contextlib.suppress(BusError):  # the broker unreachable: retry as before
-                    await self._partitions(topic)  # raises Undeliverable when it is gone
+                    await self.topics.partitions(topic)  # raises Undeliverable when it is gone
                 if attempt == self.retries:
                     raise
                 await asyncio.sleep(backoff)
@@ -401,4 +307,4 @@ class ReplySender:
         self._keys.clear()
         self._closing.clear()
         self._partition.clear()
-        self._verifying.clear()
+        await self.topics.stop()

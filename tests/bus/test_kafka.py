@@ -29,9 +29,9 @@ async def test_unreachable_broker_raises_bus_error_within_timeout(caplog: pytest
     # one clear error instead of aiokafka's ERROR line per attempt; the retries are at DEBUG
     assert not [r for r in caplog.records if r.name == "aiokafka" and r.levelno >= logging.ERROR]
     assert any("unreachable" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
-    from bus.kafka import _BOOTSTRAP_FILTER
+    from bus.kafka_connect import BOOTSTRAP_FILTER
 
-    assert _BOOTSTRAP_FILTER not in logging.getLogger("aiokafka").filters, "gone once no start is retrying"
+    assert BOOTSTRAP_FILTER not in logging.getLogger("aiokafka").filters, "gone once no start is retrying"
     await bus.stop()  # idempotent on a bus that never started
     with pytest.raises(BusError, match="not started"):
         await bus.send("t", b"x")

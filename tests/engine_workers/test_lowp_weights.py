@@ -24,6 +24,7 @@ from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.engine.params import SamplingParams
 from engine_workers.kernels import cpu_kernels as kernels
+from engine_workers.kernels import lowp_kernels
 from engine_workers.kernels.cpu_linear import LowpLinear, cpu_weight_plan, lowp_problem
 
 CPU = torch.device("cpu")
@@ -50,7 +51,7 @@ def test_bf16_kernel_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
     # exact products of x and the bf16-rounded W, float32 sums: only summation order differs
     torch.testing.assert_close(got, F.linear(x, w.bfloat16().float(), b), rtol=1e-4, atol=1e-3)
     assert rel_l2(got, F.linear(x, w, b)) < 5e-3  # vs float32: the rounding of W to bf16
-    ops = kernels.lowp()
+    ops = lowp_kernels.lowp()
     assert ops is not None
     if ops.bf16_native:  # the AVX512-BF16 dot-product variant: x rounded to bf16 too
         dot = ops.linear_bf16_dot(x, lin.panels, n, b)
@@ -67,7 +68,7 @@ def test_int8_kernel_matches_torch(m: int, n: int, k: int, bias: bool) -> None:
     b = torch.randn(n, generator=gen) if bias else None
     lin = LowpLinear.from_weight("int8", w, b)
     got = lin(x)
-    q, s = kernels.quantize_int8(w)
+    q, s = lowp_kernels.quantize_int8(w)
     assert q.dtype == torch.int8 and s.shape == (n,)
     torch.testing.assert_close(got, F.linear(x, q.float() * s[:, None], b), rtol=1e-4, atol=1e-3)
     assert rel_l2(got, F.linear(x, w, b)) < 3e-2  # vs float32: int8 steps of max|row| / 127
@@ -87,7 +88,7 @@ def test_lowp_linear_keeps_leading_dims_and_zero_rows() -> None:
 def test_quantize_int8_zero_row_and_range() -> None:
     w = torch.randn(4, 10)
     w[2] = 0
-    q, s = kernels.quantize_int8(w)
+    q, s = lowp_kernels.quantize_int8(w)
     assert int(q.abs().max()) == 127 and s[2] == 1.0 and not q[2].any()
 
 

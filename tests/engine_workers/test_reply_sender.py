@@ -235,7 +235,7 @@ async def test_a_topic_recreated_with_fewer_partitions_is_re_read(bus: MemoryBus
     assert msgs == [TokenChunk(rid, 0, 1, (2,), "b", 1, None, "w"), fin(rid, 2)]
     sender.chunk("s", TOPIC, "s", 0, 0, (1,), "x", 0)
     await settle(sender)
-    assert sender._counts[TOPIC] == 1  # the next round read the new count
+    assert sender.partition_count(TOPIC) == 1  # the next round read the new count
     await sender.stop()
 
 
@@ -258,22 +258,22 @@ async def test_a_raising_callback_does_not_stop_the_others(bus: MemoryBus) -> No
 
 async def test_a_topic_found_missing_is_remembered_briefly_and_checked_again(bus: MemoryBus,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine_workers.worker.reply_sender as rs
+    import engine_workers.worker.reply_topics as rt
 
     sender = ReplySender(bus, "w", on_failed=lambda k, why: None)
     gone = "lockgate.reply.gone"
-    assert await sender.still_missing(gone) is False  # never looked at: nothing known
+    assert await sender.topics.still_missing(gone) is False  # never looked at: nothing known
     sender.chunk("a", gone, "a", 0, 0, (1,), "x", 0)
     await settle(sender)
-    assert await sender.still_missing(gone) is True  # found missing, and still is
-    monkeypatch.setattr(rs, "MISSING_TTL_S", 0.05)
+    assert await sender.topics.still_missing(gone) is True  # found missing, and still is
+    monkeypatch.setattr(rt, "MISSING_TTL_S", 0.05)
     await asyncio.sleep(0.1)  # not synchronisation: lets the (shortened) TTL pass, the thing under test
-    assert await sender.still_missing(gone) is False  # remembered only briefly
-    monkeypatch.setattr(rs, "MISSING_TTL_S", 2.0)
+    assert await sender.topics.still_missing(gone) is False  # remembered only briefly
+    monkeypatch.setattr(rt, "MISSING_TTL_S", 2.0)
     sender.chunk("b", gone, "b", 0, 0, (1,), "x", 0)
     await settle(sender)
     await bus.ensure_topics([TopicSpec(gone, 1)])
-    assert await sender.still_missing(gone) is False  # created since: asked again, never taken for missing
+    assert await sender.topics.still_missing(gone) is False  # created since: asked again, never taken for missing
     await sender.stop()
 
 
@@ -281,9 +281,9 @@ async def test_verify_checks_a_topic_once_and_shares_the_check(bus: MemoryBus, m
     """``verify`` (the worker's gate before a request runs): an existing topic -> None, cached (no
     second metadata request); a missing one -> the dead letter's reason after the rechecks; callers
     at the same time share one check; a topic created later verifies."""
-    import engine_workers.worker.reply_sender as rs
+    import engine_workers.worker.reply_topics as rt
 
-    monkeypatch.setattr(rs, "MISSING_RECHECK_S", (0.01, 0.01))
+    monkeypatch.setattr(rt, "MISSING_RECHECK_S", (0.01, 0.01))
     asked: list[str] = []
     real = bus.partitions_for
 
@@ -299,9 +299,9 @@ async def test_verify_checks_a_topic_once_and_shares_the_check(bus: MemoryBus, m
     assert await sender.verify(TOPIC) is None and asked == [TOPIC]  # cached
     gone = "lockgate.reply.gone"
     reasons = await asyncio.gather(*(sender.verify(gone) for _ in range(3)))
-    assert reasons == [rs.missing_topic_reason(gone)] * 3 and asked.count(gone) == 3  # first check + 2 rechecks
+    assert reasons == [rt.missing_topic_reason(gone)] * 3 and asked.count(gone) == 3  # first check + 2 rechecks
     assert not sender.known(gone)
-    assert await sender.verify(gone) == rs.missing_topic_reason(gone) and asked.count(gone) == 4  # remembered: one check
+    assert await sender.verify(gone) == rt.missing_topic_reason(gone) and asked.count(gone) == 4  # remembered: one check
     await bus.ensure_topics([TopicSpec(gone, 2)])
     assert await sender.verify(gone) is None and sender.known(gone)
     sender.chunk("a", gone, "a", 0, 0, (1,), "x", 0)  # the rounds use the cached count

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels import cpu_kernels as kernels
+from engine_workers.kernels import lowp_kernels
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
 from engine_workers.kernels.w8a8_linear import W8A8Linear, quantize_rows, reference, w8a8_ops, w8a8_problem
 from tests.engine_workers.test_lowp_weights import TINY_PROMPTS, agreement, greedy, next_logits, rel_l2
@@ -51,7 +52,7 @@ def test_w8a8_linear_matches_its_reference_and_is_close_to_float32(m: int, n: in
     w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
     lin = W8A8Linear.from_weight(w, b)
-    q, s = kernels.quantize_int8(w)
+    q, s = lowp_kernels.quantize_int8(w)
     got = lin(x)
     torch.testing.assert_close(got, reference(x, q, s, b), rtol=1e-5, atol=1e-5)
     if k >= 64:  # a few-term sum has no averaging; the bound is for layer-sized K
