@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.accuracy import decode
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels import cpu_kernels as kernels
@@ -124,4 +125,10 @@ def test_default_model_close_to_float32(default_model_dir: str) -> None:
     got, want = next_logits(eng, prompts), next_logits(ref, prompts)
     assert rel_l2(got, want) < 0.12
     assert int((got.argmax(-1) == want.argmax(-1)).sum()) >= 4
-    assert agreement(greedy(eng, prompts, 32), greedy(ref, prompts, 32)) >= 0.2
+    # teacher-forced: w8a8 reads float32's greedy text and must pick float32's next token at most
+    # positions (a free-running prefix measure turns on where one near-tie first flips, so any
+    # change of float32 rounding anywhere moves it; docs/benchmarks.md has the 64-prompt figure)
+    want_ids = decode(ref.runner, prompts, 32)
+    got_ids = decode(eng.runner, prompts, 32, forced=want_ids)
+    same = sum(a == b for x, y in zip(got_ids, want_ids) for a, b in zip(x, y))
+    assert same / (32 * len(prompts)) >= 0.8
