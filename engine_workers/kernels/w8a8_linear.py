@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_workers.kernels import cpu_kernels as kernels
@@ -36,6 +37,8 @@ class W8A8Ops:
 
     quantize_rows: Callable  # (x [M, K] contiguous f32) -> (int8 [M, K], scale [M] f32)
     dequant: Callable  # (acc [M, N] int32, xscale [M], wscale [N], bias [N] or None) -> [M, N] f32
+    # (acc [M, 2I] int32, xscale [M], wscale [2I], bias [2I] or None) -> quantize_rows(silu(gate) * up)
+    silu_mul_quant: Callable
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +95,24 @@ def _check(ops: W8A8Ops) -> str | None:
             got = ops.dequant(torch._int_mm(xq, q.t()), xs, s, bias)
             if not torch.allclose(got, reference(x, q, s, bias), rtol=1e-5, atol=1e-5):
                 return f"W8A8 linear disagrees with its reference at M={m} N={n} K={k}"
+    for m, i, k in ((1, 48, 64), (19, 50, 33)):
+        w, b, x = torch.randn(2 * i, k, generator=gen), torch.randn(2 * i, generator=gen), torch.randn(m, k, generator=gen)
+        q, s = quantize_int8(w)
+        xq, xs = ops.quantize_rows(x)
+        acc = torch._int_mm(xq, q.t())
+        for bias in (None, b):
+            y = ops.dequant(acc, xs, s, bias)
+            wq, ws = ops.quantize_rows(F.silu(y[:, :i]) * y[:, i:])
+            gq, gs = ops.silu_mul_quant(acc, xs, s, bias)
+            # one rounding step apart at most: expf in a vector loop vs torch's silu
+            if (gq.int() - wq.int()).abs().max() > 1 or not torch.allclose(gs, ws, rtol=1e-5, atol=0):
+                return f"W8A8 gated hand-off disagrees with dequant, silu * up, quantize at M={m} I={i}"
     return None
 
 
 def _resolve() -> tuple[W8A8Ops | None, str | None]:
-    return kernels._checked(lambda m: W8A8Ops(m.quantize_rows_i8, m.dequant_i32), _check, "W8A8 kernels")
+    return kernels._checked(lambda m: W8A8Ops(m.quantize_rows_i8, m.dequant_i32, m.silu_mul_quant_i32), _check,
+                            "W8A8 kernels")
 
 
 class W8A8Linear(nn.Module):
@@ -134,3 +150,29 @@ class W8A8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 "weights=int8, activations=int8 per row")
+
+
+class W8A8GatedMLP:
+    """``down(silu(gate) * up)`` over two W8A8 layers, the model's MLP (``MLP.gated``): the gate|up
+    GEMM's int32 sums go straight to the down GEMM's int8 input in one pass
+    (``silu_mul_quant``) instead of a float32 tensor, a gating pass and a quantize pass. The same
+    arithmetic as the three layers' ops in sequence (checked at first use); ``x`` and the result
+    float32, any leading shape."""
+
+    __slots__ = ("gate_up", "down", "_ops")
+
+    def __init__(self, gate_up: W8A8Linear, down: W8A8Linear) -> None:
+        if gate_up.out_features != 2 * down.in_features:
+            raise ValueError(f"gate_up gives {gate_up.out_features} features, down takes 2 x {down.in_features}")
+        self.gate_up, self.down, self._ops = gate_up, down, gate_up._ops
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.gate_up.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        xq, xs = self._ops.quantize_rows(x2.contiguous())
+        gu, dn = self.gate_up, self.down
+        hq, hs = self._ops.silu_mul_quant(torch._int_mm(xq, gu._qt), xs, gu.scale, gu.bias)
+        y = self._ops.dequant(torch._int_mm(hq, dn._qt), hs, dn.scale, dn.bias)
+        return y.view(*lead, dn.out_features)

@@ -168,8 +168,13 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
         self.fused: Callable[..., torch.Tensor] | None = None  # (gate_up [T, 2I]) -> silu(gate) * up: the fused CPU kernel
+        # the whole MLP as one callable where a weight format fuses across its layers (w8a8:
+        # engine_workers.kernels.w8a8_linear.W8A8GatedMLP); it takes precedence over ``fused``
+        self.gated: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated is not None:
+            return self.gated(x)
         gate_up = self.gate_up_proj(x)
         if self.fused is not None:
             return self.down_proj(self.fused(gate_up))

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine_workers.model.llama import (
+    DecoderLayer,
     LlamaForPagedLM,
     ModelSpec,
     interleave_rope_rows,
@@ -124,7 +125,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
 def _lowp(model: LlamaForPagedLM, kind: str) -> None:
     from engine_workers.kernels import lowp_kernels
     from engine_workers.kernels.cpu_linear import LowpLinear, replace_linears
-    from engine_workers.kernels.w8a8_linear import W8A8Linear, w8a8_ops
+    from engine_workers.kernels.w8a8_linear import W8A8GatedMLP, W8A8Linear, w8a8_ops
 
     make: Callable[[torch.Tensor, torch.Tensor | None], torch.nn.Module]
     if kind == "w8a8":
@@ -134,6 +135,12 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
         lowp_ops = lowp_kernels.lowp()
         make, acts = (lambda w, b: LowpLinear.from_weight(kind, w, b, lowp_ops)), "float32"
     n = replace_linears(model, lambda lin: make(lin.weight, lin.bias))
+    if kind == "w8a8":
+        for layer in model.layers:
+            assert isinstance(layer, DecoderLayer)
+            mlp = layer.mlp
+            if isinstance(mlp.gate_up_proj, W8A8Linear) and isinstance(mlp.down_proj, W8A8Linear):
+                mlp.gated = W8A8GatedMLP(mlp.gate_up_proj, mlp.down_proj)
     if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
         model.lm_head = make(model.embed_tokens.weight, None)
         n += 1

@@ -22,7 +22,7 @@ from engine_workers.engine.core import Engine
 from engine_workers.kernels import cpu_kernels as kernels
 from engine_workers.kernels import lowp_kernels
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
-from engine_workers.kernels.w8a8_linear import W8A8Linear, quantize_rows, reference, w8a8_ops, w8a8_problem
+from engine_workers.kernels.w8a8_linear import W8A8GatedMLP, W8A8Linear, quantize_rows, reference, w8a8_ops, w8a8_problem
 from tests.engine_workers.test_lowp_weights import TINY_PROMPTS, agreement, greedy, next_logits, rel_l2
 
 CPU = torch.device("cpu")
@@ -70,6 +70,39 @@ def test_w8a8_linear_keeps_leading_dims_and_zero_rows() -> None:
     assert lin.weight_bytes() == 40 * 24 + 40 * 4
 
 
+@needs_w8a8
+@pytest.mark.parametrize(("m", "i", "k"), [(1, 48, 64), (6, 50, 33), (300, 96, 40), (0, 16, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_mlp_is_the_three_layers_in_sequence(m: int, i: int, k: int, bias: bool) -> None:
+    """W8A8GatedMLP (gate|up GEMM -> fused silu * up + quantize -> down GEMM) against the unfused
+    path: gate|up W8A8Linear, torch's silu * up, down W8A8Linear. The down GEMM's int8 input may
+    differ by one rounding step where silu's expf differs in its last bit, so the outputs agree
+    to int8 resolution, not bitwise; the float32 MLP is the looser reference."""
+    gen = torch.Generator().manual_seed(m + i)
+    w_gu, w_d = torch.randn(2 * i, k, generator=gen), torch.randn(k, i, generator=gen)
+    b_gu, b_d = (torch.randn(2 * i, generator=gen), torch.randn(k, generator=gen)) if bias else (None, None)
+    gate_up, down = W8A8Linear.from_weight(w_gu, b_gu), W8A8Linear.from_weight(w_d, b_d)
+    mlp = W8A8GatedMLP(gate_up, down)
+    x = torch.randn(m, k, generator=gen)
+    y = gate_up(x)
+    want = down(F.silu(y[:, :i]) * y[:, i:])
+    got = mlp(x)
+    assert got.shape == (m, k)
+    if m:
+        assert rel_l2(got, want) < 2e-3
+        yf = F.linear(x, w_gu, b_gu)
+        assert rel_l2(got, F.linear(F.silu(yf[:, :i]) * yf[:, i:], w_d, b_d)) < 0.05
+    assert mlp(x.view(1, m, k)).shape == (1, m, k)
+    with pytest.raises(ValueError, match="gate_up gives"):
+        W8A8GatedMLP(gate_up, W8A8Linear.from_weight(torch.randn(k, i + 1)))
+
+
+@needs_w8a8
+def test_w8a8_model_runs_its_mlps_gated(tiny_model_dir: str) -> None:
+    eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", quantization="w8a8", max_num_seqs=8))
+    assert all(isinstance(layer.mlp.gated, W8A8GatedMLP) for layer in eng.runner.model.layers)
+
+
 def test_kernel_inputs_checked() -> None:
     ops = w8a8_ops()
     if ops is None:
@@ -78,6 +111,10 @@ def test_kernel_inputs_checked() -> None:
         ops.quantize_rows(torch.randn(4, 8).double())
     with pytest.raises(RuntimeError, match="wscale must be float32 with N elements"):
         ops.dequant(torch.zeros(2, 3, dtype=torch.int32), torch.ones(2), torch.ones(4), None)
+    with pytest.raises(RuntimeError, match=r"acc must be \[M, 2I\]"):
+        ops.silu_mul_quant(torch.zeros(2, 3, dtype=torch.int32), torch.ones(2), torch.ones(3), None)
+    with pytest.raises(RuntimeError, match="bias must be float32 with N elements"):
+        ops.silu_mul_quant(torch.zeros(2, 4, dtype=torch.int32), torch.ones(2), torch.ones(4), torch.ones(3))
 
 
 def test_plan_and_refusals() -> None:

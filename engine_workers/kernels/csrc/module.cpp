@@ -21,6 +21,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, 
 torch::Tensor block_dequant_t(torch::Tensor packed, int64_t kind, int64_t n, int64_t k);
 
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows_i8(torch::Tensor x);
+std::tuple<torch::Tensor, torch::Tensor> silu_mul_quant_i32(torch::Tensor acc, torch::Tensor xscale,
+                                                            torch::Tensor wscale, c10::optional<torch::Tensor> bias);
 torch::Tensor dequant_i32(torch::Tensor acc, torch::Tensor xscale, torch::Tensor wscale,
                           c10::optional<torch::Tensor> bias);
 
@@ -50,6 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows_i8", &quantize_rows_i8, "x [M, K] float32 -> (int8 [M, K], scale [M]), symmetric per row",
         py::call_guard<py::gil_scoped_release>());
   m.def("dequant_i32", &dequant_i32, "int32 [M, N] * xscale[m] * wscale[n] (+ bias) -> float32",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul_quant_i32", &silu_mul_quant_i32,
+        "int32 gate|up [M, 2I] -> quantize_rows_i8(silu(gate) * up) with dequant_i32's scaling, one pass",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_linear", &block_linear, "x @ W^T (+ bias), float32 x and y, W in packed Q4_1 / Q8_0 blocks (CPU)",
         py::call_guard<py::gil_scoped_release>());
