@@ -44,7 +44,8 @@ class W8A8Ops:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference per-row int8 quantization, the same rule as ``csrc/int8_act.cpp``."""
     amax = x.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    # floored at float32's smallest normal, as the kernel: a subnormal scale has no finite inverse
+    scale = torch.where(amax > 0, (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
     return torch.round(x * (1.0 / scale)[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 

@@ -94,6 +94,26 @@ def test_prefill_kernel_matches_sdpa(n, ctx, hq, hkv, d):
     torch.testing.assert_close(fn(q, k, v, 0.3), cpu_kernels.reference_prefill(q, k, v, 0.3), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prefill_kernel_matches_sdpa_at_other_thread_counts(threads):
+    """The kernel sizes its query blocks from the thread count: other counts put the block edges
+    elsewhere (and 3 threads on 2 cores oversubscribes the pool)."""
+    fn = cpu_kernels.prefill_attention()
+    if fn is None:
+        pytest.skip(f"no CPU prefill kernel here: {cpu_kernels.prefill_problem()}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        for n, ctx in ((5, 5), (61, 61), (130, 400)):
+            q = torch.randn(n, 9, 64, generator=gen)
+            k, v = torch.randn(ctx, 3, 64, generator=gen), torch.randn(ctx, 3, 64, generator=gen)
+            torch.testing.assert_close(fn(q, k, v, 0.3), cpu_kernels.reference_prefill(q, k, v, 0.3),
+                                       rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_prefill_kernel_online_softmax_rescales():
     """Scores whose maximum keeps rising with the key position (so each key block raises a row's
     running max and rescales what it summed before) and spans far more than float32's exp range

@@ -46,6 +46,25 @@ def test_row_quantization_kernel_is_exactly_the_reference(m: int, k: int) -> Non
 
 
 @needs_w8a8
+def test_row_quantization_of_near_subnormal_rows_keeps_signs() -> None:
+    """A row whose largest magnitude is below 127 x float32's smallest normal would get a
+    subnormal scale with an infinite inverse; the scale is floored at that normal instead, so
+    signs and order survive (as in the reference)."""
+    ops = w8a8_ops()
+    assert ops is not None
+    x = torch.zeros(3, 40)
+    x[0, :4] = torch.tensor([1e-37, -1e-37, 5e-38, 0.0])
+    x[1, 20:36] = torch.linspace(-3e-37, 3e-37, 16)  # lanes of the vector loop
+    x[2] = torch.randn(40)
+    q, s = ops.quantize_rows(x)
+    rq, rs = quantize_rows(x)
+    assert torch.equal(q, rq)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+    assert bool(torch.all(torch.sign(q[:2].float()) == torch.sign(x[:2]) * (q[:2] != 0)))
+    assert q[0, 0] > 0 > q[0, 1] and q[1, 35] > 0 > q[1, 20]
+
+
+@needs_w8a8
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 96, 64), (3, 1, 7), (7, 100, 71), (64, 960, 576), (512, 130, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_w8a8_linear_matches_its_reference_and_is_close_to_float32(m: int, n: int, k: int, bias: bool) -> None:

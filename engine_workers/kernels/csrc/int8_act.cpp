@@ -2,7 +2,7 @@
 // torch's int8 GEMM (torch._int_mm: int8 x int8 -> int32, AVX512-VNNI through oneDNN):
 //
 // * quantize_rows_i8: x[M, K] float32 -> (q[M, K] int8, scale[M] float32), symmetric per row
-//   ("per token"): scale = max|x_row| / 127, q = round_half_even(x / scale) (an all-zero row gets
+//   ("per token"): scale = max|x_row| / 127 (at least FLT_MIN), q = round_half_even(x / scale) (an all-zero row gets
 //   scale 1 and zeros). Same rounding as torch.round, so the Python reference is exact.
 // * dequant_i32: acc[M, N] int32 -> y[M, N] float32, y = acc * xscale[m] * wscale[n] (+ bias[n]).
 // * silu_mul_quant_i32: an MLP's gate|up sums acc[M, 2I] -> the down projection's int8 input:
@@ -20,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -31,8 +32,8 @@
 
 namespace {
 
-// q[0, k) = round_half_even(row / scale) clamped to +-127, scale = max|row| / 127 (1 for a zero
-// row); returns the scale.
+// q[0, k) = round_half_even(row / scale) clamped to +-127, scale = max(max|row| / 127, FLT_MIN)
+// (1 for a zero row); returns the scale.
 float quantize_row(const float* __restrict row, int64_t k, int8_t* __restrict out) {
   int64_t j = 0;
   float amax = 0.f;
@@ -42,17 +43,18 @@ float quantize_row(const float* __restrict row, int64_t k, int8_t* __restrict ou
   amax = _mm512_reduce_max_ps(vmax);
 #endif
   for (; j < k; ++j) amax = std::fmax(amax, std::fabs(row[j]));
-  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  // at least FLT_MIN: a row whose largest magnitude is below 127 * FLT_MIN would otherwise get a
+  // subnormal scale and an infinite 1 / scale (w8a8_linear.quantize_rows applies the same floor)
+  const float s = amax > 0.f ? std::fmax(amax / 127.f, FLT_MIN) : 1.f;
   const float inv = 1.f / s;
   j = 0;
 #ifdef __AVX512F__
-  // cvtps_epi32 rounds in the current mode (nearest, ties to even), as nearbyintf below
-  const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  // clamped as floats, then cvtps_epi32 rounds in the current mode (nearest, ties to even), as
+  // nearbyintf below
+  const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   for (; j + 16 <= k; j += 16) {
-    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + j), vinv));
-    v = _mm512_min_epi32(hi, _mm512_max_epi32(lo, v));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(v));
+    const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(_mm512_loadu_ps(row + j), vinv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
   }
 #endif
   // |row[j] * inv| <= 127 up to rounding of inv; the clamp keeps a 127.00001 from wrapping

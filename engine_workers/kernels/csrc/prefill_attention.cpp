@@ -11,16 +11,17 @@
 // reaches, and was a large share of every prefill step (docs/design.md, Paged attention).
 //
 // Layout of the work (flash-attention's loop order, on a CPU's caches):
-//   1. Pack once per call: every KV head's keys transposed to Kt[h][D][ctx'] (ctx' = ctx padded
-//      to whole key blocks) and, for a bf16 cache, its values widened to float32. Each key is
-//      packed once, not once per query block.
+//   1. Pack once per call: every KV head's keys transposed, in contiguous blocks of KB keys
+//      ([D][KB] each, the last block's padding zero) and, for a bf16 cache, its values widened to
+//      float32. Each key is packed once, not once per query block.
 //   2. A task = (KV head, block of BQ query positions); its rows are every (position, query head
 //      of that KV head) pair, position-major, so rows sharing keys share each loaded key block.
-//   3. For each block of KB keys (Kt's block and V's block are ~24 KiB each: L1/L2-resident while
-//      every row tile of the task passes over them), for each tile of TR rows:
-//        S = q . Kt over the block, outer-product form (tile.h: TR broadcasts, 6 vector loads, 6·TR
-//        FMAs per d; no horizontal sums), scaled; then the online softmax (running max m and sum l
-//        per row; O rescaled by exp(m_old - m_new) when the max grows); then O += P . V.
+//   3. For each block of KB keys (its packed keys and its values, D·KB floats each: 12 KiB at
+//      D = 64, stay in L1 while every row tile of the task passes over them), for each tile of TR
+//      rows: S = q . Kt over the block in outer-product form (per d: KB/16 vector loads, TR
+//      broadcasts, TR·KB/16 FMAs into as many registers; no horizontal sums), scaled; then the
+//      online softmax (running max m and sum l per row; O rescaled by 2^(m_old - m_new) when the
+//      max grows); then O += P . V.
 //      A key past a row's causal limit gets p = 0 (never -inf: the build uses -ffast-math, finite
 //      math only); the running max starts at the finite kNoMax.
 //   4. out = O / l.
@@ -37,12 +38,12 @@
 #include <math.h>
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
 
 #include "kv_elem.h"
-#include "tile.h"
 
 namespace {
 
@@ -254,17 +255,22 @@ void prefill(const float* qp, const KV* kp, const KV* vp, float* op, int64_t qs,
 
   // 1. Pack: Kt[h][block][d][j - block start], each block contiguous (padding keys zero: their
   //    scores are computed, then given p = 0) and, for bf16, V widened to [h][j][d].
-  std::vector<float> kt(Hkv * nblk * D * KB, 0.f), vw(f32 ? 0 : Hkv * ctx * D);
+  //    Uninitialised allocations: every element is written below (a zero fill of the whole
+  //    buffer was a serial pass per layer and chunk).
+  std::unique_ptr<float[]> kt(new float[Hkv * nblk * D * KB]);
+  std::unique_ptr<float[]> vw(f32 ? nullptr : new float[Hkv * ctx * D]);
   at::parallel_for(0, Hkv * nblk, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t h = b / nblk, j0 = (b % nblk) * KB, j1 = std::min(ctx, j0 + KB);
-      float* blk = kt.data() + b * D * KB;
+      float* blk = kt.get() + b * D * KB;
       for (int64_t j = j0; j < j1; ++j) {
         const KV* kr = kp + j * ks + h * D;
         for (int64_t d = 0; d < D; ++d) blk[d * KB + (j - j0)] = widen(kr[d]);
       }
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = j1 - j0; j < KB; ++j) blk[d * KB + j] = 0.f;
       if constexpr (!f32)
-        for (int64_t j = j0; j < j1; ++j) widen_row(vw.data() + (h * ctx + j) * D, vp + j * vs + h * D, D);
+        for (int64_t j = j0; j < j1; ++j) widen_row(vw.get() + (h * ctx + j) * D, vp + j * vs + h * D, D);
     }
   });
 
@@ -290,8 +296,8 @@ void prefill(const float* qp, const KV* kp, const KV* vp, float* op, int64_t qs,
         rows.out[r] = op + (pos * Hq + head) * D;
         rows.len[r] = off + pos + 1;
       }
-      const float* kth = kt.data() + h * nblk * D * KB;
-      const float* vh = f32 ? reinterpret_cast<const float*>(vp) + h * D : vw.data() + h * ctx * D;
+      const float* kth = kt.get() + h * nblk * D * KB;
+      const float* vh = f32 ? reinterpret_cast<const float*>(vp) + h * D : vw.get() + h * ctx * D;
       const int64_t ldv = f32 ? vs : D;
       // 3. Key blocks outer, row tiles inner: a block's keys and values stay cached while every
       //    tile passes over them. Rows are in position order, so a tile whose last row's keys

@@ -1,5 +1,5 @@
-// One k step of the outer-product register tile that small_m_linear.cpp (x . W^T over weight
-// panels) and prefill_attention.cpp (q . K^T over transposed keys) both use: for R rows and 96
+// One k step of small_m_linear.cpp's outer-product register tile (x . W^T over weight panels;
+// prefill_attention.cpp has its own narrower tile of the same form): for R rows and 96
 // columns (6 AVX-512 vectors), acc[r][c] += x(r) * w[16c : 16c + 16]. Six vector loads, R
 // broadcasts, 6R FMAs; no horizontal sums. ``x`` is a callable giving row r's scalar for this k
 // (inlined, so each caller keeps its own addressing).
