@@ -136,14 +136,17 @@ class W8A8Linear(nn.Module):
         q, s = quantize_int8(weight)
         return cls(q, s.contiguous(), None if bias is None else bias.detach().float().contiguous(), ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+    def quantized_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` (any leading shape) as the int8 rows and their scales this layer's GEMM takes."""
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        xq, xs = self._ops.quantize_rows(x2.contiguous())
+        return self._ops.quantize_rows(x2.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = self.quantized_input(x)
         y = self._ops.dequant(torch._int_mm(xq, self._qt), xs, self.scale, self.bias)
-        return y.view(*lead, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
@@ -168,12 +171,8 @@ class W8A8GatedMLP:
         self.gate_up, self.down, self._ops = gate_up, down, gate_up._ops
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.gate_up.in_features)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        xq, xs = self._ops.quantize_rows(x2.contiguous())
         gu, dn = self.gate_up, self.down
+        xq, xs = gu.quantized_input(x)
         hq, hs = self._ops.silu_mul_quant(torch._int_mm(xq, gu._qt), xs, gu.scale, gu.bias)
         y = self._ops.dequant(torch._int_mm(hq, dn._qt), hs, dn.scale, dn.bias)
-        return y.view(*lead, dn.out_features)
+        return y.view(*x.shape[:-1], dn.out_features)

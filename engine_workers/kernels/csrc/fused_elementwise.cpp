@@ -21,6 +21,8 @@
 
 #include <math.h>
 
+#include "silu_mul.h"
+
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight,
                            double eps) {
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
@@ -68,10 +70,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* gr = g + t * 2 * I;
-      const float* ur = gr + I;
-      float* orow = o + t * I;
-      // exp argument clamped: finite-math builds may not rely on expf overflowing to inf
-      for (int64_t i = 0; i < I; ++i) orow[i] = gr[i] / (1.f + expf(fminf(-gr[i], 88.f))) * ur[i];
+      silu_mul_row(gr, gr + I, o + t * I, I);
     }
   });
   return out;

@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "silu_mul.h"
+
 namespace {
 
 // q[0, k) = round_half_even(row / scale) clamped to +-127, scale = max(max|row| / 127, FLT_MIN)
@@ -60,6 +62,16 @@ float quantize_row(const float* __restrict row, int64_t k, int8_t* __restrict ou
   // |row[j] * inv| <= 127 up to rounding of inv; the clamp keeps a 127.00001 from wrapping
   for (; j < k; ++j) out[j] = (int8_t)std::fmin(127.f, std::fmax(-127.f, nearbyintf(row[j] * inv)));
   return s;
+}
+
+// out[j] = a[j] * s * ws[j] (+ bias[j]) for j < n: one row of dequant_i32.
+inline void dequant_row(const int32_t* __restrict a, float s, const float* __restrict ws, const float* bias, int64_t n,
+                        float* __restrict out) {
+  if (bias) {
+    for (int64_t j = 0; j < n; ++j) out[j] = (float)a[j] * s * ws[j] + bias[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) out[j] = (float)a[j] * s * ws[j];
+  }
 }
 
 const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t n, const char* what) {
@@ -105,16 +117,7 @@ at::Tensor dequant_i32(at::Tensor acc, at::Tensor xscale, at::Tensor wscale, c10
   const float* ws = wscale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int32_t* a = ap + i * n;
-      float* out = yp + i * n;
-      const float s = xs[i];
-      if (bp) {
-        for (int64_t j = 0; j < n; ++j) out[j] = (float)a[j] * s * ws[j] + bp[j];
-      } else {
-        for (int64_t j = 0; j < n; ++j) out[j] = (float)a[j] * s * ws[j];
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) dequant_row(ap + i * n, xs[i], ws, bp, n, yp + i * n);
   });
   return y;
 }
@@ -135,17 +138,9 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_quant_i32(at::Tensor acc, at::Tensor
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> g(n), h(I);  // one row's dequantized gate|up, then its gated product
     for (int64_t i = begin; i < end; ++i) {
-      const int32_t* a = ap + i * n;
-      const float s = xs[i];
-      // the same expressions, in the same order, as dequant_i32 then fused_elementwise's silu_mul
-      if (bp) {
-        for (int64_t j = 0; j < n; ++j) g[j] = (float)a[j] * s * ws[j] + bp[j];
-      } else {
-        for (int64_t j = 0; j < n; ++j) g[j] = (float)a[j] * s * ws[j];
-      }
-      const float* gr = g.data();
-      const float* ur = gr + I;
-      for (int64_t j = 0; j < I; ++j) h[j] = gr[j] / (1.f + expf(fminf(-gr[j], 88.f))) * ur[j];
+      // the same row functions as dequant_i32, then fused_elementwise's silu_mul
+      dequant_row(ap + i * n, xs[i], ws, bp, n, g.data());
+      silu_mul_row(g.data(), g.data() + I, h.data(), I);
       sp[i] = quantize_row(h.data(), I, qp + i * I);
     }
   });
