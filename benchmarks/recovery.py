@@ -4,7 +4,8 @@
 Two ``lockgate worker`` processes share one group. Each round publishes ``--requests`` sampled
 requests (temperature 0.8, seeded as the edge seeds them) to the model's p1 topic and reads their
 reply topic as a client would; once a worker is streaming a request it is killed (SIGKILL; a round
-in which every request finished first is run again). For each request that worker had started and
+in which every request finished first, or whose victim had finished its streams by the time the kill
+landed, is run again, after the victim restarts). For each request that worker had started and
 not finished, the recovery time is the gap from the kill to the next token the client receives for it (from the survivor, after the
 group's session timeout and rebalance, the history read and one prefill). Re-run decode steps are
 the tokens the survivor generated at a seq the victim had already published (0 when every history
@@ -158,8 +159,13 @@ async def _bench(args: argparse.Namespace) -> dict:
             k = misses = 0
             while k < args.kills:
                 r = await _round(bus, fleet, layout, model, args, len(rounds) + misses, rng)
-                if r["victim"] is None:  # every request finished before a worker was caught streaming
+                # a miss: every request finished before a worker was caught streaming, or the one
+                # caught had finished its last stream by the time the kill landed (nothing to take over)
+                if r["victim"] is None or not r["taken_over"]:
                     misses += 1
+                    if r["victim"] is not None:
+                        fleet.spawn(r["victim"])
+                        await fleet.settled()
                     if misses > args.kills:
                         raise RuntimeError("no round caught a worker streaming: raise --max-tokens")
                     continue
