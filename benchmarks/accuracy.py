@@ -62,6 +62,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("q4_1", {"quantization": "q4_1"}, "q4_1"),
     Mode("bf16-kv", {"kv_cache_dtype": "bfloat16"}, "float32"),
     Mode("w8a8", {"quantization": "w8a8"}, "w8a8"),
+    Mode("w8a8-bf16kv", {"quantization": "w8a8", "kv_cache_dtype": "bfloat16"}, "w8a8"),  # the fastest mode
 )}
 
 
@@ -322,12 +323,12 @@ def _measure(config, modes, messages, steps, text, text_tokens, window, stride, 
                   window, stride, ref_seconds, results)
 
 
-HEADER = (f"{'mode':<9}{'weights':<10}{'agree':>8}{'prefix':>8}{'ident':>7}{'relL2 mean':>12}{'relL2 max':>11}"
+HEADER = (f"{'mode':<13}{'weights':<10}{'agree':>8}{'prefix':>8}{'ident':>7}{'relL2 mean':>12}{'relL2 max':>11}"
           f"{'ppl':>10}{'ppl/fp32':>10}{'s':>7}")
 
 
 def format_row(r: ModeResult) -> str:
-    return (f"{r.mode:<9}{r.weights:<10}{r.token_agreement:>8.2%}{r.prefix_mean:>8.1f}{r.identical:>7.0%}"
+    return (f"{r.mode:<13}{r.weights:<10}{r.token_agreement:>8.2%}{r.prefix_mean:>8.1f}{r.identical:>7.0%}"
             f"{r.rel_l2_mean:>12.4f}{r.rel_l2_max:>11.4f}{r.perplexity:>10.4f}{r.perplexity_ratio:>10.4f}{r.seconds:>7.0f}")
 
 

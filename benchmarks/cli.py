@@ -11,7 +11,7 @@ from pathlib import Path
 from lockgate.options import add_engine_args, env_default
 
 # `lockgate bench accuracy`'s default modes (benchmarks/accuracy.py, MODES): add a name when its mode merges
-ACCURACY_MODES = "fp32,bf16,int8,q4_1,bf16-kv,w8a8"
+ACCURACY_MODES = "fp32,bf16,int8,q4_1,bf16-kv,w8a8,w8a8-bf16kv"
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -160,7 +160,7 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     add_engine_args(b)
     b.add_argument("--modes", type=_accuracy_modes, default=ACCURACY_MODES,
                    help="comma-separated modes, each measured against a float32 reference (benchmarks/accuracy.py, "
-                        "MODES: fp32, bf16, int8, q4_1, bf16-kv; a mode this build lacks is refused)")
+                        "MODES: fp32, bf16, int8, q4_1, bf16-kv, w8a8, w8a8-bf16kv; a mode this build lacks is refused)")
     b.add_argument("--prompts", type=int, default=64, help="chat prompts (of the 64 in benchmarks/data/accuracy_prompts.json)")
     b.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
     b.add_argument("--text-tokens", type=int, default=0, help="perplexity over the first N tokens of the text (0: all)")

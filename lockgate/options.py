@@ -47,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CPU halves KV memory and decode's KV reads, attention math stays float32 [LOCKGATE_KV_CACHE_DTYPE]")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=env_default("kv-cache-memory-fraction", 0.9), help="fraction of free GPU memory for KV [LOCKGATE_KV_CACHE_MEMORY_FRACTION]")
     g.add_argument("--max-num-seqs", type=int, default=env_default("max-num-seqs", 64), help="sequences per step [LOCKGATE_MAX_NUM_SEQS]")
-    g.add_argument("--max-num-batched-tokens", type=int, default=env_default("max-num-batched-tokens", 512), help="tokens per step [LOCKGATE_MAX_NUM_BATCHED_TOKENS]")
+    g.add_argument("--max-num-batched-tokens", type=int, default=env_default("max-num-batched-tokens", 2048), help="tokens per step: decodes + prefill chunks [LOCKGATE_MAX_NUM_BATCHED_TOKENS]")
     g.add_argument("--max-model-len", type=int, default=env_default("max-model-len", None), help="context limit [LOCKGATE_MAX_MODEL_LEN]")
     g.add_argument("--no-prefix-caching", action="store_true", default=env_default("no-prefix-caching", False), help="disable automatic prefix caching [LOCKGATE_NO_PREFIX_CACHING]")
     g.add_argument("--threads", type=int, default=env_default("threads", None), help="torch CPU threads [LOCKGATE_THREADS]")

@@ -20,11 +20,14 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
     # K/V storage: auto (= the compute dtype) | float32 | bfloat16 | float16 (CUDA). Storage only:
-    # bfloat16 on a CPU halves KV bytes (twice the blocks per budget), attention math stays fp32.
+    # bfloat16 on a CPU halves KV bytes (twice the blocks per budget); attention math stays fp32
+    # except the prefill kernel's float16 pass on CPUs with AVX512-FP16 (docs/design.md).
     kv_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float = 0.9  # of free GPU memory (CPU: of a quarter of free RAM, <= 1 GiB)
     max_num_seqs: int = 64  # sequences per step
-    max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
+    # tokens per step (prefill chunks + decodes); vLLM's API-server default. Larger lets a long
+    # prompt prefill in one step (docs/design.md, Scheduling)
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # context limit; None = the model's, capped by KV capacity
     long_prefill_token_threshold: int = 0  # max prompt tokens of one sequence per step (0 = budget)
     enable_prefix_caching: bool = True

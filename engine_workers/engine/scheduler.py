@@ -38,7 +38,7 @@ MAX_PRIORITY_PREEMPTIONS = 2
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # cap one prompt's chunk per step (0 = no cap)
     priority_preemption_margin: float | None = None  # None: never preempt for priority
 

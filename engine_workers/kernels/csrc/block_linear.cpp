@@ -26,6 +26,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+
+#include "cpu_check.h"
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -191,6 +193,7 @@ void check_packed(const at::Tensor& packed, bool q4, int64_t n, int64_t K) {
 // x [M, K] float32 contiguous; packed from pack_blocks; kind 0 = Q4_1, 1 = Q8_0; n = the weight's
 // real N; bias [N] float32 or None.
 at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t kind, int64_t n, c10::optional<at::Tensor> bias) {
+  check_cpu("x", x, "packed", packed, "bias", bias);
   TORCH_CHECK(kind == 0 || kind == 1, "kind must be 0 (q4_1) or 1 (q8_0), got ", kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
   const bool q4 = kind == 0;
@@ -268,6 +271,7 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t kind, int64_t n
 
 // The float32 W^T [K, n] of packed blocks (for a GEMM on large M).
 at::Tensor block_dequant_t(at::Tensor packed, int64_t kind, int64_t n, int64_t K) {
+  check_cpu("packed", packed);
   TORCH_CHECK(kind == 0 || kind == 1, "kind must be 0 (q4_1) or 1 (q8_0), got ", kind);
   const bool q4 = kind == 0;
   check_packed(packed, q4, n, K);

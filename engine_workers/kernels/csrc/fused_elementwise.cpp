@@ -22,9 +22,11 @@
 #include <math.h>
 
 #include "silu_mul.h"
+#include "cpu_check.h"
 
 at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at::Tensor weight,
                            double eps) {
+  check_cpu("residual", residual, "delta", delta, "weight", weight);
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "residual must be contiguous [T, H] float32");
   const int64_t T = residual.size(0), H = residual.size(1);
@@ -61,6 +63,7 @@ at::Tensor add_rms_norm(at::Tensor residual, c10::optional<at::Tensor> delta, at
 }
 
 at::Tensor silu_mul(at::Tensor gate_up) {
+  check_cpu("gate_up", gate_up);
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.scalar_type() == at::kFloat &&
               gate_up.size(1) % 2 == 0, "gate_up must be contiguous [T, 2I] float32");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;

@@ -31,6 +31,7 @@
 #endif
 
 #include "silu_mul.h"
+#include "cpu_check.h"
 
 namespace {
 
@@ -93,6 +94,7 @@ void check_scales(const at::Tensor& acc, const at::Tensor& xscale, const at::Ten
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows_i8(at::Tensor x) {
+  check_cpu("x", x);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "quantize_rows_i8: x must be a contiguous float32 [M, K] tensor");
   const int64_t m = x.size(0), k = x.size(1);
@@ -108,6 +110,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_i8(at::Tensor x) {
 }
 
 at::Tensor dequant_i32(at::Tensor acc, at::Tensor xscale, at::Tensor wscale, c10::optional<at::Tensor> bias) {
+  check_cpu("acc", acc, "xscale", xscale, "wscale", wscale, "bias", bias);
   check_scales(acc, xscale, wscale, "dequant_i32");
   const int64_t m = acc.size(0), n = acc.size(1);
   const float* bp = checked_bias(bias, n, "dequant_i32");
@@ -124,6 +127,7 @@ at::Tensor dequant_i32(at::Tensor acc, at::Tensor xscale, at::Tensor wscale, c10
 
 std::tuple<at::Tensor, at::Tensor> silu_mul_quant_i32(at::Tensor acc, at::Tensor xscale, at::Tensor wscale,
                                                       c10::optional<at::Tensor> bias) {
+  check_cpu("acc", acc, "xscale", xscale, "wscale", wscale, "bias", bias);
   check_scales(acc, xscale, wscale, "silu_mul_quant_i32");
   TORCH_CHECK(acc.size(1) % 2 == 0, "silu_mul_quant_i32: acc must be [M, 2I]");
   const int64_t m = acc.size(0), n = acc.size(1), I = n / 2;

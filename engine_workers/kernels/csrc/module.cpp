@@ -4,6 +4,7 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
+bool prefill_f16_values();
 torch::Tensor pack_small_m(torch::Tensor w);
 torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
                            double eps);
@@ -31,8 +32,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // keeps serving while the engine thread computes.
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 q, float32 or bf16 K/V cache, float32 math)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention of one chunk (CPU; float32 q, float32 or bf16 K/V, float32 math)",
+  m.def("prefill_attention", &prefill_attention,
+        "causal prefill attention of one chunk (CPU; float32 q, float32 or bf16 K/V; float32 math, except P.V of a "
+        "bf16 V in float16 where prefill_f16_values())",
         py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_f16_values", &prefill_f16_values,
+        "whether prefill_attention was built with AVX512-FP16, so a bf16 V's P.V runs in float16");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place); RMSNorm(residual) * weight (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection (CPU, float32)",

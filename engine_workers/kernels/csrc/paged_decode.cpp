@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "kv_elem.h"
+#include "cpu_check.h"
 
 namespace {
 
@@ -105,6 +106,7 @@ void decode(const float* qp, const KV* kp, const KV* vp, float* op, const int64_
 
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                            at::Tensor tables, at::Tensor ctx, int64_t block_size, double scale) {
+  check_cpu("q", q, "k_cache", k_cache, "v_cache", v_cache, "tables", tables, "ctx", ctx);
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32, got ", q.scalar_type());
   kv_is_bf16(k_cache, v_cache);  // float32 or bfloat16, one dtype for both

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include "tile.h"
+#include "cpu_check.h"
 
 namespace {
 
@@ -86,6 +87,7 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
 
 // W [N, K] (nn.Linear layout) -> panels [P, K, 96], zero-padded past N.
 at::Tensor pack_small_m(at::Tensor w) {
+  check_cpu("w", w);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "weight must be a 2-D float32 tensor");
   const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
   auto padded = at::zeros({P * NR, K}, w.options());
@@ -95,6 +97,7 @@ at::Tensor pack_small_m(at::Tensor w) {
 
 // x [M, K] contiguous, panels from pack_small_m, n = the weight's real N; bias [N] or None.
 at::Tensor small_m_linear(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  check_cpu("x", x, "panels", panels, "bias", bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.is_contiguous(), "panels must come from pack_small_m");
   const int64_t M = x.size(0), K = x.size(1), P = panels.size(0);

@@ -30,6 +30,8 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_check.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -301,6 +303,7 @@ bool bf16_native() {
 
 // W [N, K] (any float dtype) -> bf16 panels [P, K2, 96, 2], zero-padded past N and K.
 at::Tensor pack_bf16(at::Tensor w) {
+  check_cpu("w", w);
   TORCH_CHECK(w.dim() == 2 && w.is_floating_point(), "weight must be a 2-D floating-point tensor");
   const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR, K2 = (K + 1) / 2;
   auto padded = at::zeros({P * NR, K2 * 2}, w.options().dtype(at::kBFloat16));
@@ -310,6 +313,7 @@ at::Tensor pack_bf16(at::Tensor w) {
 
 // x [M, K] float32 contiguous, panels from pack_bf16, n = the weight's real N; bias [N] or None.
 at::Tensor linear_bf16(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  check_cpu("x", x, "panels", panels, "bias", bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == NR && panels.size(3) == 2 && panels.scalar_type() == at::kBFloat16 &&
               panels.is_contiguous(), "panels must come from pack_bf16");
@@ -346,6 +350,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor panels, int64_t n, c10::optional
 
 // As linear_bf16, x kept in float32 (no rounding) and FMAs instead of dot products (tile_bf16f).
 at::Tensor linear_bf16f(at::Tensor x, at::Tensor panels, int64_t n, c10::optional<at::Tensor> bias) {
+  check_cpu("x", x, "panels", panels, "bias", bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
   TORCH_CHECK(panels.dim() == 4 && panels.size(2) == NR && panels.size(3) == 2 && panels.scalar_type() == at::kBFloat16 &&
               panels.is_contiguous(), "panels must come from pack_bf16");
@@ -385,6 +390,7 @@ at::Tensor linear_bf16f(at::Tensor x, at::Tensor panels, int64_t n, c10::optiona
 
 // W [N, K] int8 (already quantized) -> panels [P, K, 96] int8, zero-padded past N.
 at::Tensor pack_i8(at::Tensor w) {
+  check_cpu("w", w);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "weight must be a 2-D int8 tensor");
   const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
   auto padded = at::zeros({P * NR, K}, w.options());
@@ -395,6 +401,7 @@ at::Tensor pack_i8(at::Tensor w) {
 // x [M, K] float32 contiguous, panels from pack_i8, scales [>= n] float32 (one per output row),
 // n = the weight's real N; bias [N] or None.
 at::Tensor linear_i8(at::Tensor x, at::Tensor panels, at::Tensor scales, int64_t n, c10::optional<at::Tensor> bias) {
+  check_cpu("x", x, "panels", panels, "scales", scales, "bias", bias);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous [M, K] float32");
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.scalar_type() == at::kChar && panels.is_contiguous(),
               "panels must come from pack_i8");
