@@ -203,8 +203,8 @@ def prefill_problem() -> str | None:
 
 
 def prefill_f16_values() -> bool:
-    """Whether the prefill kernel is in use and runs a bf16 V's P . V in float16 (built on a CPU
-    with AVX512-FP16; csrc/prefill_attention.cpp, "Float16 values")."""
+    """Whether the prefill kernel is in use and runs a bf16 cache's Q . K and P . V in float16 (built
+    on a CPU with AVX512-FP16; csrc/prefill_attention.cpp, "Float16 pass")."""
     return prefill_attention() is not None and bool(_module()[0].prefill_f16_values())
 
 
@@ -224,9 +224,10 @@ def reference_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def prefill_close(got: torch.Tensor, want: torch.Tensor, kv_dtype: torch.dtype) -> bool:
     """Whether the prefill kernel's ``got`` matches :func:`reference_prefill`'s ``want``: within
-    float32 rounding for a float32 cache; for a bf16 cache, within the float16 value pass's error
-    (P . V in float16 on CPUs with AVX512-FP16: ~1e-3 relative, csrc/prefill_attention.cpp), with
-    margin, and far inside what a wrong key, block or rescale would give (errors of order 1)."""
+    float32 rounding for a float32 cache; for a bf16 cache, within the float16 pass's error (Q . K
+    and P . V in float16 on CPUs with AVX512-FP16: ~1e-3 relative for scores of order 1, the
+    data this check and the tests use; csrc/prefill_attention.cpp, "Float16 pass"), with margin,
+    and far inside what a wrong key, block or rescale would give (errors of order 1)."""
     if got.shape != want.shape:
         return False
     if kv_dtype == torch.float32:

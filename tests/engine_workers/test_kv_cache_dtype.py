@@ -5,8 +5,8 @@ within stated bounds, twice the blocks for one byte budget, bad values refused.
 
 The cache holds K/V rounded to bf16 and every reader widens them, so attention over a bf16 cache
 equals float32 attention over the rounded K/V up to float32 reduction order (the kernel tolerances
-below are float32's), except the prefill kernel's float16 value pass on CPUs with AVX512-FP16
-(P . V in float16 within each key block, ~1e-3 relative: ``cpu_kernels.prefill_close``). Through
+below are float32's), except the prefill kernel's float16 pass on CPUs with AVX512-FP16 (Q . K
+and P . V in float16 in short runs, ~1e-3 relative here: ``cpu_kernels.prefill_close``). Through
 a model the rounding adds up layer by layer. Measured 2026-12-05 (bound in brackets): tiny model (random weights), 3 prompts, next-token
 logits rel L2 0.0075 after a prefill and after a decode step, kernels or torch path (0.02), 16
 greedy tokens agree 1.0 (0.7); SmolLM2-135M, the slow test's 4 chat prompts: rel L2 0.0013 (0.01),
@@ -88,11 +88,12 @@ def test_prefill_kernel_on_bf16_kv_matches_float32_attention_over_the_rounded_kv
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_prefill_float16_value_pass_error_is_bounded_and_large_values_take_float32():
-    """On a CPU with AVX512-FP16, a bf16 V's P . V runs in float16: the error is float16-sized
-    (nonzero, relative L2 under 3e-3) however many key blocks and whichever pair (odd ctx) a key
-    falls in; values too large for a float16 block sum (|v| > 1024) take the float32 pass, exact to
-    float32's rounding. Elsewhere both cases are exact."""
+def test_prefill_float16_pass_error_is_bounded_and_out_of_range_inputs_take_float32():
+    """On a CPU with AVX512-FP16, a bf16 cache's Q . K and P . V run in float16: the error is
+    float16-sized (nonzero, relative L2 under 3e-3) however many key blocks and whichever pair (odd
+    ctx) a key falls in. Inputs a float16 sum could overflow on take the float32 pass, exact to
+    float32's rounding: values with |v| > 1024, and a key too large for float16 beside a zero
+    query (the product bound alone would pass it). Elsewhere every case is exact."""
     fn = prefill_kernel()
     gen = torch.Generator().manual_seed(3)
     n, ctx, hq, hkv, d = 200, 517, 9, 3, 64
@@ -108,6 +109,12 @@ def test_prefill_float16_value_pass_error_is_bounded_and_large_values_take_float
     big = (v.float() * 2000).to(BF16)  # 48 keys x |v| up to ~8000 would overflow float16 (65504)
     torch.testing.assert_close(fn(q, k, big, 0.125), cpu_kernels.reference_prefill(q, k.float(), big.float(), 0.125),
                                rtol=1e-4, atol=1e-3)
+    # one key of 70000 (inf in float16) beside a zero query: scores 0 everywhere, so the output
+    # is the plain mean of the values; in float16 it came out as 0 * inf poisoning that score
+    q0, k1 = torch.zeros(1, 1, 16), torch.zeros(2, 1, 16, dtype=BF16)
+    k1[0, 0, 0] = 70000
+    v1 = torch.stack([torch.ones(1, 16), torch.full((1, 16), 3.0)]).to(BF16)
+    torch.testing.assert_close(fn(q0, k1, v1, 0.25), torch.full((1, 1, 16), 2.0))
 
 
 def test_kernels_refuse_mixed_or_unsupported_kv_dtypes():

@@ -33,11 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 q, float32 or bf16 K/V cache, float32 math)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention,
-        "causal prefill attention of one chunk (CPU; float32 q, float32 or bf16 K/V; float32 math, except P.V of a "
-        "bf16 V in float16 where prefill_f16_values())",
+        "causal prefill attention of one chunk (CPU; float32 q, float32 or bf16 K/V; float32 math, except Q.K and "
+        "P.V of a bf16 cache in float16 where prefill_f16_values())",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_f16_values", &prefill_f16_values,
-        "whether prefill_attention was built with AVX512-FP16, so a bf16 V's P.V runs in float16");
+        "whether prefill_attention was built with AVX512-FP16, so a bf16 cache's Q.K and P.V run in float16");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (in place); RMSNorm(residual) * weight (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up projection (CPU, float32)",

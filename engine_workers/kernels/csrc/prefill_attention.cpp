@@ -35,9 +35,10 @@
 // are multiplied and summed in float16 in short runs (a score's D / 2 products per half lane, a
 // block's key pairs for P . V) whose sums are widened to float32 (prefill_f16.h). The running max
 // and sum, the exp's argument and the sum over blocks stay float32; p is stored as float16, so
-// its exp needs only a degree-4 polynomial. Error ~1e-3 relative, the size of the bf16 rounding
-// the cache already made; a float32 cache never takes it. Used when 16 | D and the inputs' ranges
-// rule out float16 overflow (f16pass::prepare), else the float32 pass.
+// its exp needs only a degree-4 polynomial. Error ~1e-3 relative for scores of order 1, more for
+// sharper attention, about half of what the cache's own bf16 rounding costs; a float32 cache never
+// takes it. Used when 16 | D and the inputs' ranges rule out float16 overflow (f16pass::prepare),
+// else the float32 pass.
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
 // whole C++ frontend) makes each file that includes it several times slower to compile (build
 // times in docs/design.md, Paged attention). Only module.cpp binds.
