@@ -54,38 +54,34 @@ def test_w8a8_kernel_problem_is_the_build_and_check_only(all_ready: None, monkey
     assert "_int_mm" in (w8a8_linear.w8a8_kernel_problem() or "")
 
 
-
-def _off_cpu_calls() -> dict:
-    m, _ = cpu_kernels._module()
-    meta = torch.empty(4, 2, 8, device="meta")  # no data at all: reading it would crash, not raise
-    cpu3, cpu2, cpu1 = torch.zeros(4, 2, 8), torch.zeros(4, 16), torch.zeros(4)
-    return {
-        "prefill_attention": lambda: m.prefill_attention(cpu3, cpu3, meta, 1.0),
-        "paged_decode": lambda: m.paged_decode(meta, cpu3, cpu3, torch.zeros(1, 1, dtype=torch.long),
-                                               torch.ones(1, dtype=torch.long), 4, 1.0),
-        "add_rms_norm": lambda: m.add_rms_norm(cpu2, meta.view(4, 16), cpu1, 1e-6),
-        "silu_mul": lambda: m.silu_mul(meta.view(4, 16)),
-        "small_m_linear": lambda: m.small_m_linear(cpu2, cpu2, 4, meta.view(-1)),
-        "linear_i8": lambda: m.linear_i8(cpu2, meta.view(4, 16), cpu1, 4, None),
-        "linear_bf16": lambda: m.linear_bf16(meta.view(4, 16), cpu2, 4, None),
-        "quantize_rows_i8": lambda: m.quantize_rows_i8(meta.view(4, 16)),
-        "dequant_i32": lambda: m.dequant_i32(cpu2.int(), cpu1, meta.view(-1)[:16], None),
-        "silu_mul_quant_i32": lambda: m.silu_mul_quant_i32(meta.view(4, 16).int(), cpu1, cpu1, None),
-        "block_linear": lambda: m.block_linear(meta.view(4, 16), cpu2, 0, 4, None),
-        "block_dequant_t": lambda: m.block_dequant_t(meta.view(4, 16), 0, 4, 4),
-        "pack_i8": lambda: m.pack_i8(meta.view(4, 16).to(torch.int8)),
-        "pack_bf16": lambda: m.pack_bf16(meta.view(4, 16)),
-        "pack_small_m": lambda: m.pack_small_m(meta.view(4, 16)),
-        "linear_bf16f": lambda: m.linear_bf16f(cpu2, meta.view(4, 16), 4, None),
-    }
+# Each entry point with one argument on the meta device (no data at all: reading it would crash,
+# not raise) and CPU tensors elsewhere: (module, meta [4, 2, 8], cpu3 [4, 2, 8], cpu2 [4, 16], cpu1 [4]).
+_OFF_CPU_CALLS = {
+    "prefill_attention": lambda m, meta, c3, c2, c1: m.prefill_attention(c3, c3, meta, 1.0),
+    "paged_decode": lambda m, meta, c3, c2, c1: m.paged_decode(meta, c3, c3, torch.zeros(1, 1, dtype=torch.long),
+                                                               torch.ones(1, dtype=torch.long), 4, 1.0),
+    "add_rms_norm": lambda m, meta, c3, c2, c1: m.add_rms_norm(c2, meta.view(4, 16), c1, 1e-6),
+    "silu_mul": lambda m, meta, c3, c2, c1: m.silu_mul(meta.view(4, 16)),
+    "small_m_linear": lambda m, meta, c3, c2, c1: m.small_m_linear(c2, c2, 4, meta.view(-1)),
+    "linear_i8": lambda m, meta, c3, c2, c1: m.linear_i8(c2, meta.view(4, 16), c1, 4, None),
+    "linear_bf16": lambda m, meta, c3, c2, c1: m.linear_bf16(meta.view(4, 16), c2, 4, None),
+    "linear_bf16f": lambda m, meta, c3, c2, c1: m.linear_bf16f(c2, meta.view(4, 16), 4, None),
+    "quantize_rows_i8": lambda m, meta, c3, c2, c1: m.quantize_rows_i8(meta.view(4, 16)),
+    "dequant_i32": lambda m, meta, c3, c2, c1: m.dequant_i32(c2.int(), c1, meta.view(-1)[:16], None),
+    "silu_mul_quant_i32": lambda m, meta, c3, c2, c1: m.silu_mul_quant_i32(meta.view(4, 16).int(), c1, c1, None),
+    "block_linear": lambda m, meta, c3, c2, c1: m.block_linear(meta.view(4, 16), c2, 0, 4, None),
+    "block_dequant_t": lambda m, meta, c3, c2, c1: m.block_dequant_t(meta.view(4, 16), 0, 4, 4),
+    "pack_i8": lambda m, meta, c3, c2, c1: m.pack_i8(meta.view(4, 16).to(torch.int8)),
+    "pack_bf16": lambda m, meta, c3, c2, c1: m.pack_bf16(meta.view(4, 16)),
+    "pack_small_m": lambda m, meta, c3, c2, c1: m.pack_small_m(meta.view(4, 16)),
+}
 
 
-@pytest.mark.parametrize("name", ["prefill_attention", "paged_decode", "add_rms_norm", "silu_mul", "small_m_linear",
-                                  "linear_i8", "linear_bf16", "quantize_rows_i8", "dequant_i32", "silu_mul_quant_i32",
-                                  "block_linear", "block_dequant_t", "pack_i8", "pack_bf16", "pack_small_m",
-                                  "linear_bf16f"])
+@pytest.mark.parametrize("name", list(_OFF_CPU_CALLS))
 def test_kernels_refuse_a_tensor_off_the_cpu(all_ready: None, name: str) -> None:
     """The kernels read raw host pointers: a tensor on another device is refused by name (the
     argument's) before anything is read."""
+    m, _ = cpu_kernels._module()
+    meta = torch.empty(4, 2, 8, device="meta")
     with pytest.raises(RuntimeError, match=r"\w+ must be a CPU tensor .* got one on meta"):
-        _off_cpu_calls()[name]()
+        _OFF_CPU_CALLS[name](m, meta, torch.zeros(4, 2, 8), torch.zeros(4, 16), torch.zeros(4))

@@ -23,14 +23,19 @@ inline float widen(uint16_t bits) {
   return f;
 }
 
+#ifdef __AVX512F__
+// 16 bf16 values widened to float32 (each to the top half of its lane).
+inline __m512 widen16(const uint16_t* src) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
 // dst[i] = float(src[i]) for i < n.
 inline void widen_row(float* __restrict dst, const uint16_t* __restrict src, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) {
-    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen16(src + i));
 #endif
   for (; i < n; ++i) dst[i] = widen(src[i]);
 }

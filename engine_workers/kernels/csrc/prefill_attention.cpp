@@ -52,7 +52,6 @@
 #include <memory>
 #include <numeric>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "kv_elem.h"
@@ -345,10 +344,10 @@ void prefill(const float* qp, const KV* kp, const KV* vp, float* op, int64_t qs,
   const int64_t BQ = std::clamp<int64_t>((want + step - 1) / step * step, 1, std::max<int64_t>(32, step));
   const int64_t qblocks = (n + BQ - 1) / BQ, tasks = Hkv * qblocks;
   std::atomic<int64_t> next{0};
-  // E: the element of this pass's q rows, packed keys and values, and p.
-  // q: the first row and row stride; keys(h), values(h): head h's packed keys, and first value
-  // row with its stride.
-  auto run = [&](const auto* q, int64_t qstride, auto keys, auto values) {
+  // One pass over the tasks. E: the element of this pass's q rows, packed keys and values, and p.
+  // q: the first row and its stride; keys: head 0's packed keys (heads nblk * D * KB apart);
+  // values: head 0's first value row, heads vhead apart, rows ldv apart.
+  auto run = [&](const auto* q, int64_t qstride, const auto* keys, const auto* values, int64_t vhead, int64_t ldv) {
     using E = std::remove_const_t<std::remove_pointer_t<decltype(q)>>;
     at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
       Rows rows;
@@ -363,8 +362,8 @@ void prefill(const float* qp, const KV* kp, const KV* vp, float* op, int64_t qs,
           rows.out[r] = op + (pos * Hq + head) * D;
           rows.len[r] = off + pos + 1;
         }
-        const E* kth = keys(h);
-        const auto [vh, ldv] = values(h);
+        const E* kth = keys + h * nblk * D * KB;
+        const E* vh = values + h * vhead;
         // 3. Key blocks outer, row tiles inner: a block's keys and values stay cached while every
         //    tile passes over them. Rows are in position order, so a tile whose last row's keys
         //    end before the block sees none of it.
@@ -385,17 +384,13 @@ void prefill(const float* qp, const KV* kp, const KV* vp, float* op, int64_t qs,
       }
     });
   };
-  auto keys32 = [&](int64_t h) -> const float* { return kt.get() + h * nblk * D * KB; };
-  using Values = std::pair<const float*, int64_t>;
   if constexpr (f32) {
-    run(qp, qs, keys32, [&](int64_t h) { return Values(vp + h * D, vs); });
+    run(qp, qs, kt.get(), vp, D, vs);  // values read in place from the cache's rows
   } else if (!half) {
-    run(qp, qs, keys32, [&](int64_t h) { return Values(vw.get() + h * ctx * D, D); });
+    run(qp, qs, kt.get(), vw.get(), ctx * D, D);
   } else {
 #ifdef __AVX512FP16__
-    run(
-        q16.get(), Hq * D, [&](int64_t h) -> const Half* { return kt16.get() + h * nblk * D * KB; },
-        [&](int64_t h) { return std::pair<const Half*, int64_t>(vh16.get() + h * ctxp * D, D); });
+    run(q16.get(), Hq * D, kt16.get(), vh16.get(), ctxp * D, D);
 #endif
   }
 }

@@ -42,10 +42,7 @@ constexpr float kF16Max = 65504.f;  // the largest finite float16
 inline void store_p(_Float16* p, __m512 e) { _mm256_storeu_ph(p, _mm512_cvtxps_ph(e)); }
 
 // 16 bf16 values as float16 bits (exact for values of normal float16 magnitude).
-inline __m256i bf16_to_f16_bits(const uint16_t* src) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  return _mm256_castph_si256(_mm512_cvtxps_ph(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))));
-}
+inline __m256i bf16_to_f16_bits(const uint16_t* src) { return _mm256_castph_si256(_mm512_cvtxps_ph(widen16(src))); }
 
 // A register of float16 pairs (two halves of 16 sums) -> the 16 sums as float32.
 inline __m512 widen_pairs(__m512h acc) {
@@ -53,25 +50,31 @@ inline __m512 widen_pairs(__m512h acc) {
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_castph_si512(both)));  // each lane's low half
 }
 
+// The largest of chunk(i0, i1) over chunks of [0, n) run in parallel (each chunk's maximum of
+// non-negative values; 0 for n = 0).
+template <class F>
+inline float parallel_max(int64_t n, int64_t grain, const F& chunk) {
+  std::vector<float> part(std::max(1, at::get_num_threads()), 0.f);  // one slot per thread of the team
+  at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
+    float& slot = part[at::get_thread_num()];
+    slot = std::max(slot, chunk(i0, i1));
+  });
+  return *std::max_element(part.begin(), part.end());
+}
+
 // The largest |x| of bf16 rows: ctx rows of len adjacent elements, row stride vs.
 inline float max_abs(const uint16_t* vp, int64_t vs, int64_t ctx, int64_t len) {
-  std::vector<float> part(std::max(1, at::get_num_threads()), 0.f);
-  at::parallel_for(0, ctx, 64, [&](int64_t j0, int64_t j1) {
+  return parallel_max(ctx, 64, [&](int64_t j0, int64_t j1) {
     __m512 mx = _mm512_setzero_ps();
     float tail = 0.f;
     for (int64_t j = j0; j < j1; ++j) {
       const uint16_t* row = vp + j * vs;
       int64_t i = 0;
-      for (; i + 16 <= len; i += 16) {
-        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))));
-      }
+      for (; i + 16 <= len; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(widen16(row + i)));
       for (; i < len; ++i) tail = std::max(tail, fabsf(widen(row[i])));
     }
-    float& slot = part[at::get_thread_num()];
-    slot = std::max({slot, tail, _mm512_reduce_max_ps(mx)});
+    return std::max(tail, _mm512_reduce_max_ps(mx));
   });
-  return *std::max_element(part.begin(), part.end());
 }
 
 // One head's values for keys [j0, j1) (j0 even) as float16 key pairs: dst[j / 2][d][j % 2]
@@ -98,9 +101,8 @@ inline std::unique_ptr<_Float16[]> prepare(const float* q, int64_t qs, const uin
   const float kmax = max_abs(k, ks, ctx, Hkv * D);
   const int64_t len = Hq * D;
   std::unique_ptr<_Float16[]> out(new _Float16[n * len]);
-  std::vector<float> part(std::max(1, at::get_num_threads()), 0.f);
   const __m512 s = _mm512_set1_ps(qscale);
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+  const float qmax = parallel_max(n, 16, [&](int64_t i0, int64_t i1) {  // converts as it scans
     __m512 mx = _mm512_setzero_ps();
     for (int64_t i = i0; i < i1; ++i)
       for (int64_t d = 0; d < len; d += 16) {
@@ -108,10 +110,8 @@ inline std::unique_ptr<_Float16[]> prepare(const float* q, int64_t qs, const uin
         mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
         _mm256_storeu_ph(out.get() + i * len + d, _mm512_cvtxps_ph(x));
       }
-    float& slot = part[at::get_thread_num()];
-    slot = std::max(slot, _mm512_reduce_max_ps(mx));
+    return _mm512_reduce_max_ps(mx);
   });
-  const float qmax = *std::max_element(part.begin(), part.end());
   // Each value must be a finite float16 on its own too: a large k beside a zero q passes the
   // product bound, and would become inf (0 * inf poisons a score). NaN inputs are not screened:
   // the float32 pass gives no meaningful output for them either.
