@@ -120,7 +120,11 @@ async def test_batch_killed_midway_then_resumed(kafka_bootstrap, tiny_model, lay
             assert summary["skipped"] == partial and summary["total"] == 50
             assert "50/50" in stderr.decode()  # progress bar reached the end
             check_output(out)
-            # the job is complete, every request answered: its reply topic is deleted
-            assert await b.list_topics(f"{layout.namespace}.reply.job-") == []
+            # the job is complete, every request answered: its reply topic is deleted (Kafka's broker
+            # metadata catches up with the controller's delete: bounded wait)
+            async def reply_topic_gone() -> bool:
+                return await b.list_topics(f"{layout.namespace}.reply.job-") == []
+
+            await wait_until(reply_topic_gone, timeout=15, interval=0.1, message="the job's reply topic deleted")
     finally:
         await b.stop()
