@@ -41,6 +41,12 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_decode(args: argparse.Namespace) -> int:
+    from benchmarks.decode_attention import run
+
+    return run(args)
+
+
 def _bench_recovery(args: argparse.Namespace) -> int:
     from benchmarks.recovery import run
 
@@ -169,6 +175,13 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
                    help="tokens between window starts; each window scores only targets no earlier window scored")
     b.add_argument("--out", type=Path, default=None, help="also write the figures to this JSON file")
     b.set_defaults(func=_bench_accuracy)
+
+    from benchmarks.decode_attention import add_args as add_decode_args
+
+    b = bench.add_parser("decode", help="paged decode attention kernel: split path vs per-sequence loop vs gather + "
+                                        "SDPA, per layer, on serving-shaped batches")
+    add_decode_args(b)
+    b.set_defaults(func=_bench_decode)
 
     from benchmarks.priority import add_args as add_priority_args
 

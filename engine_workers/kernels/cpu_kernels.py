@@ -1,7 +1,8 @@
 """The engine's own CPU kernels (float32 math), one extension module (``csrc/module.cpp``) built on first use:
 
-* paged decode attention (``csrc/paged_decode.cpp``): reads K/V in place from the blocks, one task
-  per sequence. Through SDPA a decode step first gathered every context into a padded copy, and
+* paged decode attention (``csrc/paged_decode.cpp``): reads K/V in place from the blocks, each
+  context cut into 128-token units spread evenly over the threads (AVX-512 builds; one task per
+  sequence otherwise). Through SDPA a decode step first gathered every context into a padded copy, and
   SDPA's kernel is built for long query blocks, so one-token decode queries spent far longer in it
   than reading their K/V once takes (docs/design.md, Paged attention). Both attention kernels read
   a float32 or a bf16 cache (``--kv-cache-dtype``; widened to float32 before any math,
@@ -56,7 +57,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
            CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp", CSRC / "block_linear.cpp"]
-HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h", CSRC / "silu_mul.h", CSRC / "prefill_f16.h", CSRC / "cpu_check.h"]  # included by the sources: part of the build key, not compiled alone
+HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h", CSRC / "silu_mul.h", CSRC / "prefill_f16.h", CSRC / "cpu_check.h",
+           CSRC / "paged_decode_avx512.h"]  # included by the sources: part of the build key, not compiled alone
 # -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).
@@ -137,19 +139,20 @@ KV_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the attention kernel
 
 
 def _check(fn: Callable) -> str | None:
-    """Compare with :func:`reference_decode` on random data, float32 and bf16 caches; ``None`` when
-    they agree."""
+    """Compare with :func:`reference_decode` on random data, float32 and bf16 caches, through both
+    of the kernel's paths (head size 16: the per-sequence loop; 64: on AVX-512 builds, the split
+    path, with a context over two of its 128-token units); ``None`` when they agree."""
     gen = torch.Generator().manual_seed(0)
-    bs, hkv, hq, d, blocks = 4, 2, 6, 16, 12
-    kc, vc = torch.randn(blocks * bs, hkv, d, generator=gen), torch.randn(blocks * bs, hkv, d, generator=gen)
-    q = torch.randn(3, hq, d, generator=gen)
-    tables = torch.tensor([[5, 2, 9], [0, 11, 3], [7, 0, 0]])
-    ctx = torch.tensor([10, 12, 1])
-    for dt in KV_DTYPES:
-        got = fn(q, kc.to(dt), vc.to(dt), tables, ctx, bs, d**-0.5)
-        want = reference_decode(q, kc.to(dt), vc.to(dt), tables, ctx, bs, d**-0.5)
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            return f"paged decode kernel disagrees with SDPA ({str(dt).removeprefix('torch.')} cache)"
+    for bs, hkv, hq, d, blocks, tables, ctx in (
+            (4, 2, 6, 16, 12, [[5, 2, 9], [0, 11, 3], [7, 0, 0]], [10, 12, 1]),
+            (16, 2, 6, 64, 24, [list(range(20)), [23, 21, 0, 0] + [0] * 16], [300, 50])):
+        kc, vc = torch.randn(blocks * bs, hkv, d, generator=gen), torch.randn(blocks * bs, hkv, d, generator=gen)
+        q = torch.randn(len(ctx), hq, d, generator=gen)
+        for dt in KV_DTYPES:
+            args = (q, kc.to(dt), vc.to(dt), torch.tensor(tables), torch.tensor(ctx), bs, d**-0.5)
+            got, want = fn(*args), reference_decode(*args)
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+                return f"paged decode kernel disagrees with SDPA ({str(dt).removeprefix('torch.')} cache, head size {d})"
     return None
 
 
@@ -158,6 +161,13 @@ def paged_decode() -> Callable | None:
     where it is turned off or cannot be built (then :func:`problem` says why). Thread-safe; the
     build happens once per process, later calls return at once."""
     return _resolved("decode", _resolve, "CPU decode attention stays on SDPA")
+
+
+def paged_decode_loop() -> Callable | None:
+    """The decode kernel's one-task-per-sequence loop, taken on every build and head size (the
+    split path's peer in the tests and in ``lockgate bench decode``), or ``None`` where
+    :func:`paged_decode` is."""
+    return _module()[0].paged_decode_loop if paged_decode() is not None else None
 
 
 def problem() -> str | None:

@@ -174,6 +174,43 @@ def test_decode_kernel_matches_sdpa_on_varied_shapes():
                                    cpu_kernels.reference_decode(q, kc, vc, tables, ctx, bs, 0.3), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_decode_kernel_splits_long_contexts_exactly(threads):
+    """Contexts of one to several of the split path's 128-token units (one unit's edge on each
+    side), beside short ones, so units of one sequence land on different threads and are merged;
+    block sizes whose blocks end inside a 16-token tile; every head size and group count the path
+    dispatches on (D 32/64/128; G = 1..8); float32 and bf16 caches. The per-sequence loop (the
+    path of other builds and head sizes) on the same inputs too."""
+    fn, loop = cpu_kernels.paged_decode(), cpu_kernels.paged_decode_loop()
+    if fn is None:
+        pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
+    gen = torch.Generator().manual_seed(11)
+    lens = [1000, 1, 127, 128, 129, 300, 17, 256]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for (hq, hkv, d), bs in zip(((9, 3, 64), (8, 1, 128), (10, 2, 128), (4, 4, 32), (16, 2, 64), (7, 7, 64)),
+                                    (16, 5, 32, 16, 8, 16)):
+            blocks = sum(-(-n // bs) for n in lens)
+            order = torch.randperm(blocks, generator=gen)
+            width = max(-(-n // bs) for n in lens)
+            tables, used = torch.zeros(len(lens), width, dtype=torch.long), 0
+            for b, n in enumerate(lens):
+                tables[b, : -(-n // bs)] = order[used: used + -(-n // bs)]
+                used += -(-n // bs)
+            q = torch.randn(len(lens), hq, d, generator=gen) * 2  # sharper attention than unit scale
+            kc, vc = torch.randn(blocks * bs, hkv, d, generator=gen), torch.randn(blocks * bs, hkv, d, generator=gen)
+            for dt in cpu_kernels.KV_DTYPES:
+                args = (q, kc.to(dt), vc.to(dt), tables, torch.tensor(lens), bs, d**-0.5)
+                want = cpu_kernels.reference_decode(*args)
+                for path in (fn, loop):
+                    where = f"{path.__name__} hq={hq} hkv={hkv} d={d} bs={bs} {dt}"
+                    torch.testing.assert_close(path(*args), want, rtol=1e-4, atol=1e-5,
+                                               msg=lambda m, where=where: f"{where}: {m}")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_decode_kernel_rejects_bad_tables():
     fn = cpu_kernels.paged_decode()
     if fn is None:

@@ -60,6 +60,8 @@ _OFF_CPU_CALLS = {
     "prefill_attention": lambda m, meta, c3, c2, c1: m.prefill_attention(c3, c3, meta, 1.0),
     "paged_decode": lambda m, meta, c3, c2, c1: m.paged_decode(meta, c3, c3, torch.zeros(1, 1, dtype=torch.long),
                                                                torch.ones(1, dtype=torch.long), 4, 1.0),
+    "paged_decode_loop": lambda m, meta, c3, c2, c1: m.paged_decode_loop(c3, meta, c3, torch.zeros(1, 1, dtype=torch.long),
+                                                                         torch.ones(1, dtype=torch.long), 4, 1.0),
     "add_rms_norm": lambda m, meta, c3, c2, c1: m.add_rms_norm(c2, meta.view(4, 16), c1, 1e-6),
     "silu_mul": lambda m, meta, c3, c2, c1: m.silu_mul(meta.view(4, 16)),
     "small_m_linear": lambda m, meta, c3, c2, c1: m.small_m_linear(c2, c2, 4, meta.view(-1)),

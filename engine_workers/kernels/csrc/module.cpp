@@ -3,6 +3,8 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale);
+torch::Tensor paged_decode_loop(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 bool prefill_f16_values();
 torch::Tensor pack_small_m(torch::Tensor w);
@@ -31,6 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do: the worker's event loop thread
   // keeps serving while the engine thread computes.
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU; float32 q, float32 or bf16 K/V cache, float32 math)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_loop", &paged_decode_loop,
+        "paged_decode through its one-task-per-sequence loop on every build and head size (tests, benchmarks)",
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention", &prefill_attention,
         "causal prefill attention of one chunk (CPU; float32 q, float32 or bf16 K/V; float32 math, except Q.K and "

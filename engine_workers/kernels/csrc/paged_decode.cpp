@@ -9,10 +9,15 @@
 // ctx      [B] int64       context length of each sequence, >= 1 (its new token included)
 // returns  [B, Hq, D]
 //
-// One task per sequence; the G = Hq / Hkv query heads that share a KV head read each K/V row once.
-// Two passes over the context (scores + softmax, then the V sum) with the scores in
-// a per-task buffer; the tasks run on torch's own intra-op pool (at::parallel_for), so the kernel
-// adds no thread pool of its own. Compiled with -ffast-math so GCC vectorises the loops (expf
+// Two paths, both float32 math, the same result up to summation order:
+// - AVX-512 builds, head size 32, 64 or 128 (paged_decode_avx512.h): contexts split into
+//   128-token work units spread evenly over the threads, register-tiled products, a bf16 cache
+//   widened without shuffles, and the units' softmax states merged per sequence.
+// - otherwise (decode() below): one task per sequence; the G = Hq / Hkv query heads that share a
+//   KV head read each K/V row once; two passes over the context (scores + softmax, then the V
+//   sum) with the scores in a per-task buffer.
+// Both run on torch's own intra-op pool (at::parallel_for), so the kernel adds no thread pool of
+// its own. Compiled with -ffast-math so GCC vectorises the loops (expf
 // through glibc's vector math library, libmvec); that assumes finite values, which holds: scores
 // are computed only for real context positions (no -inf masking) and the max is subtracted.
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
@@ -27,6 +32,7 @@
 
 #include "kv_elem.h"
 #include "cpu_check.h"
+#include "paged_decode_avx512.h"
 
 namespace {
 
@@ -61,7 +67,8 @@ void decode(const float* qp, const KV* kp, const KV* vp, float* op, const int64_
   const int64_t G = Hq / Hkv;
   // One task per sequence: its K/V rows are read whole (all KV heads, Hkv * D contiguous elements
   // per token), so memory streams block by block; a task per (sequence, head) reads a third of each
-  // row at a stride, which was much slower on cold caches (docs/benchmarks.md, Engine).
+  // row at a stride, which was much slower on cold caches (docs/benchmarks.md, Engine). The
+  // AVX-512 path keeps whole rows too, and splits along the context instead.
   const int64_t row = Hkv * D;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(Hq * D), inv(Hq), wide(row);
@@ -104,8 +111,10 @@ void decode(const float* qp, const KV* kp, const KV* vp, float* op, const int64_
 
 }  // namespace
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                           at::Tensor tables, at::Tensor ctx, int64_t block_size, double scale) {
+namespace {
+
+at::Tensor run_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables, at::Tensor ctx,
+                      int64_t block_size, double scale, bool split_path) {
   check_cpu("q", q, "k_cache", k_cache, "v_cache", v_cache, "tables", tables, "ctx", ctx);
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and caches must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32, got ", q.scalar_type());
@@ -129,9 +138,41 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  if (kv_is_bf16(k_cache, v_cache))
+  const bool bf16 = kv_is_bf16(k_cache, v_cache);
+#ifdef __AVX512F__
+  if (split_path && decode512::supports(D)) {
+    auto run = [&](auto nc) {
+      constexpr int NC = decltype(nc)::value;
+      if (bf16)
+        decode512::decode<NC>(qp, kv_data<uint16_t>(k_cache), kv_data<uint16_t>(v_cache), op, tab, lens, B, Hq, Hkv, N,
+                              block_size, sc);
+      else
+        decode512::decode<NC>(qp, kv_data<float>(k_cache), kv_data<float>(v_cache), op, tab, lens, B, Hq, Hkv, N,
+                              block_size, sc);
+    };
+    if (D == 32) run(std::integral_constant<int, 2>{});
+    else if (D == 64) run(std::integral_constant<int, 4>{});
+    else run(std::integral_constant<int, 8>{});
+    return out;
+  }
+#endif
+  if (bf16)
     decode(qp, kv_data<uint16_t>(k_cache), kv_data<uint16_t>(v_cache), op, tab, lens, B, Hq, Hkv, D, N, block_size, sc);
   else
     decode(qp, kv_data<float>(k_cache), kv_data<float>(v_cache), op, tab, lens, B, Hq, Hkv, D, N, block_size, sc);
   return out;
+}
+
+}  // namespace
+
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables, at::Tensor ctx,
+                        int64_t block_size, double scale) {
+  return run_decode(q, k_cache, v_cache, tables, ctx, block_size, scale, true);
+}
+
+// The per-sequence loop whatever the build and head size: the split path's peer in the tests and
+// in `lockgate bench decode`.
+at::Tensor paged_decode_loop(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables, at::Tensor ctx,
+                             int64_t block_size, double scale) {
+  return run_decode(q, k_cache, v_cache, tables, ctx, block_size, scale, false);
 }
