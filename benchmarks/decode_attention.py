@@ -107,8 +107,7 @@ def measure(peers: dict[str, Callable], shape: Shape, cases=CASES, kv_dtypes=("f
                     best[p] = min(best[p], _step_time(fn, layers, steps))
             nbytes = sum(lens) * 2 * shape.kv_heads * shape.head_size * (4 if dtype == torch.float32 else 2)
             rows.append(Row(name, str(dtype).removeprefix("torch."), sum(lens),
-                            {p: round(s * 1e3, 4) for p, s in best.items()},
-                            {p: round(nbytes / s / 1e9, 1) for p, s in best.items()}))
+                            {p: s * 1e3 for p, s in best.items()}, {p: nbytes / s / 1e9 for p, s in best.items()}))
     return rows
 
 

@@ -1,8 +1,8 @@
 """The engine's own CPU kernels (float32 math), one extension module (``csrc/module.cpp``) built on first use:
 
 * paged decode attention (``csrc/paged_decode.cpp``): reads K/V in place from the blocks, each
-  context cut into 128-token units spread evenly over the threads (AVX-512 builds; one task per
-  sequence otherwise). Through SDPA a decode step first gathered every context into a padded copy, and
+  context cut into 128-token units spread evenly over the threads (AVX-512 builds, head sizes
+  32/64/128; one task per sequence otherwise). Through SDPA a decode step first gathered every context into a padded copy, and
   SDPA's kernel is built for long query blocks, so one-token decode queries spent far longer in it
   than reading their K/V once takes (docs/design.md, Paged attention). Both attention kernels read
   a float32 or a bf16 cache (``--kv-cache-dtype``; widened to float32 before any math,
@@ -168,6 +168,12 @@ def paged_decode_loop() -> Callable | None:
     split path's peer in the tests and in ``lockgate bench decode``), or ``None`` where
     :func:`paged_decode` is."""
     return _module()[0].paged_decode_loop if paged_decode() is not None else None
+
+
+def paged_decode_splits(head_size: int) -> bool:
+    """Whether :func:`paged_decode` takes its split-K path (csrc/paged_decode_avx512.h) for this
+    head size: an AVX-512 build and a head size of 32, 64 or 128."""
+    return paged_decode() is not None and bool(_module()[0].paged_decode_splits(head_size))
 
 
 def problem() -> str | None:

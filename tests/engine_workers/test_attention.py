@@ -21,6 +21,14 @@ from engine_workers.model.llama import apply_rope, interleave_rope_rows
 BS, HQ, HKV, D = 4, 6, 2, 8
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def dense_reference(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], start: list[int]) -> list[torch.Tensor]:
     """Per sequence: full q/k/v ``[L, H, D]``; returns the attention output of its last
     ``L - start`` positions, causal, GQA by repeating K/V."""
@@ -178,19 +186,26 @@ def test_decode_kernel_matches_sdpa_on_varied_shapes():
 def test_decode_kernel_splits_long_contexts_exactly(threads):
     """Contexts of one to several of the split path's 128-token units (one unit's edge on each
     side), beside short ones, so units of one sequence land on different threads and are merged;
-    block sizes whose blocks end inside a 16-token tile; every head size and group count the path
-    dispatches on (D 32/64/128; G = 1..8); float32 and bf16 caches. The per-sequence loop (the
-    path of other builds and head sizes) on the same inputs too."""
+    block sizes whose blocks end inside a 16-token tile; every head size the path dispatches on
+    (D 32/64/128) and group counts from 1 to 8; float32 and bf16 caches. The per-sequence loop
+    (the path of other builds and head sizes) on the same inputs too. Where the CPU has AVX-512
+    the split path must be the one taken."""
     fn, loop = cpu_kernels.paged_decode(), cpu_kernels.paged_decode_loop()
     if fn is None:
         pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
+    if _cpu_has("avx512f"):
+        assert all(cpu_kernels.paged_decode_splits(d) for d in (32, 64, 128))
+        assert not cpu_kernels.paged_decode_splits(16) and not cpu_kernels.paged_decode_splits(48)
     gen = torch.Generator().manual_seed(11)
     lens = [1000, 1, 127, 128, 129, 300, 17, 256]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for (hq, hkv, d), bs in zip(((9, 3, 64), (8, 1, 128), (10, 2, 128), (4, 4, 32), (16, 2, 64), (7, 7, 64)),
-                                    (16, 5, 32, 16, 8, 16)):
+        # G = 3, 8, 5, 1, 8, 1, 4, 2, 7: every register block of the value product (up to 4 query
+        # heads per KV head at D 32/64, 2 at 128) with and without a remainder
+        for (hq, hkv, d), bs in zip(((9, 3, 64), (8, 1, 128), (10, 2, 128), (4, 4, 32), (16, 2, 64), (7, 7, 64),
+                                     (8, 2, 32), (6, 3, 64), (14, 2, 32)),
+                                    (16, 5, 32, 16, 8, 16, 16, 7, 16)):
             blocks = sum(-(-n // bs) for n in lens)
             order = torch.randperm(blocks, generator=gen)
             width = max(-(-n // bs) for n in lens)
@@ -221,6 +236,9 @@ def test_decode_kernel_rejects_bad_tables():
         fn(q, kc, vc, torch.tensor([[9]]), torch.tensor([2]), 4, 1.0)
     with pytest.raises(RuntimeError, match="context length"):
         fn(q, kc, vc, torch.tensor([[0]]), torch.tensor([5]), 4, 1.0)
+    empty = torch.zeros(8 * 4, 0, 4)  # no KV heads: refused, not a division by zero
+    with pytest.raises(RuntimeError, match="at least one head"):
+        fn(q, empty, empty, torch.tensor([[0]]), torch.tensor([2]), 4, 1.0)
 
 
 def test_interleaved_rope_equals_hf_rotate_half():
@@ -243,19 +261,25 @@ def test_interleaved_rope_equals_hf_rotate_half():
     torch.testing.assert_close(ours @ ours.transpose(-1, -2), hf @ hf.transpose(-1, -2), rtol=1e-5, atol=1e-5)
 
 
-def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir):
+@pytest.mark.parametrize("head_size", [16, 64])
+def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir, tmp_path, head_size):
+    """Head size 16 (the tiny model's) takes the decode kernel's per-sequence loop, 64 its split
+    path (on AVX-512 builds), with prompts long enough for contexts of several 128-token units."""
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
+    from lockgate.testing.tiny_model import build_tiny_model
     from tests.engine_workers.test_engine_hf_parity import run_together, workload
 
     if cpu_kernels.paged_decode() is None:
         pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
-    on = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
-    off = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
+    model = tiny_model_dir if head_size == 16 else str(build_tiny_model(tmp_path / "d64", hidden_size=128,
+                                                                        num_heads=2, num_kv_heads=1))
+    on = Engine(EngineConfig(model=model, kv_cache_bytes=16 << 20))
+    off = Engine(EngineConfig(model=model, kv_cache_bytes=16 << 20, cpu_kernels=False))
     assert on.runner.decode_kernel is not None and off.runner.decode_kernel is None
     assert on.runner.prefill_kernel is not None and off.runner.prefill_kernel is None
     assert on.runner.model.norm.fused is not None and off.runner.model.norm.fused is None
-    reqs = workload(on.loaded.spec.vocab_size, 10, seed=11, max_prompt=150, max_new=30)
+    reqs = workload(on.loaded.spec.vocab_size, 10, seed=11, max_prompt=150 if head_size == 16 else 400, max_new=30)
     assert run_together(on, reqs) == run_together(off, reqs)
 
 

@@ -5,6 +5,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale);
 torch::Tensor paged_decode_loop(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor tables, torch::Tensor ctx, int64_t block_size, double scale);
+bool paged_decode_splits(int64_t head_size);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 bool prefill_f16_values();
 torch::Tensor pack_small_m(torch::Tensor w);
@@ -37,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_loop", &paged_decode_loop,
         "paged_decode through its one-task-per-sequence loop on every build and head size (tests, benchmarks)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_splits", &paged_decode_splits,
+        "whether paged_decode takes its split-K AVX-512 path for this head size on this build");
   m.def("prefill_attention", &prefill_attention,
         "causal prefill attention of one chunk (CPU; float32 q, float32 or bf16 K/V; float32 math, except Q.K and "
         "P.V of a bf16 cache in float16 where prefill_f16_values())",

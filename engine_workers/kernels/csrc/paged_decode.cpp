@@ -123,6 +123,7 @@ at::Tensor run_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::
   TORCH_CHECK(tables.scalar_type() == at::kLong && ctx.scalar_type() == at::kLong, "int64 tables and ctx");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1), N = tables.size(1), slots = k_cache.size(0);
+  TORCH_CHECK(Hkv > 0 && Hq > 0, "q and the caches need at least one head");
   TORCH_CHECK(k_cache.size(2) == D && Hq % Hkv == 0 && v_cache.sizes() == k_cache.sizes(), "head shapes disagree");
   TORCH_CHECK(tables.size(0) == B && ctx.size(0) == B, "one table and one length per sequence");
   auto tabc = tables.contiguous();
@@ -175,4 +176,15 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at
 at::Tensor paged_decode_loop(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables, at::Tensor ctx,
                              int64_t block_size, double scale) {
   return run_decode(q, k_cache, v_cache, tables, ctx, block_size, scale, false);
+}
+
+// Whether paged_decode takes the split path for head size D on this build (tests assert it where
+// the CPU has AVX-512, so a dispatch change cannot quietly leave only the loop tested).
+bool paged_decode_splits(int64_t D) {
+#ifdef __AVX512F__
+  return decode512::supports(D);
+#else
+  (void)D;
+  return false;
+#endif
 }

@@ -3,8 +3,9 @@
 //
 // Work: each sequence's context is cut into chunks of kChunk tokens (flash-decoding's split-K);
 // a chunk is one unit, and the threads take contiguous runs of units holding equal numbers of
-// tokens, so a batch of one long and nine short sequences, or a single sequence, keeps every core
-// busy (one task per sequence left one core idle whenever lengths differed). A unit writes its
+// tokens (to within one unit), so a batch of one long and nine short sequences, or a single
+// sequence of at least as many units as threads, keeps every core busy (one task per sequence
+// left a core idle whenever lengths differed). A unit writes its
 // own softmax state (max m, sum l, unnormalised P . V per query head); a second pass over the
 // sequences merges the chunks' states, exactly as the flash-attention combine does.
 //
@@ -37,7 +38,8 @@ namespace decode512 {
 constexpr int64_t kChunk = 128;  // tokens per work unit: fine enough to balance two cores on one sequence
 constexpr int kTile = 16;        // tokens per product tile (one register's lanes of scores)
 
-// Whether this path takes head size D (D / 16 vectors per head, even for the bf16 widening).
+// Whether this path takes head size D (D / 16 vectors per head, an even number: the bf16 widening
+// works in runs of 32 values, and run_unit asserts it).
 inline bool supports(int64_t D) { return D == 32 || D == 64 || D == 128; }
 
 // The 16 lanes of each acc[t] summed into lane t of one register. After the four halving steps
@@ -156,6 +158,7 @@ void run_unit(const float* q, const KV* kp, const KV* vp, const int64_t* tab, in
               int64_t t1, int64_t Hq, int64_t Hkv, float sc, float* scores, float* buf, float* qbuf, float* m,
               float* l, float* acc) {
   constexpr bool kWiden = !std::is_same<KV, float>::value;
+  static_assert(NC % 2 == 0, "the bf16 widening and q's pair order work in runs of 32 values");
   const int64_t D = 16 * NC, G = Hq / Hkv, row = Hkv * D, n = t1 - t0;
   if (kWiden) to_pair_order(qbuf, q, Hq * D), q = qbuf;
   // Tiles: up to 16 tokens, contiguous within one block. body(first token's index in the unit,
