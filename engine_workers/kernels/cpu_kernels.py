@@ -58,7 +58,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
            CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp", CSRC / "block_linear.cpp"]
 HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h", CSRC / "silu_mul.h", CSRC / "prefill_f16.h", CSRC / "cpu_check.h",
-           CSRC / "paged_decode_avx512.h"]  # included by the sources: part of the build key, not compiled alone
+           CSRC / "paged_decode_avx512.h", CSRC / "softmax_row.h"]  # included by the sources: part of the build key, not compiled alone
 # -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).

@@ -33,6 +33,7 @@
 #include "kv_elem.h"
 #include "cpu_check.h"
 #include "paged_decode_avx512.h"
+#include "softmax_row.h"
 
 namespace {
 
@@ -84,15 +85,8 @@ void decode(const float* qp, const KV* kp, const KV* vp, float* op, const int64_
           for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * L + t] = dot(qb + (h * G + g) * D, kr + h * D, D) * sc;
       }
       for (int64_t j = 0; j < Hq; ++j) {
-        float* s = scores.data() + j * L;
-        float m = s[0];
-        for (int64_t t = 1; t < L; ++t) m = s[t] > m ? s[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          s[t] = expf(s[t] - m);
-          sum += s[t];
-        }
-        inv[j] = 1.f / sum;
+        float m;
+        inv[j] = 1.f / exp_shifted(scores.data() + j * L, L, &m);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {

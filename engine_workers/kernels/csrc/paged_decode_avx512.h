@@ -33,6 +33,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "softmax_row.h"
+
 namespace decode512 {
 
 constexpr int64_t kChunk = 128;  // tokens per work unit: fine enough to balance two cores on one sequence
@@ -183,17 +185,7 @@ void run_unit(const float* q, const KV* kp, const KV* vp, const int64_t* tab, in
     const float* kr = tile_rows(kp + slot * row, buf, nt, row);
     for (int64_t h = 0; h < Hkv; ++h) score_tile<NC>(q + h * G * D, G, kr + h * D, row, nt, sc, scores + h * G * kChunk + i, kChunk);
   });
-  for (int64_t j = 0; j < Hq; ++j) {  // per-chunk softmax state; exp(s - m) <= 1, finite
-    float* s = scores + j * kChunk;
-    float mx = s[0];
-    for (int64_t i = 1; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = expf(s[i] - mx);
-      sum += s[i];
-    }
-    m[j] = mx, l[j] = sum;
-  }
+  for (int64_t j = 0; j < Hq; ++j) l[j] = exp_shifted(scores + j * kChunk, n, m + j);  // the unit's softmax state
   std::fill(acc, acc + Hq * D, 0.f);
   for_tiles([&](int64_t i, int64_t slot, int nt, int64_t) {
     const float* vr = tile_rows(vp + slot * row, buf, nt, row);
