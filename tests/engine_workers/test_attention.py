@@ -21,14 +21,6 @@ from engine_workers.model.llama import apply_rope, interleave_rope_rows
 BS, HQ, HKV, D = 4, 6, 2, 8
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
 def dense_reference(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], start: list[int]) -> list[torch.Tensor]:
     """Per sequence: full q/k/v ``[L, H, D]``; returns the attention output of its last
     ``L - start`` positions, causal, GQA by repeating K/V."""
@@ -193,7 +185,7 @@ def test_decode_kernel_splits_long_contexts_exactly(threads):
     fn, loop = cpu_kernels.paged_decode(), cpu_kernels.paged_decode_loop()
     if fn is None:
         pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
-    if _cpu_has("avx512f"):
+    if "avx512f" in cpu_kernels.cpu_flags():
         assert all(cpu_kernels.paged_decode_splits(d) for d in (32, 64, 128))
         assert not cpu_kernels.paged_decode_splits(16) and not cpu_kernels.paged_decode_splits(48)
     gen = torch.Generator().manual_seed(11)

@@ -40,6 +40,15 @@ inline void widen_row(float* __restrict dst, const uint16_t* __restrict src, int
   for (; i < n; ++i) dst[i] = widen(src[i]);
 }
 
+// Ask for the n cache elements from p on, every 64-byte line, at __builtin_prefetch locality L
+// (3: into every cache level, as _MM_HINT_T0; 2: into L2 and beyond, as _MM_HINT_T1). Blocks sit
+// anywhere in the cache, so the hardware prefetcher cannot see the next one coming.
+template <int L, class KV>
+inline void prefetch_rows(const KV* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(KV)); off += 64) __builtin_prefetch(c + off, 0, L);
+}
+
 // The cache's element pointer, typed for the kernels (the caller has checked the dtype).
 template <class KV>
 inline const KV* kv_data(const at::Tensor& t) {

@@ -47,13 +47,6 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// The next block of a sequence is anywhere in the cache: ask for it while this one is read.
-template <class KV>
-inline void prefetch_block(const KV* base, int64_t block, int64_t elems) {
-  const char* p = reinterpret_cast<const char*>(base + block * elems);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(KV)); off += 64) __builtin_prefetch(p + off);
-}
-
 // A cache row (all KV heads of one token) as float32: the row itself for a float32 cache, else
 // widened into buf.
 inline const float* row_f32(const float* r, float*, int64_t) { return r; }
@@ -79,7 +72,8 @@ void decode(const float* qp, const KV* kp, const KV* vp, float* op, const int64_
       scores.resize(Hq * L);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t slot = tab[b * N + t / block_size] * block_size + t % block_size;
-        if (t % block_size == 0 && t + block_size < L) prefetch_block(kp, tab[b * N + t / block_size + 1], block_size * row);
+        if (t % block_size == 0 && t + block_size < L)  // the next block, while this one is read
+          prefetch_rows<3>(kp + tab[b * N + t / block_size + 1] * block_size * row, block_size * row);
         const float* kr = row_f32(kp + slot * row, wide.data(), row);
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t g = 0; g < G; ++g) scores[(h * G + g) * L + t] = dot(qb + (h * G + g) * D, kr + h * D, D) * sc;
@@ -91,7 +85,8 @@ void decode(const float* qp, const KV* kp, const KV* vp, float* op, const int64_
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
         const int64_t slot = tab[b * N + t / block_size] * block_size + t % block_size;
-        if (t % block_size == 0 && t + block_size < L) prefetch_block(vp, tab[b * N + t / block_size + 1], block_size * row);
+        if (t % block_size == 0 && t + block_size < L)  // the next block, while this one is read
+          prefetch_rows<3>(vp + tab[b * N + t / block_size + 1] * block_size * row, block_size * row);
         const float* vr = row_f32(vp + slot * row, wide.data(), row);
         for (int64_t h = 0; h < Hkv; ++h)
           for (int64_t g = 0; g < G; ++g) axpy(acc.data() + (h * G + g) * D, scores[(h * G + g) * L + t], vr + h * D, D);

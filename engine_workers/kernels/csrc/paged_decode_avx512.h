@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_elem.h"
 #include "softmax_row.h"
 
 namespace decode512 {
@@ -45,7 +46,7 @@ constexpr int kTile = 16;        // tokens per product tile (one register's lane
 inline bool supports(int64_t D) { return D == 32 || D == 64 || D == 128; }
 
 // The 16 lanes of each acc[t] summed into lane t of one register. After the four halving steps
-// lane L holds the sum of acc[kOrder[L]]; kOrder is its own inverse, so permuting by it restores
+// lane L holds the sum of acc[order[L]]; order is its own inverse, so permuting by it restores
 // token order.
 inline __m512 reduce16(__m512 (&a)[kTile]) {
   __m512 c[8], e[4], g[2];
@@ -120,17 +121,6 @@ inline void value_heads(float* acc, const float* p, int64_t ld, const float* v, 
   }
 }
 
-// Ask for n cache elements from p on (every 64-byte line) at locality `hint`.
-template <class KV>
-inline void prefetch_rows(const KV* p, int64_t n, int hint) {
-  const char* c = reinterpret_cast<const char*>(p);
-  const int64_t bytes = n * static_cast<int64_t>(sizeof(KV));
-  if (hint == _MM_HINT_T0)
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-  else
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
-}
-
 // Rows of a tile as float32: a float32 cache is read in place; a bf16 one is widened into buf
 // (nt rows of n values, even/odd order within each 32: the header's permutation).
 inline const float* tile_rows(const float* r, float*, int, int64_t) { return r; }
@@ -176,12 +166,11 @@ void run_unit(const float* q, const KV* kp, const KV* vp, const int64_t* tab, in
       t += nt;
     }
   };
-  // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see the next one coming:
-  // while a tile's keys are scored, the next tile's keys are asked for, and this tile's values
+  // While a tile's keys are scored, the next tile's keys are asked for, and this tile's values
   // (into L2, for the value pass; a chunk's K and V fit there).
   for_tiles([&](int64_t i, int64_t slot, int nt, int64_t next) {
-    if (next >= 0) prefetch_rows(kp + next * row, tile_len(t0 + i + nt) * row, _MM_HINT_T0);
-    prefetch_rows(vp + slot * row, nt * row, _MM_HINT_T1);
+    if (next >= 0) prefetch_rows<3>(kp + next * row, tile_len(t0 + i + nt) * row);
+    prefetch_rows<2>(vp + slot * row, nt * row);
     const float* kr = tile_rows(kp + slot * row, buf, nt, row);
     for (int64_t h = 0; h < Hkv; ++h) score_tile<NC>(q + h * G * D, G, kr + h * D, row, nt, sc, scores + h * G * kChunk + i, kChunk);
   });
