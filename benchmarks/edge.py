@@ -73,7 +73,7 @@ class _Shard:
     async def start(self) -> int:
         import bus as busmod
         from edge.config import EdgeConfig
-        from edge.protocol import PromptEncoder
+        from edge.request import PromptEncoder
         from edge.server import Edge
         from lockgate.testing.fake_worker import FakeWorker
         from lockgate.testing.tiny_model import build_tokenizer

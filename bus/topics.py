@@ -3,7 +3,7 @@
 Layout (``<ns>`` defaults to ``lockgate``, ``<model>`` is the model name made topic-safe):
 
 * ``<ns>.req.<model>.p0|p1|p2`` — priority topics, the durable request log, keyed by request id
-  (the edge: by tenant + prompt prefix, on a partition it picks; edge/affinity.py).
+  (the edge: by tenant + prompt prefix, on a partition it picks; edge/admission/affinity.py).
 * ``<ns>.reply.<owner>``        — a reply topic: one per edge instance, per batch job, or per request.
 * ``<ns>.control``              — broadcast control (``Cancel``); every worker reads all of it.
 * ``<ns>.status``               — worker heartbeats (``WorkerStatus``).

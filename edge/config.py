@@ -169,7 +169,7 @@ class EdgeConfig:
     reuse_port: bool = False
     # the OpenAI-compatible HTTP API's port (same host); None = not served, 0 = any free port
     openai_port: int | None = None
-    # the tool-call format of /v1/chat/completions (edge.tool_parsers: hermes, llama3_json, mistral);
+    # the tool-call format of /v1/chat/completions (edge.openai.tool_parsers: hermes, llama3_json, mistral);
     # None = the served model's (by its name)
     tool_call_parser: str | None = None
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
@@ -182,7 +182,7 @@ class EdgeConfig:
     max_connections: int = 100_000
     default_max_tokens: int = 256
     request_timeout_s: float = 300.0  # deadline on the bus; the edge gives up (error expired) after it
-    # prefix-affine partitioning (edge/affinity.py; docs/design.md): same tenant + same prompt prefix
+    # prefix-affine partitioning (edge/admission/affinity.py; docs/design.md): same tenant + same prompt prefix
     # -> same partition (worker, prefix cache), hot prefixes spread; False: by request id
     prefix_affinity: bool = True
     affinity_tokens: int = 64  # the prompt prefix keyed on when there is no system message

@@ -4,7 +4,7 @@ same (``vllm:time_to_first_token_seconds`` -> ``lockgate:time_to_first_token_sec
 here are measured at the edge, from admission to the frame being queued for the client.
 
 Request-level series carry an ``api`` label: ``ws`` (the WebSocket protocol) or ``openai`` (the
-OpenAI-compatible HTTP API); both go through the same admission (:mod:`edge.admission`).
+OpenAI-compatible HTTP API); both go through the same admission (:mod:`edge.admission.gate`).
 """
 
 from __future__ import annotations

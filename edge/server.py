@@ -13,9 +13,9 @@ per-session send queues (``send_queue_frames``) and the cancel outbox (``CANCEL_
 HTTP on the same port (``process_request``): ``/healthz``, ``/readyz``, ``/metrics``, ``/``. A
 WebSocket handshake on ``/`` or ``/ws`` is authenticated here (401), shed (503) or accepted.
 
-With ``config.openai_port`` set, the OpenAI-compatible HTTP API (:mod:`edge.openai_http`) listens
+With ``config.openai_port`` set, the OpenAI-compatible HTTP API (:mod:`edge.openai.routes`) listens
 on that port too, on the same event loop. Both APIs admit through one
-:class:`~edge.admission.Admission` (keys, limits, shedding, metrics, the cancel outbox).
+:class:`~edge.admission.gate.Admission` (keys, limits, shedding, metrics, the cancel outbox).
 """
 
 from __future__ import annotations
@@ -36,18 +36,18 @@ from websockets.http11 import Request, Response
 
 from bus.base import Bus
 from bus.messages import DecodeError, WorkerStatus, decode
-from edge.admission import Admission
-from edge.auth import AuthError, Principal, extract_key, select_subprotocol
+from edge.admission.auth import AuthError, Principal, extract_key, select_subprotocol
+from edge.admission.gate import Admission
+from edge.admission.router import checkpoint
 from edge.config import EdgeConfig
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
-from edge.openai_http import OpenAIServer
-from edge.protocol import PromptEncoder
-from edge.router import checkpoint
-from edge.session import Session, TickFlusher
+from edge.openai.routes import OpenAIServer
+from edge.request import PromptEncoder
+from edge.ws.session import Session, TickFlusher
 
 log = logging.getLogger(__name__)
 
-STATIC_DIR = Path(__file__).parent / "static"
+STATIC_DIR = Path(__file__).parent / "ws" / "static"
 SWEEP_INTERVAL_S = 0.25
 WS_PATHS = ("/", "/ws")
 

@@ -38,6 +38,11 @@ def test_the_layer_contracts_are_kept() -> None:
     ("engine_workers/engine/_probe.py", "import bus.messages\n", "The engine knows no bus and no worker"),
     ("kv_store/_probe.py", "import lockgate.cli\n", "Product packages never import the composition root or the benchmarks"),
     ("bus/_probe.py", "import bus.kafka\n", "No import cycles between the modules or subpackages of any package"),
+    ("edge/ws/_probe.py", "import edge.openai.routes\n",
+     "The edge's WebSocket and OpenAI front ends are independent"),
+    ("edge/openai/_probe.py", "import edge.ws.session\n",
+     "The edge's WebSocket and OpenAI front ends are independent"),
+    ("edge/admission/_probe.py", "import edge.openai.tool_parsers\n", "Edge admission knows neither front end"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:

@@ -43,7 +43,7 @@ from bus.messages import (
     encode,
 )
 from bus.topics import TopicLayout
-from edge.router import checkpoint
+from edge.admission.router import checkpoint
 from engine_workers.worker.reply_sender import ReplySender
 
 log = logging.getLogger(__name__)

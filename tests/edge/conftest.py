@@ -12,7 +12,7 @@ from websockets.asyncio.client import connect
 
 from bus import MemoryBus
 from edge.config import EdgeConfig, KeyEntry, hash_key
-from edge.protocol import PromptEncoder
+from edge.request import PromptEncoder
 from edge.server import Edge
 from lockgate.testing.fake_worker import FakeWorker
 from tests.waiting import wait_until

@@ -1,4 +1,4 @@
-"""Prefix-affine partitioning at the edge (edge/affinity.py): the key function and the spill bound."""
+"""Prefix-affine partitioning at the edge (edge/admission/affinity.py): the key function and the spill bound."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter, deque
 import pytest
 
 from bus.messages import ChatMessage, InferenceRequest, SamplingParams
-from edge.affinity import Placement, PrefixAffinity, prefix_key
+from edge.admission.affinity import Placement, PrefixAffinity, prefix_key
 
 SYSTEM = tuple(range(1000, 1080))  # 80 tokens shared
 

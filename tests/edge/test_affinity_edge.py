@@ -1,9 +1,9 @@
-"""The edge publishes by prefix affinity and carries the key's weight (edge/affinity.py, end to end)."""
+"""The edge publishes by prefix affinity and carries the key's weight (edge/admission/affinity.py, end to end)."""
 
 from __future__ import annotations
 
 from bus.messages import InferenceRequest, decode
-from edge.affinity import prefix_key
+from edge.admission.affinity import prefix_key
 from tests.edge.conftest import KEY, client, collect, keys, recv, running_edge, send
 
 

@@ -12,8 +12,9 @@ from websockets.asyncio.client import connect as ws_connect
 
 from bus import connect
 from edge.config import EdgeConfig
-from edge.protocol import PromptEncoder, parse_client_frame
+from edge.request import PromptEncoder
 from edge.server import Edge
+from edge.ws.protocol import parse_client_frame
 from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.edge.conftest import collect, recv, send, wait_for

@@ -238,7 +238,7 @@ async def test_disconnect_publishes_cancel(encoder):
         await ws.close()
         await wait_for(lambda: {c.request_id for c in fw.cancels} == rids)
         assert all(c.reason == "disconnect" for c in fw.cancels)
-        await wait_for(lambda: not edge.router.streams and not edge.sessions)
+        await wait_for(lambda: not edge.admission.router.streams and not edge.sessions)
 
 
 async def test_dedupe_after_worker_restart(encoder):
@@ -311,7 +311,7 @@ async def test_slow_client_is_disconnected(encoder):
                 await send(ws, gen(f"s{i}", 1000))
             await wait_for(lambda: 'lockgate:edge_slow_client_disconnects_total 1.0' in edge.metrics.render().decode(),
                            timeout=20)
-            await wait_for(lambda: not edge.sessions and not edge.router.streams, timeout=10)
+            await wait_for(lambda: not edge.sessions and not edge.admission.router.streams, timeout=10)
             await wait_for(lambda: len({c.request_id for c in fw.cancels}) == 8)
             assert all(c.reason == "disconnect" for c in fw.cancels)
             await wait_for(lambda: not fw.running)  # the worker stopped generating for the gone client

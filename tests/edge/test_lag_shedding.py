@@ -13,7 +13,7 @@ from websockets.exceptions import InvalidStatus
 from bus import MemoryBus, TopicLayout
 from bus.messages import InferenceRequest, SamplingParams, encode
 from edge.config import EdgeConfig
-from edge.protocol import PromptEncoder
+from edge.request import PromptEncoder
 from edge.server import Edge
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.edge.conftest import client, keys, recv, send, wait_for

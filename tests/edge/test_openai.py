@@ -199,7 +199,7 @@ async def _disconnect_cancels(encoder, stream: bool) -> None:
             await asyncio.gather(task, return_exceptions=True)
         await wait_until(lambda: any(c.request_id == rid for c in fw.cancels))
         assert [c.reason for c in fw.cancels if c.request_id == rid] == ["disconnect"]
-        await wait_until(lambda: not fw.running and not edge.router.streams)  # the worker let it go
+        await wait_until(lambda: not fw.running and not edge.admission.router.streams)  # the worker let it go
         assert "lockgate:edge_streams 0.0" in edge.metrics.render().decode()
 
 

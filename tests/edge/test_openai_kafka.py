@@ -17,7 +17,7 @@ import pytest
 from bus import connect
 from bus.messages import Cancel, ChatMessage, decode
 from edge.config import EdgeConfig
-from edge.protocol import PromptEncoder
+from edge.request import PromptEncoder
 from edge.server import Edge
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.engine_workers.test_worker_kafka import kafka_url, new_layout
@@ -132,12 +132,12 @@ async def test_disconnect_mid_stream_cancels_and_frees_kv(kafka_bootstrap: str, 
 
                 task = asyncio.create_task(go())
                 await wait_until(lambda: len(got) >= 4 and engine.kv.num_free_blocks < total, timeout=60)
-                rid = next(iter(edge.router.streams))
+                rid = next(iter(edge.admission.router.streams))
                 task.cancel()  # the HTTP client goes away mid-stream
                 await asyncio.gather(task, return_exceptions=True)
             await wait_until(lambda: any(c.request_id == rid and c.reason == "disconnect" for c in cancels), timeout=30)
             await wait_until(lambda: engine.kv.num_free_blocks == total, timeout=30)  # the worker freed its KV
-            assert not edge.router.streams
+            assert not edge.admission.router.streams
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)

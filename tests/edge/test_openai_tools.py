@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from bus.messages import SamplingParams
-from edge.openai_schema import parse_chat
-from edge.openai_tools import ToolRequest, ToolStream, prepare, render_prompt
-from edge.protocol import Generate, PromptEncoder, ProtocolError
-from edge.tool_parsers import PARSERS, ToolCall, get_parser, parser_for_model
+from edge.openai.schema import parse_chat
+from edge.openai.tool_parsers import PARSERS, ToolCall, get_parser, parser_for_model
+from edge.openai.tools import ToolRequest, ToolStream, prepare, render_prompt
+from edge.request import Generate, PromptEncoder, ProtocolError
 from tests.engine_workers.test_guided import MODEL, platform, sdk
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bus import MemoryBus
 from edge.config import EdgeConfig, KeyEntry, hash_key
-from edge.protocol import PromptEncoder
+from edge.request import PromptEncoder
 from edge.server import Edge
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.edge.conftest import client, collect, recv, send, wait_for

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bus.messages import TokenChunk, WorkerStatus
-from edge.auth import Authenticator, AuthError, extract_key, select_subprotocol
+from edge.admission.auth import Authenticator, AuthError, extract_key, select_subprotocol
+from edge.admission.ratelimit import KeyLimiter, TokenBucket
+from edge.admission.router import Stream, dedupe
+from edge.admission.shedding import LoadShedder
 from edge.config import (
     ConfigError,
     EdgeConfig,
@@ -15,11 +18,9 @@ from edge.config import (
     load_keys,
     parse_keys,
 )
-from edge.protocol import CancelFrame, Generate, ProtocolError, parse_client_frame
-from edge.ratelimit import KeyLimiter, TokenBucket
-from edge.router import Stream, dedupe
-from edge.session import _Delta, coalesce, text_frames
-from edge.shedding import LoadShedder
+from edge.request import Generate, ProtocolError
+from edge.ws.protocol import CancelFrame, parse_client_frame
+from edge.ws.session import _Delta, coalesce, text_frames
 
 # --- config / keys --------------------------------------------------------------------------------
 
@@ -219,7 +220,7 @@ def test_not_an_object(frame):
 
 
 def test_prompt_length_vs_context(encoder):
-    from edge.protocol import PromptEncoder
+    from edge.request import PromptEncoder
 
     small = PromptEncoder(encoder.tokenizer, 8)
     g = parse_client_frame('{"type":"generate","id":"a","prompt":"%s"}' % ("hello world " * 20))
@@ -279,7 +280,7 @@ def test_fast_chunk_decode_matches_bus_decode():
         encode,
         replies_of,
     )
-    from edge.router import decode_reply
+    from edge.admission.router import decode_reply
 
     chunks = (TokenChunk("r", 1, 3, (5, 6), "héllo 🙂", 7, None, "w1"), TokenChunk("s", 0, 0, (1,), "x", 0))
     for msg in (*chunks,
@@ -304,7 +305,7 @@ def test_fast_chunk_decode_matches_bus_decode():
 async def test_tick_flusher_flushes_each_session_once_per_tick_and_isolates_failures():
     import asyncio
 
-    from edge.session import TickFlusher
+    from edge.ws.session import TickFlusher
 
     class FakeSession:
         def __init__(self, name: str, broken: bool = False) -> None:

@@ -22,7 +22,7 @@ from bus import MemoryBus
 from bus import messages as wire
 from bus.topics import TopicLayout
 from edge.config import EdgeConfig
-from edge.protocol import PromptEncoder
+from edge.request import PromptEncoder
 from edge.server import Edge
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.config import EngineConfig

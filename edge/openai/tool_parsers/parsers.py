@@ -221,3 +221,8 @@ def parser_for_model(model: str) -> str:
     if "mistral" in m or "mixtral" in m:
         return "mistral"
     return "hermes"
+
+
+def configured_parser(tool_call_parser: str | None, model: str, model_path: str | None) -> ToolParser:
+    """The tool-call format of the OpenAI chat API: ``--tool-call-parser``, else the served model's."""
+    return get_parser(tool_call_parser or parser_for_model(f"{model} {model_path or ''}"))

@@ -1,4 +1,4 @@
-"""The client protocol: typed frames, strict parsing, server-frame encoding, prompt tokenization.
+"""The WebSocket client protocol: typed frames, strict parsing, server-frame encoding.
 
 Every frame is one JSON object with a ``type``. See ``docs/protocol.md`` for the full description.
 :func:`parse_client_frame` never raises anything but :class:`ProtocolError`, whose ``field`` names
@@ -15,51 +15,19 @@ from typing import Any
 
 import orjson
 
-from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from bus.messages import ChatMessage, SamplingParams
 from edge.guided import GUIDED_FIELDS, FieldError, guided_fields, logit_bias
-from tokenization.prompts import PromptTokenizer
+from edge.request import MAX_CACHE_SALT, MAX_ID_LEN, MAX_MESSAGES, Generate, ProtocolError
 
-MAX_ID_LEN = 128
-MAX_MESSAGES = 512
 ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                     "ignore_eos", "logprobs", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "min_tokens")
 # logit_bias, response_format and the guided_* fields are converted by edge.guided (as for OpenAI)
-MAX_CACHE_SALT = 256
 _GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids", "logit_bias", "response_format",
                               "cache_salt")
                              + _SAMPLING_FIELDS + GUIDED_FIELDS)
 _CANCEL_FIELDS = frozenset(("type", "id", "request_id"))
-
-
-class ProtocolError(Exception):
-    """A frame the server refuses. Becomes ``{"type": "error", ...}`` for the client."""
-
-    def __init__(self, message: str, field: str | None = None, id: str | None = None,
-                 code: str = ErrorCode.INVALID_REQUEST, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
-        self.id = id
-        self.code = code
-        self.retry_after = retry_after
-
-    def frame(self) -> bytes:
-        return error_frame(self.code, self.message, id=self.id, field=self.field, retry_after=self.retry_after)
-
-
-@dataclass(frozen=True, slots=True)
-class Generate:
-    id: str  # the client's id for this request, unique among its in-flight requests on the connection
-    sampling: SamplingParams
-    messages: tuple[ChatMessage, ...] | None = None
-    prompt: str | None = None
-    model: str | None = None
-    max_tokens_given: bool = False
-    token_ids: bool = False  # echo token ids in each delta
-    prompt_token_ids: tuple[int, ...] | None = None  # a pre-tokenized prompt (OpenAI completions)
-    cache_salt: str | None = None  # a prefix-cache namespace within the tenant's (vLLM's cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,34 +186,6 @@ def error_frame(code: str, message: str, *, id: str | None = None, request_id: s
     return _dumps(obj)
 
 
-# --- tokenization -------------------------------------------------------------------------------
-
-class PromptEncoder(PromptTokenizer):
-    """The served model's :class:`~tokenization.prompts.PromptTokenizer`, raising the edge's
-    :class:`ProtocolError`.
-
-    ``encode`` is CPU-bound (a few ms for long prompts); callers run big prompts in a thread.
-    HF fast tokenizers are thread-safe for encoding.
-    """
-
-    def encode(self, frame: Generate) -> list[int]:
-        """Token ids of the prompt. Raises :class:`ProtocolError` (field ``messages``/``prompt``)
-        when the template fails or the prompt does not fit the context."""
-        field = "messages" if frame.messages is not None else "prompt"
-        if frame.prompt_token_ids is not None:
-            ids = list(frame.prompt_token_ids)
-            vocab = len(self.tokenizer)
-            if any(t >= vocab for t in ids):
-                raise ProtocolError(f"prompt token ids must be below the vocabulary size {vocab}", field, frame.id)
-        else:
-            try:
-                ids = self.chat_ids(frame.messages) if frame.messages is not None else self.text_ids(frame.prompt or "")
-            except Exception as exc:  # template/tokenizer errors are the input's fault
-                raise ProtocolError(f"cannot tokenize {field}: {str(exc)[:200]}", field, frame.id) from None
-        if not ids:
-            raise ProtocolError(f"{field} tokenizes to nothing", field, frame.id)
-        if len(ids) >= self.context_len:
-            raise ProtocolError(
-                f"{field} is {len(ids)} tokens; the model's context is {self.context_len} "
-                f"(prompt must leave room for at least one output token)", field, frame.id)
-        return ids
+def refusal_frame(exc: ProtocolError) -> bytes:
+    """The ``error`` frame that answers a refused request."""
+    return error_frame(exc.code, exc.message, id=exc.id, field=exc.field, retry_after=exc.retry_after)

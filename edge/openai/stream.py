@@ -1,9 +1,9 @@
-"""One OpenAI-API request in flight: the :class:`~edge.router.StreamSink` the router feeds, and the
+"""One OpenAI-API request in flight: the :class:`~edge.admission.router.StreamSink` the router feeds, and the
 JSON it becomes (SSE ``chat.completion.chunk`` / ``text_completion`` events, or one final object).
 
 Concurrency: the router calls ``on_chunk``/``on_finished``/``on_error`` synchronously on the event
 loop; they only append to ``pending`` (SSE bytes) or the collected text and wake the request's
-handler task, which does all the writing (:mod:`edge.openai_http`). ``pending`` is bounded by
+handler task, which does all the writing (:mod:`edge.openai.routes`). ``pending`` is bounded by
 ``send_queue_frames`` events: a client that reads slower than tokens arrive overflows it, its
 request is cancelled (reason ``slow_client``) and its connection aborted, as on the WebSocket path.
 """
@@ -18,11 +18,12 @@ from typing import Any
 import orjson
 
 from bus.messages import Error, ErrorCode, Finished
-from edge.admission import Admission
-from edge.openai_schema import OpenAIRequest, error_body
-from edge.openai_tools import ToolStream, message_calls
-from edge.protocol import PromptEncoder
-from edge.router import Stream
+from edge.admission.gate import Admission
+from edge.admission.router import Stream
+from edge.openai.schema import OpenAIRequest, error_body
+from edge.openai.tool_parsers import configured_parser
+from edge.openai.tools import ToolStream, message_calls
+from edge.request import PromptEncoder
 
 DONE = b"data: [DONE]\n\n"
 
@@ -63,8 +64,8 @@ class OpenAIStream:
         self._prefix = b""
         self._suffix = b""
         self._text_offset = 0
-        # tools offered: the output is read for calls (streamed: incrementally, edge.openai_tools)
-        self.tools = ToolStream(adm.tool_parser()) if req.tools is not None and req.tools.active else None
+        # tools offered: the output is read for calls (streamed: incrementally, edge.openai.tools)
+        self.tools = ToolStream(configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path)) if req.tools is not None and req.tools.active else None
 
     # --- set up -------------------------------------------------------------------------------
     def bind(self, s: Stream, seed: int | None) -> None:

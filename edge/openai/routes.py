@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), on its own port next to the WebSocket listener.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``. Admission is the WebSocket path's own (:class:`~edge.admission.Admission`,
-metrics labelled ``api="openai"``); the request's :class:`~edge.openai_stream.OpenAIStream` is its
+``GET /v1/models/{id}``. Admission is the WebSocket path's own (:class:`~edge.admission.gate.Admission`,
+metrics labelled ``api="openai"``); the request's :class:`~edge.openai.stream.OpenAIStream` is its
 reply sink.
 
 Client disconnect: the runner is built with ``handler_cancellation=True``, so aiohttp cancels a
@@ -22,12 +22,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from edge.admission import Admission, Admitted
-from edge.auth import AuthError, Principal
-from edge.openai_schema import OpenAIRequest, error_body, parse_chat, parse_completion
-from edge.openai_stream import DONE, OpenAIStream, merged_response, merged_usage, sse
-from edge.openai_tools import prepare
-from edge.protocol import ProtocolError
+from edge.admission.auth import AuthError, Principal
+from edge.admission.gate import Admission, Admitted
+from edge.openai.schema import OpenAIRequest, error_body, parse_chat, parse_completion
+from edge.openai.stream import DONE, OpenAIStream, merged_response, merged_usage, sse
+from edge.openai.tool_parsers import configured_parser
+from edge.openai.tools import prepare
+from edge.request import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +143,8 @@ class OpenAIServer:
                 adm.reject("model_not_found", API)
                 return _error("model_not_found", f"the model {model[:200]!r} does not exist; "
                               f"this server serves {adm.config.model!r}", "model")
-            if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.openai_tools
-                g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, adm.tool_parser())
+            if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.openai.tools
+                g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)
         except ProtocolError as exc:
             adm.reject(exc.code, API)
@@ -159,7 +160,7 @@ class OpenAIServer:
             adm.reject(exc.code, API)
             field = exc.field
             if field is not None and field.startswith("guided_") and field not in body:
-                # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai_tools)
+                # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai.tools)
                 field = "response_format" if body.get("response_format") is not None else "tools"
             return _error(exc.code, exc.message, field, exc.retry_after)
         assert admitted is not None

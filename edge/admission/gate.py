@@ -1,14 +1,14 @@
 """Admission: the ONE path by which a request of either API (WebSocket ``ws``, OpenAI HTTP
 ``openai``) gets onto the bus, and the one way its stream ends.
 
-:class:`Admission` owns what both protocols share: the key check (:class:`~edge.auth.Authenticator`),
+:class:`Admission` owns what both protocols share: the key check (:class:`~edge.admission.auth.Authenticator`),
 per-key rate limits, load shedding from worker heartbeats, prompt tokenization, request ids, the
 reply router registration, the request topic publish, the Cancel outbox and the request metrics.
-A protocol front end (``edge.session.Session``, ``edge.openai_http``) parses its own wire format
-into a :class:`~edge.protocol.Generate`, calls :meth:`Admission.admit` (which raises
-:class:`~edge.protocol.ProtocolError` with the protocol-neutral code and field), tells its client
+A protocol front end (``edge.ws.session.Session``, ``edge.openai.routes``) parses its own wire format
+into a :class:`~edge.request.Generate`, calls :meth:`Admission.admit` (which raises
+:class:`~edge.request.ProtocolError` with the protocol-neutral code and field), tells its client
 the request was accepted, then :meth:`Admission.publish`. It is the stream's
-:class:`~edge.router.StreamSink`; when a stream ends it calls :meth:`Admission.release` exactly once
+:class:`~edge.admission.router.StreamSink`; when a stream ends it calls :meth:`Admission.release` exactly once
 (refund, unregister, optional Cancel).
 
 Nothing here knows WebSockets or HTTP; the edge server composes it with both listeners.
@@ -26,16 +26,15 @@ from dataclasses import dataclass, replace
 
 from bus.base import Bus
 from bus.messages import Cancel, Error, ErrorCode, Finished, InferenceRequest, encode
-from edge.affinity import Placement, PrefixAffinity
-from edge.auth import Authenticator, Principal
+from edge.admission.affinity import Placement, PrefixAffinity
+from edge.admission.auth import Authenticator, Principal
+from edge.admission.ratelimit import RateLimiter
+from edge.admission.router import ReplyRouter, Stream, StreamSink
+from edge.admission.shedding import LoadShedder
 from edge.config import EdgeConfig
 from edge.guided import GrammarChecker
 from edge.metrics import EdgeMetrics
-from edge.protocol import Generate, PromptEncoder, ProtocolError
-from edge.ratelimit import RateLimiter
-from edge.router import ReplyRouter, Stream, StreamSink
-from edge.shedding import LoadShedder
-from edge.tool_parsers import ToolParser, get_parser, parser_for_model
+from edge.request import Generate, PromptEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +74,6 @@ class Admission:
         self.placement = Placement(bus, PrefixAffinity(config.affinity_tokens) if config.prefix_affinity else None)
 
     # --- requests -----------------------------------------------------------------------------
-    def tool_parser(self) -> ToolParser:
-        """The tool-call format of the OpenAI chat API: ``--tool-call-parser``, else the served model's."""
-        cfg = self.config
-        return get_parser(cfg.tool_call_parser or parser_for_model(f"{cfg.model} {cfg.model_path or ''}"))
-
     def new_request_id(self) -> str:
         return f"{self.config.edge_id}-{self._nonce}-{next(self._ids):x}"
 

@@ -39,7 +39,7 @@ from bus.messages import (
     decode,
     replies_of,
 )
-from edge.auth import Principal
+from edge.admission.auth import Principal
 from edge.metrics import EdgeMetrics
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ def checkpoint() -> None:
 
 
 class StreamSink(Protocol):
-    """Where a stream's replies go: the WebSocket :class:`~edge.session.Session` or an OpenAI HTTP
-    response (:mod:`edge.openai_stream`). Every method is called on the event loop, synchronously,
+    """Where a stream's replies go: the WebSocket :class:`~edge.ws.session.Session` or an OpenAI HTTP
+    response (:mod:`edge.openai.stream`). Every method is called on the event loop, synchronously,
     and must not block (it queues; its own task writes to the client)."""
 
     def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],

@@ -1,7 +1,7 @@
-"""OpenAI-compatible request bodies -> :class:`~edge.protocol.Generate`, and OpenAI error bodies.
+"""OpenAI-compatible request bodies -> :class:`~edge.request.Generate`, and OpenAI error bodies.
 
 Pure (no I/O). :func:`parse_chat` and :func:`parse_completion` take the decoded JSON body and
-raise only :class:`~edge.protocol.ProtocolError` whose ``field`` is the OpenAI parameter name
+raise only :class:`~edge.request.ProtocolError` whose ``field`` is the OpenAI parameter name
 (``messages[1].content``, ``temperature``, ...); the HTTP layer turns it into a 400 with that
 ``param``.
 
@@ -10,7 +10,7 @@ Policy on fields (see docs/protocol.md, "OpenAI-compatible API"):
 * supported: OpenAI's sampling fields and vLLM's extras (``top_k``, ``ignore_eos``,
   ``stop_token_ids``); ``max_completion_tokens`` wins over ``max_tokens``; structured output
   (``response_format``, ``guided_*``: edge.guided); chat ``tools`` / ``tool_choice`` and tool turns
-  (edge.openai_tools);
+  (edge.openai.tools);
 * refused with a 400 naming the field when set to something the platform cannot honour (``n`` > 1,
   ``echo``, ``best_of`` > 1, ``suffix``, ``functions``, ``tools`` on completions): silently
   ignoring them would return something the client did not ask for;
@@ -26,8 +26,8 @@ from typing import Any
 
 from bus.messages import ChatMessage, ErrorCode, SamplingParams
 from edge.guided import FieldError, guided_fields
-from edge.openai_tools import ToolRequest, history_message, parse_tools
-from edge.protocol import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError
+from edge.openai.tools import ToolRequest, history_message, parse_tools
+from edge.request import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_TOP_LOGPROBS = 20
@@ -65,8 +65,8 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
-    tools: ToolRequest | None = None  # chat with tools or tool turns in the history (edge.openai_tools)
-    n: int = 1  # choices: n requests on the bus, seeds seed, seed + 1, ... (edge.openai_http)
+    tools: ToolRequest | None = None  # chat with tools or tool turns in the history (edge.openai.tools)
+    n: int = 1  # choices: n requests on the bus, seeds seed, seed + 1, ... (edge.openai.routes)
 
 
 def _tname(v: object) -> str:

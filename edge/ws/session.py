@@ -37,19 +37,19 @@ from websockets.protocol import State
 
 from bus.messages import Error as BusErrorMsg
 from bus.messages import ErrorCode, Finished
-from edge.admission import Admission
-from edge.auth import Principal
-from edge.protocol import (
+from edge.admission.auth import Principal
+from edge.admission.gate import Admission
+from edge.admission.router import Stream
+from edge.request import Generate, ProtocolError
+from edge.ws.protocol import (
     CancelFrame,
-    Generate,
-    ProtocolError,
     accepted_frame,
     delta_frame,
     done_frame,
     error_frame,
     parse_client_frame,
+    refusal_frame,
 )
-from edge.router import Stream
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class Session:
         own ``close_timeout`` only starts after that drain), so past the bound the TCP connection is
         aborted. Either way :meth:`run`'s read loop then ends and cancels the requests."""
         close = asyncio.ensure_future(self.ws.close(code, reason))
-        # asyncio.wait, not wait_for: see edge.router.checkpoint for 3.11's wait_for race.
+        # asyncio.wait, not wait_for: see edge.admission.router.checkpoint for 3.11's wait_for race.
         done, _ = await asyncio.wait({close}, timeout=self.adm.config.close_timeout_s)
         if not done:
             self.ws.transport.abort()
@@ -321,7 +321,7 @@ class Session:
                 self.cancel(frame)
         except ProtocolError as exc:
             self.adm.reject(exc.code, "ws")
-            self.push(exc.frame())
+            self.push(refusal_frame(exc))
 
     def cancel(self, frame: CancelFrame) -> None:
         s = self.streams.get(frame.id) if frame.id else None

@@ -1,0 +1,77 @@
+"""The request both front ends admit: :class:`Generate`, the refusal :class:`ProtocolError`, and the
+prompt tokenizer :class:`PromptEncoder`.
+
+The WebSocket protocol (:mod:`edge.ws.protocol`) and the OpenAI API (:mod:`edge.openai.schema`) each
+parse their own wire format into a :class:`Generate`; admission (:mod:`edge.admission`) takes it from
+there. Protocol-neutral: nothing here knows a frame or an HTTP body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from tokenization.prompts import PromptTokenizer
+
+MAX_ID_LEN = 128
+MAX_MESSAGES = 512
+MAX_CACHE_SALT = 256
+
+
+class ProtocolError(Exception):
+    """A frame the server refuses. Becomes ``{"type": "error", ...}`` for the client."""
+
+    def __init__(self, message: str, field: str | None = None, id: str | None = None,
+                 code: str = ErrorCode.INVALID_REQUEST, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.id = id
+        self.code = code
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    id: str  # the client's id for this request, unique among its in-flight requests on the connection
+    sampling: SamplingParams
+    messages: tuple[ChatMessage, ...] | None = None
+    prompt: str | None = None
+    model: str | None = None
+    max_tokens_given: bool = False
+    token_ids: bool = False  # echo token ids in each delta
+    prompt_token_ids: tuple[int, ...] | None = None  # a pre-tokenized prompt (OpenAI completions)
+    cache_salt: str | None = None  # a prefix-cache namespace within the tenant's (vLLM's cache_salt)
+
+
+# --- tokenization -------------------------------------------------------------------------------
+
+class PromptEncoder(PromptTokenizer):
+    """The served model's :class:`~tokenization.prompts.PromptTokenizer`, raising the edge's
+    :class:`ProtocolError`.
+
+    ``encode`` is CPU-bound (a few ms for long prompts); callers run big prompts in a thread.
+    HF fast tokenizers are thread-safe for encoding.
+    """
+
+    def encode(self, frame: Generate) -> list[int]:
+        """Token ids of the prompt. Raises :class:`ProtocolError` (field ``messages``/``prompt``)
+        when the template fails or the prompt does not fit the context."""
+        field = "messages" if frame.messages is not None else "prompt"
+        if frame.prompt_token_ids is not None:
+            ids = list(frame.prompt_token_ids)
+            vocab = len(self.tokenizer)
+            if any(t >= vocab for t in ids):
+                raise ProtocolError(f"prompt token ids must be below the vocabulary size {vocab}", field, frame.id)
+        else:
+            try:
+                ids = self.chat_ids(frame.messages) if frame.messages is not None else self.text_ids(frame.prompt or "")
+            except Exception as exc:  # template/tokenizer errors are the input's fault
+                raise ProtocolError(f"cannot tokenize {field}: {str(exc)[:200]}", field, frame.id) from None
+        if not ids:
+            raise ProtocolError(f"{field} tokenizes to nothing", field, frame.id)
+        if len(ids) >= self.context_len:
+            raise ProtocolError(
+                f"{field} is {len(ids)} tokens; the model's context is {self.context_len} "
+                f"(prompt must leave room for at least one output token)", field, frame.id)
+        return ids
