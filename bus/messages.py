@@ -147,6 +147,7 @@ class Finished:
     usage: Usage
     timings: Timings = field(default_factory=Timings)
     worker_id: str = ""
+    embedding: tuple[float, ...] | None = None  # a pooling request's vector (SamplingParams.pooling)
 
 
 @dataclass(frozen=True, slots=True)

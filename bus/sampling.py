@@ -71,6 +71,10 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: tuple[str, ...] | None = None
     guided_grammar: str | None = None
+    # An embedding request: no token is sampled; the prompt's prefill ends the request and its
+    # Finished carries the pooled, L2-normalised final hidden state. "last" (the last prompt
+    # token's) is the one pooling a causal decoder offers; see docs/design.md, "Embeddings".
+    pooling: str | None = None
 
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
@@ -119,6 +123,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{self.MAX_PENALTY:g}, {self.MAX_PENALTY:g}], got {value}")
         logit_bias = self._checked_bias()
         check_int("min_tokens", self.min_tokens, lo=0)
+        if self.pooling is not None and self.pooling != "last":
+            raise ValueError(f"pooling must be 'last' (or None), got {self.pooling!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         # Normalise lists (from JSON) to tuples so the value stays hashable and frozen.

@@ -172,6 +172,9 @@ class EdgeConfig:
     # the tool-call format of /v1/chat/completions (edge.openai.tool_parsers: hermes, llama3_json, mistral);
     # None = the served model's (by its name)
     tool_call_parser: str | None = None
+    # the reasoning format of the OpenAI API (edge.reasoning: deepseek_r1, qwen3): <think>...</think>
+    # becomes reasoning_content (chat) and reasoning items (Responses); None = off
+    reasoning_parser: str | None = None
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None
@@ -207,6 +210,8 @@ class EdgeConfig:
             raise ConfigError(f"openai_port must be in 0..65535, got {self.openai_port}")
         if self.tool_call_parser is not None and self.tool_call_parser not in ("hermes", "llama3_json", "mistral"):
             raise ConfigError(f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
+            raise ConfigError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",

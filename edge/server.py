@@ -106,7 +106,7 @@ class Edge:
                     ping_interval=cfg.ping_interval_s, ping_timeout=cfg.ping_timeout_s,
                     close_timeout=cfg.close_timeout_s, backlog=4096, reuse_port=cfg.reuse_port or None)
                 if cfg.openai_port is not None:
-                    self.openai = OpenAIServer(self.admission, cfg.host, cfg.openai_port)
+                    self.openai = OpenAIServer(self.admission, cfg.host, cfg.openai_port, self.readiness)
                     await self.openai.start()
             except BaseException:
                 if self._server is not None:

@@ -12,11 +12,15 @@ DEFAULT_OPENAI_PORT = 8000  # vLLM's port, so OpenAI clients configured for a lo
 def add_openai_port(p: argparse.ArgumentParser) -> None:
     p.add_argument("--openai-port", type=int, default=env_default("openai-port", DEFAULT_OPENAI_PORT),
                    help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-                        "/v1/models); 0 = off [LOCKGATE_OPENAI_PORT]")
+                        "/v1/responses, /v1/models, /tokenize, /health, ...); 0 = off [LOCKGATE_OPENAI_PORT]")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"),
                    default=env_default("tool-call-parser", None),
                    help="tool-call format of /v1/chat/completions (default: the served model's; SmolLM2, Qwen: "
                         "hermes) [LOCKGATE_TOOL_CALL_PARSER]")
+    p.add_argument("--reasoning-parser", choices=("deepseek_r1", "qwen3"),
+                   default=env_default("reasoning-parser", None),
+                   help="split a reasoning model's <think>...</think> into reasoning_content (chat) and "
+                        "reasoning items (Responses); default: off [LOCKGATE_REASONING_PARSER]")
 
 
 def openai_port(args: argparse.Namespace) -> int | None:

@@ -56,7 +56,8 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     keys = load_keys(args.keys) if args.keys else None
     engine = await asyncio.to_thread(Engine, engine_config_from_args(args))
     edge_cfg = EdgeConfig(model=name, model_path=str(engine.loaded.path), host=args.host, port=args.port, keys=keys, layout=layout,
-                          openai_port=openai_port(args), tool_call_parser=args.tool_call_parser)
+                          openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser)
     worker_cfg = WorkerConfig(model=name, layout=layout, intake_mode=args.intake_mode, aging_period_s=args.aging_period,
                               metrics_port=args.metrics_port)
     if edge_cfg.dev_mode:

@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API (aiohttp), on its own port next to the WebSocket listener.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``. Admission is the WebSocket path's own (:class:`~edge.admission.gate.Admission`,
+``GET /v1/models/{id}``; and, from their own modules, ``/tokenize`` ``/detokenize``
+(:mod:`edge.openai.tokenize`), ``/v1/responses`` (:mod:`edge.openai.responses`), ``/v1/embeddings``
+(:mod:`edge.openai.embeddings`) and the probes ``/health`` ``/ready`` ``/metrics`` ``/version``
+(:mod:`edge.openai.ops`). Admission is the WebSocket path's own (:class:`~edge.admission.gate.Admission`,
 metrics labelled ``api="openai"``); the request's :class:`~edge.openai.stream.OpenAIStream` is its
 reply sink.
 
@@ -24,11 +27,15 @@ from aiohttp import web
 
 from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
+from edge.openai.embeddings import EmbeddingsRoutes
+from edge.openai.ops import OpsRoutes, Readiness
+from edge.openai.responses.routes import ResponsesRoutes
 from edge.openai.schema import OpenAIRequest, error_body, parse_chat, parse_completion
 from edge.openai.stream import DONE, OpenAIStream, merged_response, merged_usage, sse
+from edge.openai.tokenize import TokenizeRoutes
 from edge.openai.tool_parsers import configured_parser
 from edge.openai.tools import prepare
-from edge.request import ProtocolError
+from edge.request import Generate, PromptEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +56,18 @@ def _error(code: str, message: str, param: str | None = None, retry_after: float
     return resp
 
 
+def _echo(req: OpenAIRequest, g: Generate, encoder: PromptEncoder) -> str:
+    """Completions' ``echo``: the prompt's text (a token-id prompt decoded), else nothing."""
+    if not req.echo:
+        return ""
+    return g.prompt if g.prompt is not None else str(encoder.tokenizer.decode(list(g.prompt_token_ids or ())))
+
+
 class OpenAIServer:
     """The aiohttp application and its listener. ``start()``/``stop()`` are called by the edge."""
 
-    def __init__(self, adm: Admission, host: str, port: int) -> None:
+    def __init__(self, adm: Admission, host: str, port: int,
+                 readiness: Readiness = lambda: (True, "ready: no readiness check wired")) -> None:
         self.adm = adm
         self.host = host
         self.port = port
@@ -63,6 +78,12 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model)
+        # routes of their own modules (one concept each), sharing this app and its admission
+        TokenizeRoutes(adm).add_to(app)
+        OpsRoutes(adm, readiness).add_to(app)
+        self.responses = ResponsesRoutes(adm)
+        EmbeddingsRoutes(adm).add_to(app)
+        self.responses.add_to(app)
         self.app = app
 
     async def start(self) -> None:
@@ -149,11 +170,12 @@ class OpenAIServer:
         except ProtocolError as exc:
             adm.reject(exc.code, API)
             return _error(exc.code, exc.message, exc.field, exc.retry_after)
-        if req.n > 1:
+        if req.n > 1 or len(req.batch) > 1:
             return await self._choices(request, req, principal)
         transport = request.transport
         sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
-                            on_overflow=lambda: transport.abort() if transport is not None else None)
+                            on_overflow=lambda: transport.abort() if transport is not None else None,
+                            echo=_echo(req, req.generate, encoder))
         try:
             admitted = await adm.admit(req.generate, principal, sink, API, client_id="")
         except ProtocolError as exc:
@@ -182,10 +204,12 @@ class OpenAIServer:
                 adm.release(s, s.next_seq, "disconnect")
 
     async def _choices(self, request: web.Request, req: OpenAIRequest, principal: Principal) -> web.StreamResponse:
-        """``n`` > 1: one request on the bus per choice, with seeds ``seed``, ``seed + 1``, ... (the
-        client's seed, or one drawn), so the choices differ and each is reproducible and resumable
-        on its own; their sinks share one wake-up; one answer (or one event stream) holds them all.
-        A choice refused at admission refunds the others; one failing fails the whole answer."""
+        """``n`` > 1 or a batch of prompts: one request on the bus per choice of each prompt, with
+        seeds ``seed``, ``seed + 1``, ... per prompt (the client's seed, or one drawn), so the
+        choices differ and each is reproducible and resumable on its own; choice ``i`` of prompt
+        ``p`` is index ``p * n + i``; their sinks share one wake-up; one answer (or one event
+        stream) holds them all. A choice refused at admission refunds the others; one failing
+        fails the whole answer."""
         adm, encoder = self.adm, self.adm.encoder
         assert encoder is not None
         base = req.generate.sampling.seeded().seed
@@ -195,11 +219,12 @@ class OpenAIServer:
         sinks: list[OpenAIStream] = []
         admitted: list[Admitted] = []
         try:
-            for i in range(req.n):
-                g = replace(req.generate, sampling=replace(req.generate.sampling, seed=(base + i) % (1 << 63)))
+            for p, i in ((p, i) for p in range(len(req.batch)) for i in range(req.n)):
+                one = req.batch[p]
+                g = replace(one, sampling=replace(one.sampling, seed=(base + i) % (1 << 63)))
                 sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
                                     on_overflow=lambda: transport.abort() if transport is not None else None,
-                                    index=i, wake=wake)
+                                    index=p * req.n + i, wake=wake, echo=_echo(req, one, encoder))
                 try:
                     a = await adm.admit(g, principal, sink, API, client_id="")
                 except ProtocolError as exc:

@@ -11,8 +11,8 @@ Policy on fields (see docs/protocol.md, "OpenAI-compatible API"):
   ``stop_token_ids``); ``max_completion_tokens`` wins over ``max_tokens``; structured output
   (``response_format``, ``guided_*``: edge.guided); chat ``tools`` / ``tool_choice`` and tool turns
   (edge.openai.tools);
-* refused with a 400 naming the field when set to something the platform cannot honour (``n`` > 1,
-  ``echo``, ``best_of`` > 1, ``suffix``, ``functions``, ``tools`` on completions): silently
+* refused with a 400 naming the field when set to something the platform cannot honour
+  (``best_of`` > 1, ``suffix``, ``echo`` with ``logprobs``, ``functions``, ``tools`` on completions): silently
   ignoring them would return something the client did not ask for;
 * unknown fields are ignored, as vLLM does: SDKs add optional fields faster than servers learn
   them, and an unknown field cannot change what a supported one means.
@@ -33,6 +33,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MAX_TOP_LOGPROBS = 20
 MAX_N = 8  # choices per request
 MAX_PROMPT_IDS = 1 << 20
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_BATCH_CHOICES = 64  # prompts x n: requests on the bus for one HTTP request
 
 # What each edge error code becomes over HTTP: (status, OpenAI error type, OpenAI error code).
 HTTP_ERRORS: dict[str, tuple[int, str, str | None]] = {
@@ -67,6 +69,14 @@ class OpenAIRequest:
     logprobs: int | None
     tools: ToolRequest | None = None  # chat with tools or tool turns in the history (edge.openai.tools)
     n: int = 1  # choices: n requests on the bus, seeds seed, seed + 1, ... (edge.openai.routes)
+    prompts: tuple[Generate, ...] = ()  # completions with a batch of prompts: each one's Generate (else empty)
+    echo: bool = False  # completions: the prompt's text precedes each choice's
+    parallel_tool_calls: bool = True  # chat with tools: false = the first call only (vLLM's reading)
+
+    @property
+    def batch(self) -> tuple[Generate, ...]:
+        """Every prompt of the request (one for chat and single-prompt completions)."""
+        return self.prompts or (self.generate,)
 
 
 def _tname(v: object) -> str:
@@ -239,42 +249,58 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         sampling = _with_logprobs(sampling, logprobs)
     if n > 1 and tool_req is not None and tool_req.active:
         raise ProtocolError("n > 1 is not supported with tools", "n")
+    parallel = obj.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ProtocolError(f"parallel_tool_calls must be a boolean, got {_tname(parallel)}", "parallel_tool_calls")
     return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, cache_salt=_salt(obj)),
                          stream, include_usage,
-                         logprobs, tool_req, n)
+                         logprobs, tool_req, n, parallel_tool_calls=parallel is not False)
+
+
+def _one_prompt(prompt: object, where: str) -> tuple[str | None, tuple[int, ...] | None]:
+    """One completion prompt: a non-empty string, or a non-empty array of token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ProtocolError(f"{where} must not be empty", where)
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if len(prompt) > MAX_PROMPT_IDS or any(t < 0 for t in prompt):
+            raise ProtocolError(f"{where} token ids must be non-negative (at most {MAX_PROMPT_IDS})", where)
+        return None, tuple(prompt)
+    raise ProtocolError(f"{where} must be a non-empty string or an array of token ids", where)
 
 
 def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
-    """``POST /v1/completions``. ``prompt`` is a string or an array of token ids (or an array
-    holding exactly one of those: batches of several prompts are refused). Raises
+    """``POST /v1/completions``. ``prompt`` is a string, an array of token ids, or an array of up
+    to ``MAX_PROMPTS`` of those (a batch: choice ``i`` of prompt ``p`` has index ``p * n + i``, as
+    OpenAI numbers them). ``echo`` puts the prompt's text before each choice's. Raises
     :class:`ProtocolError` only."""
     sampling, model, stream, include_usage, n = _common(obj, default_max_tokens)
-    if _bool(obj, "echo"):
-        raise ProtocolError("echo is not supported", "echo")
+    echo = _bool(obj, "echo")
     _refuse(obj, "tools", None, "tools need /v1/chat/completions")
-    _refuse(obj, "suffix", None, "no insertion")
+    _refuse(obj, "suffix", None, "this server does not do insertion (fill-in-the-middle); "
+                                 "put the whole text in prompt")
     prompt = obj.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    text, ids = None, None
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ProtocolError("prompt must not be empty", "prompt")
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if len(prompt) > MAX_PROMPT_IDS or any(t < 0 for t in prompt):
-            raise ProtocolError("prompt token ids must be non-negative", "prompt")
-        ids = tuple(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise ProtocolError("one prompt per request: batches of prompts are not supported", "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raw = prompt  # a batch (an array of strings, or of token-id arrays)
+        if len(raw) > MAX_PROMPTS:
+            raise ProtocolError(f"prompt has {len(raw)} prompts, at most {MAX_PROMPTS}", "prompt")
+        parsed = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(raw)]
     else:
-        raise ProtocolError("prompt must be a non-empty string or an array of token ids", "prompt")
+        parsed = [_one_prompt(prompt, "prompt")]
+    if len(parsed) * n > MAX_BATCH_CHOICES:
+        raise ProtocolError(f"{len(parsed)} prompts x n={n} is {len(parsed) * n} choices, "
+                            f"at most {MAX_BATCH_CHOICES}", "n" if len(parsed) == 1 else "prompt")
     logprobs = _int(obj, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if logprobs is not None:
+        if echo:  # the prompt's own logprobs need a prompt-scoring pass the workers do not run
+            raise ProtocolError("echo with logprobs is not supported (no prompt logprobs)", "echo")
         sampling = _with_logprobs(sampling, logprobs)
-    return OpenAIRequest(False, Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids,
-                                         cache_salt=_salt(obj)), stream,
-                         include_usage, logprobs, None, n)
+    salt = _salt(obj)
+    gens = tuple(Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids, cache_salt=salt)
+                 for text, ids in parsed)
+    return OpenAIRequest(False, gens[0], stream, include_usage, logprobs, None, n,
+                         prompts=gens if len(gens) > 1 else (), echo=echo)
 
 
 def _salt(obj: dict) -> str | None:

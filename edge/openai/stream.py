@@ -20,6 +20,7 @@ import orjson
 from bus.messages import Error, ErrorCode, Finished
 from edge.admission.gate import Admission
 from edge.admission.router import Stream
+from edge.openai.reasoning import REASONING, ReasoningStream
 from edge.openai.schema import OpenAIRequest, error_body
 from edge.openai.tool_parsers import configured_parser
 from edge.openai.tools import ToolStream, message_calls
@@ -37,10 +38,12 @@ class OpenAIStream:
     :meth:`wait` + :meth:`take` (streaming) or awaits :meth:`wait` until ``closed`` (not)."""
 
     def __init__(self, adm: Admission, req: OpenAIRequest, encoder: PromptEncoder, max_pending: int,
-                 on_overflow: Callable[[], None], index: int = 0, wake: asyncio.Event | None = None) -> None:
+                 on_overflow: Callable[[], None], index: int = 0, wake: asyncio.Event | None = None,
+                 echo: str = "") -> None:
         """``index``: the choice this sink answers (``n`` > 1: one sink per choice, sharing the
         handler's ``wake`` event; the handler then writes the role events, the usage chunk and
-        ``[DONE]`` for all of them, so a sink with ``index`` > 0 or a shared event writes none)."""
+        ``[DONE]`` for all of them, so a sink with ``index`` > 0 or a shared event writes none).
+        ``echo``: completions' ``echo``, the prompt's text, sent before the choice's own."""
         self.adm = adm
         self.req = req
         self.encoder = encoder
@@ -59,6 +62,7 @@ class OpenAIStream:
         self.error: tuple[int, dict[str, Any], float | None] | None = None  # (status, body, retry_after)
         self.closed = False  # the stream ended: nothing more will be added
         self.index = index
+        self.echo = echo
         self.solo = wake is None
         self._wake = wake if wake is not None else asyncio.Event()
         self._prefix = b""
@@ -66,6 +70,10 @@ class OpenAIStream:
         self._text_offset = 0
         # tools offered: the output is read for calls (streamed: incrementally, edge.openai.tools)
         self.tools = ToolStream(configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path)) if req.tools is not None and req.tools.active else None
+        # --reasoning-parser (chat): <think>...</think> goes to reasoning_content, the rest is the answer
+        parser = adm.config.reasoning_parser
+        self.reasoning = ReasoningStream(parser) if parser is not None and req.chat else None
+        self.reasoning_texts: list[str] = []
 
     # --- set up -------------------------------------------------------------------------------
     def bind(self, s: Stream, seed: int | None) -> None:
@@ -84,6 +92,8 @@ class OpenAIStream:
         tail = b',"logprobs":null,"finish_reason":null}]'
         self._suffix = (b"}" if self.req.chat else b"") + tail + (b',"usage":null' if self.req.include_usage else b"") \
             + b"}\n\n"
+        if self.echo and self.req.stream:  # the prompt's text is the first event of the choice
+            self.pending.append(self._prefix + orjson.dumps(self.echo) + self._suffix)
 
     def head(self, **extra: Any) -> dict[str, Any]:
         obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.req.chat else "text_completion",
@@ -102,14 +112,44 @@ class OpenAIStream:
                  logprobs: tuple | None) -> None:
         self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
         lp = self._logprobs(logprobs) if self.req.logprobs is not None else None
-        if not self.req.stream:
-            self.texts.append(text)
-            if lp is not None:
-                self.lp_entries.append(lp)
-            return
+        if self.reasoning is None:
+            if not self.req.stream:
+                self.texts.append(text)
+                if lp is not None:
+                    self.lp_entries.append(lp)
+                return
+            self._content(text, lp)
+        else:
+            parts = self.reasoning.feed(text)
+            if not self.req.stream:
+                for kind, part in parts:
+                    (self.reasoning_texts if kind == REASONING else self.texts).append(part)
+                if lp is not None:
+                    self.lp_entries.append(lp)
+                return
+            self._parts(parts, lp)
+        if len(self.pending) > self.max_pending:
+            self.adm.metrics.slow_disconnects.inc()
+            self._fail(ErrorCode.OVERLOADED, "client too slow: events not read", None, "slow_client")
+            self.on_overflow()
+        self._wake.set()
+
+    def _parts(self, parts: list[tuple[str, str]], lp: dict[str, Any] | None) -> None:
+        """Streamed reasoning-split parts; the chunk's logprobs ride on its first event."""
+        if not parts and lp is not None:
+            parts = [("content", "")]
+        for kind, part in parts:
+            if kind == REASONING:
+                self._delta_event({"reasoning_content": part}, lp)
+            else:
+                self._content(part, lp)
+            lp = None
+
+    def _content(self, text: str, lp: dict[str, Any] | None) -> None:
+        """Streamed answer text: read for tool calls when tools are offered."""
         if self.tools is not None:
             for i, delta in enumerate(self.tools.feed(text)):
-                self._delta_event(delta, lp if i == 0 else None)
+                self._tool_delta(delta, lp if i == 0 else None)
         elif lp is None:
             self.pending.append(self._prefix + orjson.dumps(text) + self._suffix)
         else:
@@ -120,11 +160,16 @@ class OpenAIStream:
                 choice["text"] = text
             self.pending.append(sse(self.head(choices=[choice],
                                                **({"usage": None} if self.req.include_usage else {}))))
-        if len(self.pending) > self.max_pending:
-            self.adm.metrics.slow_disconnects.inc()
-            self._fail(ErrorCode.OVERLOADED, "client too slow: events not read", None, "slow_client")
-            self.on_overflow()
-        self._wake.set()
+
+    def _tool_delta(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> None:
+        """A tool stream's delta; with ``parallel_tool_calls`` false, calls after the first are dropped."""
+        calls = delta.get("tool_calls")
+        if calls is not None and not self.req.parallel_tool_calls:
+            calls = [c for c in calls if c["index"] == 0]
+            if not calls:
+                return
+            delta = {**delta, "tool_calls": calls}
+        self._delta_event(delta, lp)
 
     def on_finished(self, s: Stream, msg: Finished) -> None:
         self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
@@ -134,10 +179,17 @@ class OpenAIStream:
                       "prompt_tokens_details": {"cached_tokens": msg.usage.cached_tokens}}
         self.finish_reason = msg.finish_reason
         self.adm.release(s, s.next_seq)
+        if self.reasoning is not None:
+            rest = self.reasoning.finish()
+            if self.req.stream:
+                self._parts(rest, None)
+            else:
+                for kind, part in rest:
+                    (self.reasoning_texts if kind == REASONING else self.texts).append(part)
         if self.req.stream:
             if self.tools is not None:
                 for delta in self.tools.finish():
-                    self._delta_event(delta, None)
+                    self._tool_delta(delta, None)
                 if self.tools.calls and msg.finish_reason == "stop":
                     self.finish_reason = "tool_calls"
             choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": self.finish_reason}
@@ -195,16 +247,21 @@ class OpenAIStream:
                 else _merge_completion_logprobs(self.lp_entries)
         if self.req.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if self.reasoning is not None:
+                message["reasoning_content"] = "".join(self.reasoning_texts) or None
             finish_reason = self.finish_reason
             if self.tools is not None:
                 content, calls = self.tools.parser.parse(text)
+                if not self.req.parallel_tool_calls:
+                    calls = calls[:1]
                 if calls:
                     message.update(content=content, tool_calls=message_calls(calls))
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             choice = {"index": self.index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
             kind = "chat.completion"
         else:
-            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "text": self.echo + text, "logprobs": lp,
+                      "finish_reason": self.finish_reason}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "seed": self.seed,
                 "choices": [choice], "usage": self.usage}
@@ -243,19 +300,22 @@ class OpenAIStream:
 
 
 def merged_usage(sinks: list[OpenAIStream]) -> dict[str, Any] | None:
-    """The usage of ``n`` choices of one prompt: the prompt counted once, the completions summed."""
-    if any(s.usage is None for s in sinks):
+    """The usage of ``n`` choices of each prompt (one, or a completions batch): each prompt
+    counted once (its first choice's count), the completions summed."""
+    usages = [s.usage for s in sinks]
+    if any(u is None for u in usages):
         return None
-    first = sinks[0].usage
-    assert first is not None
-    completion = sum(s.usage["completion_tokens"] for s in sinks if s.usage is not None)
-    return {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
-            "total_tokens": first["prompt_tokens"] + completion,
-            "prompt_tokens_details": first["prompt_tokens_details"]}
+    firsts = [s.usage for s in sinks if s.index % s.req.n == 0 and s.usage is not None]
+    prompt = sum(u["prompt_tokens"] for u in firsts)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
+    completion = sum(u["completion_tokens"] for u in usages if u is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def merged_response(sinks: list[OpenAIStream]) -> dict[str, Any]:
-    """One ``chat.completion`` / ``text_completion`` holding every choice, in index order."""
+    """One ``chat.completion`` / ``text_completion`` holding every choice, in index order (the
+    sinks' order)."""
     out = sinks[0].response()
     out["choices"] = [s.response()["choices"][0] for s in sinks]
     out["usage"] = merged_usage(sinks)

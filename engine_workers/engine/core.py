@@ -56,6 +56,7 @@ class RequestOutput:
     num_output_tokens: int
     times: SeqTimes | None = None  # set on the final output
     seed: int | None = None  # the seed the request's draws use (its own or the engine's pick)
+    embedding: tuple[float, ...] | None = None  # a pooling request's vector (on its final output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +284,9 @@ class Engine:
                 self.stats.prompt_tokens += s.num_prompt_tokens
             start = s.num_computed_tokens
             chunks.append((s.all_token_ids[start : start + item.num_new_tokens], start, self.kv.block_ids(s.seq_id), item.samples))
-        logits = self.runner.execute(chunks)
+        pooled = [item.seq for item in sched.scheduled if item.samples and item.seq.params.pooling]
+        hidden: list[torch.Tensor] | None = [] if pooled else None
+        logits = self.runner.execute(chunks, hidden_out=hidden)
         self.scheduler.on_step_done(sched)
         self.stats.steps += 1
         self.stats.last_batch_tokens = sched.num_batched_tokens
@@ -291,6 +294,15 @@ class Engine:
         self.stats.computed_tokens += sched.num_batched_tokens
 
         sampling = [item.seq for item in sched.scheduled if item.samples]
+        if hidden:  # embedding requests end at their prefill: their rows are pooled, not sampled
+            keep = [i for i, s in enumerate(sampling) if not s.params.pooling]
+            states = hidden[0]
+            vectors = torch.nn.functional.normalize(states[[i for i, s in enumerate(sampling) if s.params.pooling]], dim=-1)
+            logits = logits[keep] if len(keep) < len(sampling) else logits
+            sampling = [sampling[i] for i in keep]
+            done = time.monotonic()
+            for seq, vec in zip(pooled, vectors.tolist(), strict=True):
+                self._pooled(seq, tuple(vec), done, outputs)
         mask = None
         if self._num_guided and sampling:
             guided = [(i, g) for i, s in enumerate(sampling) if (g := self._reqs[s.seq_id].guide) is not None]
@@ -340,6 +352,17 @@ class Engine:
             self._take_logprobs(req), False, None, seq.num_prompt_tokens, seq.num_cached_tokens, len(seq.output_token_ids),
             seed=seq.seed,
         ))
+
+    def _pooled(self, seq: Sequence, vector: tuple[float, ...], now: float, outputs: list) -> None:
+        """An embedding request's prefill is done: it ends (``stop``, no output token) with its vector."""
+        req = self._reqs.pop(seq.seq_id)
+        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra)
+        self.scheduler.remove(seq)
+        self._finish(req, FinishReason.STOP, now, outputs)
+        last = outputs[-1]
+        outputs[-1] = RequestOutput(last.request_id, last.seq, last.token_ids, last.text, last.text_offset, None,
+                                    True, last.finish_reason, last.num_prompt_tokens, last.num_cached_tokens, 0,
+                                    last.times, last.seed, vector)
 
     def _take_logprobs(self, req: _Req) -> tuple[TokenLogprobs, ...] | None:
         if req.seq.params.logprobs is None:

@@ -63,8 +63,13 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: tuple[str, ...] | None = None
     guided_grammar: str | None = None
+    # embedding: the prefill ends the request with its last prompt row's normalised final hidden
+    # state (RequestOutput.embedding) instead of a sampled token
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling != "last":
+            raise ValueError(f"pooling must be 'last' (or None), got {self.pooling!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -233,6 +233,7 @@ class LlamaForPagedLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttnMetadata,
         logit_rows: torch.Tensor,  # [S] rows whose next-token logits are needed
+        hidden_out: list[torch.Tensor] | None = None,  # given: the rows' final-norm states [S, hidden] appended
     ) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
         assert self.rope_table is not None, "set_rope() first"
@@ -242,6 +243,8 @@ class LlamaForPagedLM(nn.Module):
             delta = layer(residual, delta, rot, k_cache, v_cache, meta)
         assert delta is not None  # a model has layers
         x = self.norm.add_forward(residual.index_select(0, logit_rows), delta.index_select(0, logit_rows))
+        if hidden_out is not None:
+            hidden_out.append(x.float())
         if self.lm_head is not None:
             return self.lm_head(x).float()
         return F.linear(x, self.embed_tokens.weight).float()

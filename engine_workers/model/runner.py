@@ -122,12 +122,14 @@ class ModelRunner:
                  str(kv_dtype).removeprefix("torch."), kv_block_bytes(self.spec, block_size, kv_dtype) * num_blocks / 2**20)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[list[int], int, list[int], bool]], every_row: bool = False) -> torch.Tensor:
+    def execute(self, chunks: list[tuple[list[int], int, list[int], bool]], every_row: bool = False,
+                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``chunks``: per sequence ``(token_ids_to_compute, num_computed_before, block_ids, samples)``.
 
         Returns float32 logits ``[S, vocab]`` for the chunks with ``samples=True``, in order; with
         ``every_row``, ``[T, vocab]`` for every token of the batch (next-token logits at each
-        position: what perplexity needs, benchmarks/accuracy.py).
+        position: what perplexity needs, benchmarks/accuracy.py). ``hidden_out``: when given, the
+        same rows' final-norm hidden states ``[S, hidden]`` (float32) are appended to it (embeddings).
         """
         ids: list[int] = []
         meta_in = []
@@ -143,4 +145,4 @@ class ModelRunner:
         rows = (torch.arange(len(ids), device=self.device) if every_row
                 else torch.tensor(logit_rows, dtype=torch.long, device=self.device))
         with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
-            return self.model(input_ids, positions, self.kv_caches, meta, rows)
+            return self.model(input_ids, positions, self.kv_caches, meta, rows, hidden_out)

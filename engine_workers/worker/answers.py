@@ -43,7 +43,8 @@ class Answers:
             timings = Timings(queue, ttft or 0.0, tpot or 0.0, max(0.0, end - arr))
             self.metrics.observe_finished(job.req.tier, out.finish_reason, queue, ttft, tpot, timings.e2e)
         usage = Usage(out.num_prompt_tokens, n, out.num_cached_tokens)
-        fin = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.worker_id)
+        fin = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.worker_id,
+                       out.embedding)
         if self.usage is None:
             self.close(job, fin)
             return

@@ -77,7 +77,8 @@ def _edge(args: argparse.Namespace) -> int:
     config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
                         keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
-                        openai_port=openai_port(args), tool_call_parser=args.tool_call_parser, **kw)
+                        openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
     if config.reuse_port and not config.dev_mode:

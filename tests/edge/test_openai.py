@@ -124,7 +124,7 @@ async def test_error_statuses_and_bodies(encoder):
             await client.chat.completions.create(model=MODEL, messages=HELLO, n=9)  # at most 8 choices
         assert _error(e.value)["param"] == "n"
         with pytest.raises(openai.BadRequestError) as e:
-            await client.completions.create(model=MODEL, prompt="x", echo=True)
+            await client.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1)  # no prompt logprobs
         assert _error(e.value)["param"] == "echo"
         with pytest.raises(openai.BadRequestError) as e:
             await client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])

@@ -1,0 +1,178 @@
+"""``POST /v1/embeddings`` from the served model.
+
+Each input is one request on the bus with ``SamplingParams(max_tokens=1, pooling="last")``: the
+worker runs its prefill only and ends it with the last prompt token's final hidden state,
+L2-normalised (``Finished.embedding``; docs/design.md, "Embeddings"). Last-token pooling is the
+pooling a causal decoder's states support (the last row is the only one that has read the whole
+input; embedding models built on decoders, e5-mistral and Qwen3-Embedding, pool it the same way).
+A chat model not trained for embeddings gives vectors of limited quality; the route is for the
+served model, whatever it is.
+
+``input``: a string, an array of strings, an array of token ids, or an array of token-id arrays (at
+most ``MAX_INPUTS``); ``encoding_format`` ``float`` (default) or ``base64`` (little-endian float32,
+as OpenAI); ``dimensions`` is refused (the vectors have the model's hidden size; truncating them
+is not what the model was trained for); ``user`` accepted. Admission, limits, tiers and metrics are
+the chat path's (:meth:`~edge.admission.gate.Admission.admit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from typing import Any
+
+from aiohttp import web
+
+from bus.messages import Error, ErrorCode, Finished, SamplingParams
+from edge.admission.auth import AuthError
+from edge.admission.gate import Admission, Admitted
+from edge.admission.router import Stream
+from edge.openai.reply import API, check_model, error_response, json_response, principal, read_json
+from edge.openai.schema import MAX_PROMPT_IDS, error_body
+from edge.request import Generate, ProtocolError
+
+MAX_INPUTS = 256
+POOLING = SamplingParams(max_tokens=1, pooling="last", temperature=0.0)
+
+
+def parse_inputs(body: Any) -> tuple[list[Generate], str]:
+    """The body's inputs as Generates, and the encoding format. Raises :class:`ProtocolError`."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise ProtocolError("encoding_format must be 'float' or 'base64'", "encoding_format")
+    if body.get("dimensions") is not None:
+        raise ProtocolError("dimensions is not supported: the embeddings have the model's hidden size", "dimensions")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ProtocolError("user must be a string", "user")
+    raw = body.get("input")
+
+    def ids_ok(v: object) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(raw, str) or ids_ok(raw):
+        items: list[Any] = [raw]
+        where = ["input"]
+    elif isinstance(raw, list) and raw:
+        items, where = raw, [f"input[{i}]" for i in range(len(raw))]
+    else:
+        raise ProtocolError("input must be a non-empty string, array of strings, array of token ids or "
+                            "array of token-id arrays", "input")
+    if len(items) > MAX_INPUTS:
+        raise ProtocolError(f"input has {len(items)} entries, at most {MAX_INPUTS}", "input")
+    out = []
+    for item, w in zip(items, where, strict=True):
+        if isinstance(item, str):
+            if not item:
+                raise ProtocolError(f"{w} must not be empty", w)
+            out.append(Generate("", POOLING, prompt=item))
+        elif ids_ok(item):
+            if len(item) > MAX_PROMPT_IDS or any(t < 0 for t in item):
+                raise ProtocolError(f"{w} token ids must be non-negative", w)
+            out.append(Generate("", POOLING, prompt_token_ids=tuple(item)))
+        else:
+            raise ProtocolError(f"{w} must be a non-empty string or an array of token ids", w)
+    return out, fmt
+
+
+class EmbeddingSink:
+    """One input's request: waits for its ``Finished`` (which carries the vector)."""
+
+    def __init__(self, adm: Admission, wake: asyncio.Event) -> None:
+        self.adm = adm
+        self.wake = wake
+        self.vector: tuple[float, ...] | None = None
+        self.prompt_tokens = 0
+        self.error: tuple[int, dict[str, Any], float | None] | None = None
+        self.closed = False
+
+    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],
+                 logprobs: tuple | None) -> None:
+        pass  # a pooling request samples nothing; a chunk would be a worker that does not know pooling
+
+    def on_finished(self, s: Stream, msg: Finished) -> None:
+        self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
+        self.adm.release(s, s.next_seq)
+        self.prompt_tokens = s.prompt_tokens
+        if msg.embedding is None:
+            self.error = (*error_body(ErrorCode.INTERNAL, "the worker answered without an embedding "
+                                      "(it predates pooling requests)"), None)
+        else:
+            self.vector = msg.embedding
+        self.closed = True
+        self.wake.set()
+
+    def on_error(self, s: Stream, msg: Error) -> None:
+        if self.closed:
+            return
+        self.adm.reject(msg.code, API)
+        self.adm.release(s, s.next_seq)
+        self.error = (*error_body(msg.code, msg.message), msg.retry_after)
+        self.closed = True
+        self.wake.set()
+
+
+def encode(vector: tuple[float, ...], fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return list(vector)
+
+
+class EmbeddingsRoutes:
+    def __init__(self, adm: Admission) -> None:
+        self.adm = adm
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/embeddings", self.create)
+
+    async def create(self, request: web.Request) -> web.Response:
+        adm = self.adm
+        try:
+            who = principal(adm, request)
+        except AuthError as exc:
+            adm.reject("unauthorized", API)
+            return error_response("unauthorized", str(exc))
+        try:
+            body = await read_json(adm, request)
+            inputs, fmt = parse_inputs(body)
+            check_model(adm, body)
+        except ProtocolError as exc:
+            adm.reject(exc.code, API)
+            return error_response(exc.code, exc.message, exc.field)
+        wake = asyncio.Event()
+        sinks: list[EmbeddingSink] = []
+        admitted: list[Admitted] = []
+        try:
+            for i, g in enumerate(inputs):
+                sink = EmbeddingSink(adm, wake)
+                try:
+                    a = await adm.admit(g, who, sink, API, client_id="")
+                except ProtocolError as exc:
+                    adm.reject(exc.code, API)
+                    field = exc.field if len(inputs) == 1 or exc.field not in ("prompt", "messages") else f"input[{i}]"
+                    return error_response(exc.code, exc.message, "input" if field == "prompt" else field,
+                                          exc.retry_after)
+                assert a is not None
+                sinks.append(sink)
+                admitted.append(a)
+            for a in admitted:
+                await adm.publish(a)
+            while not all(s.closed for s in sinks):
+                await wake.wait()
+                wake.clear()
+            failed = next((s.error for s in sinks if s.error is not None), None)
+            if failed is not None:
+                return json_response(failed[0], failed[1], failed[2])
+            n = sum(s.prompt_tokens for s in sinks)
+            data = [{"object": "embedding", "index": i, "embedding": encode(s.vector or (), fmt)}
+                    for i, s in enumerate(sinks)]
+            return json_response(200, {"object": "list", "data": data, "model": adm.config.model,
+                                       "usage": {"prompt_tokens": n, "total_tokens": n}})
+        finally:
+            now = asyncio.get_running_loop().time()
+            for a in admitted:  # the client went away, an input failed, or one was refused
+                if not a.stream.ended:
+                    adm.count_end(a.stream, "abort", now)
+                    adm.release(a.stream, a.stream.next_seq, "disconnect")

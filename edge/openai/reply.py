@@ -1,0 +1,61 @@
+"""The HTTP plumbing every OpenAI-API route shares: JSON replies, OpenAI-shaped errors, the bearer
+key, the JSON body. Routes outside :mod:`edge.openai.routes` (tokenize, embeddings, responses, the
+probes) use these so their errors look exactly like chat's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from edge.admission.auth import Principal
+from edge.admission.gate import Admission
+from edge.openai.schema import error_body
+from edge.request import ProtocolError
+
+API = "openai"
+
+
+def json_response(status: int, body: Any, retry_after: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, int(-(-retry_after // 1))))} if retry_after is not None else None
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+def error_response(code: str, message: str, param: str | None = None,
+                   retry_after: float | None = None) -> web.Response:
+    status, body = error_body(code, message, param)
+    resp = json_response(status, body, retry_after)
+    if status == 401:
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="lockgate"'
+    return resp
+
+
+def principal(adm: Admission, request: web.Request) -> Principal:
+    """The caller's key (``Authorization: Bearer``); raises :class:`~edge.auth.AuthError`."""
+    scheme, _, value = request.headers.get("Authorization", "").strip().partition(" ")
+    key = value.strip() if scheme.lower() == "bearer" and value.strip() else None
+    return adm.auth.authenticate(key)
+
+
+async def read_json(adm: Admission, request: web.Request) -> Any:
+    """The decoded body; :class:`ProtocolError` when it is not JSON or too large."""
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise ProtocolError(f"the request body is larger than {adm.config.max_frame_bytes} bytes") from None
+
+
+def check_model(adm: Admission, body: dict[str, Any], required: bool = True) -> None:
+    """``model`` must name the served model (404 ``model_not_found`` otherwise); optional where
+    vLLM makes it optional (tokenize)."""
+    model = body.get("model")
+    if model is None and not required:
+        return
+    if not isinstance(model, str) or not model:
+        raise ProtocolError("model is required (a non-empty string)", "model")
+    if model != adm.config.model:
+        raise ProtocolError(f"the model {model[:200]!r} does not exist; this server serves {adm.config.model!r}",
+                            "model", code="model_not_found")

@@ -1,0 +1,231 @@
+"""One ``/v1/responses`` request in flight: the :class:`~edge.admission.router.StreamSink` the router feeds,
+and what it becomes: output items (an assistant ``message`` with ``output_text``, ``function_call``
+items) in one ``response`` object, or, streamed, OpenAI's event sequence:
+``response.created``, ``response.in_progress``, per item ``response.output_item.added``, (message)
+``response.content_part.added``, ``response.output_text.delta`` ..., ``response.output_text.done``,
+``response.content_part.done``, (call) ``response.function_call_arguments.delta`` ...,
+``response.function_call_arguments.done``, (reasoning, with ``--reasoning-parser``)
+``response.reasoning_text.delta`` ..., ``response.reasoning_text.done``, then
+``response.output_item.done``; last
+``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it,
+``response.failed`` on an error). Every event carries ``sequence_number``.
+
+The output is read through the chat path's :class:`~edge.openai.tools.ToolStream` in both modes,
+so the non-streamed response is exactly what the streamed events add up to. Concurrency and
+bounds as :mod:`edge.openai.stream`: callbacks only append and wake the handler; ``pending`` over
+``max_pending`` events cancels the request as a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from bus.messages import Error, ErrorCode, Finished
+from edge.admission.gate import Admission
+from edge.admission.router import Stream
+from edge.openai.reasoning import REASONING, ReasoningStream
+from edge.openai.responses.schema import ResponsesRequest
+from edge.openai.schema import error_body
+from edge.openai.tool_parsers import configured_parser
+from edge.openai.tools import ToolStream
+
+
+def event(kind: str, seq: int, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, "sequence_number": seq, **fields}) \
+        + b"\n\n"
+
+
+class ResponsesSink:
+    def __init__(self, adm: Admission, req: ResponsesRequest, max_pending: int, on_overflow: Callable[[], None]) -> None:
+        self.adm = adm
+        self.req = req
+        self.max_pending = max_pending
+        self.on_overflow = on_overflow
+        self.id = "resp_" + secrets.token_hex(16)
+        self.created_at = int(time.time())
+        self.stream: Stream | None = None
+        self.output: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.incomplete: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: tuple[int, dict[str, Any], float | None] | None = None
+        self.pending: list[bytes] = []
+        self.closed = False
+        self._seq = 0
+        self._wake = asyncio.Event()
+        self._msg: dict[str, Any] | None = None  # the open message item
+        self._calls: dict[int, dict[str, Any]] = {}  # ToolStream call index -> its function_call item
+        tr = req.chat.tools
+        self.tools = ToolStream(configured_parser(
+            adm.config.tool_call_parser, adm.config.model, adm.config.model_path)) if tr is not None and tr.active else None
+        parser = adm.config.reasoning_parser  # --reasoning-parser: <think>...</think> -> a reasoning item
+        self.reasoning = ReasoningStream(parser) if parser is not None else None
+        self._think: dict[str, Any] | None = None  # the open reasoning item
+        self.reasoning_tokens = 0  # output tokens of chunks that ended inside the reasoning
+
+    # --- events -------------------------------------------------------------------------------
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.req.stream:
+            self.pending.append(event(kind, self._seq, **fields))
+            self._seq += 1
+
+    def bind(self, s: Stream) -> None:
+        self.stream = s
+        self._emit("response.created", response=self.response())
+        self._emit("response.in_progress", response=self.response())
+
+    def _open_message(self) -> dict[str, Any]:
+        if self._msg is None:
+            self._msg = {"id": "msg_" + secrets.token_hex(16), "type": "message", "status": "in_progress",
+                         "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]}
+            self.output.append(self._msg)
+            i = len(self.output) - 1
+            self._emit("response.output_item.added", output_index=i,
+                       item={**self._msg, "content": []})
+            self._emit("response.content_part.added", item_id=self._msg["id"], output_index=i, content_index=0,
+                       part={"type": "output_text", "text": "", "annotations": []})
+        return self._msg
+
+    def _close_message(self) -> None:
+        m, self._msg = self._msg, None
+        if m is None:
+            return
+        i, part = self.output.index(m), m["content"][0]
+        m["status"] = "completed"
+        self._emit("response.output_text.done", item_id=m["id"], output_index=i, content_index=0,
+                   text=part["text"], logprobs=[])
+        self._emit("response.content_part.done", item_id=m["id"], output_index=i, content_index=0, part=part)
+        self._emit("response.output_item.done", output_index=i, item=m)
+
+    def _reason(self, text: str) -> None:
+        if self._think is None:
+            self._think = {"id": "rs_" + secrets.token_hex(16), "type": "reasoning", "status": "in_progress",
+                           "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
+            self.output.append(self._think)
+            self._emit("response.output_item.added", output_index=len(self.output) - 1,
+                       item={**self._think, "content": []})
+        self._think["content"][0]["text"] += text
+        self._emit("response.reasoning_text.delta", item_id=self._think["id"],
+                   output_index=self.output.index(self._think), content_index=0, delta=text)
+
+    def _close_reasoning(self) -> None:
+        t, self._think = self._think, None
+        if t is None:
+            return
+        i = self.output.index(t)
+        t["status"] = "completed"
+        self._emit("response.reasoning_text.done", item_id=t["id"], output_index=i, content_index=0,
+                   text=t["content"][0]["text"])
+        self._emit("response.output_item.done", output_index=i, item=t)
+
+    def _answer(self, text: str) -> None:
+        for d in self.tools.feed(text) if self.tools is not None else [{"content": text}]:
+            self._apply(d)
+
+    def _apply(self, delta: dict[str, Any]) -> None:
+        if delta.get("content") or delta.get("tool_calls"):
+            self._close_reasoning()
+        text = delta.get("content")
+        if text:
+            m = self._open_message()
+            m["content"][0]["text"] += text
+            self._emit("response.output_text.delta", item_id=m["id"], output_index=self.output.index(m),
+                       content_index=0, delta=text, logprobs=[])
+        for tc in delta.get("tool_calls") or ():
+            k = tc["index"]
+            if k > 0 and not self.req.parallel_tool_calls:
+                continue  # parallel_tool_calls false: the first call only
+            if "id" in tc:  # a new call
+                self._close_message()
+                new = {"id": "fc_" + secrets.token_hex(16), "type": "function_call", "status": "in_progress",
+                       "call_id": tc["id"], "name": tc["function"]["name"], "arguments": ""}
+                self._calls[k] = new
+                self.output.append(new)
+                self._emit("response.output_item.added", output_index=len(self.output) - 1, item=dict(new))
+            frag = tc.get("function", {}).get("arguments") or ""
+            call = self._calls.get(k)
+            if frag and call is not None:
+                call["arguments"] += frag
+                self._emit("response.function_call_arguments.delta", item_id=call["id"],
+                           output_index=self.output.index(call), delta=frag)
+
+    # --- router callbacks ---------------------------------------------------------------------
+    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the router's signature
+                 logprobs: tuple | None) -> None:  # noqa: ARG002
+        self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
+        if self.reasoning is None:
+            self._answer(text)
+        else:
+            for kind, part in self.reasoning.feed(text):
+                self._reason(part) if kind == REASONING else self._answer(part)
+            if self.reasoning.in_reasoning:
+                self.reasoning_tokens += len(token_ids)
+        if len(self.pending) > self.max_pending:
+            self.adm.metrics.slow_disconnects.inc()
+            self._fail(ErrorCode.OVERLOADED, "client too slow: events not read", None, "slow_client")
+            self.on_overflow()
+        self._wake.set()
+
+    def on_finished(self, s: Stream, msg: Finished) -> None:
+        self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
+        out = self.adm.completion_tokens(s, msg)
+        self.usage = {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": msg.usage.cached_tokens},
+                      "output_tokens": out, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                      "total_tokens": s.prompt_tokens + out}
+        self.adm.release(s, s.next_seq)
+        for kind, part in self.reasoning.finish() if self.reasoning is not None else ():
+            self._reason(part) if kind == REASONING else self._answer(part)
+        for d in self.tools.finish() if self.tools is not None else ():
+            self._apply(d)
+        self._close_reasoning()
+        self._close_message()
+        for item in self._calls.values():
+            item["status"] = "completed"
+            i = self.output.index(item)
+            self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                       name=item["name"], arguments=item["arguments"])
+            self._emit("response.output_item.done", output_index=i, item=item)
+        if msg.finish_reason == "length":
+            self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
+        else:
+            self.status = "completed"
+        self._emit("response.incomplete" if self.incomplete else "response.completed", response=self.response())
+        self.closed = True
+        self._wake.set()
+
+    def on_error(self, s: Stream, msg: Error) -> None:  # noqa: ARG002 - the router's signature
+        self._fail(msg.code, msg.message, msg.retry_after, None)
+
+    def _fail(self, code: str, message: str, retry_after: float | None, cancel_reason: str | None) -> None:
+        s = self.stream
+        if self.closed or s is None:
+            return
+        self.adm.reject(code, "openai")
+        self.adm.release(s, s.next_seq, cancel_reason)
+        status, body = error_body(code, message)
+        self.error = (status, body, retry_after)
+        self.status = "failed"
+        self._emit("response.failed", response={**self.response(), "error": {"code": code, "message": message}})
+        self.closed = True
+        self._wake.set()
+
+    # --- the handler's side -------------------------------------------------------------------
+    async def wait(self) -> None:
+        await self._wake.wait()
+        self._wake.clear()
+
+    def take(self) -> bytes:
+        out, self.pending = self.pending, []
+        return b"".join(out)
+
+    def response(self) -> dict[str, Any]:
+        """The ``response`` object as it stands (final once ``closed``)."""
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
+                "error": None, "incomplete_details": self.incomplete, "model": self.adm.config.model,
+                "output": [dict(o) for o in self.output], "usage": self.usage, **self.req.echo}
