@@ -142,3 +142,23 @@ async def test_disconnect_mid_stream_cancels_and_frees_kv(kafka_bootstrap: str, 
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             await control.stop()
+
+
+async def test_responses_and_embeddings_over_kafka(kafka_bootstrap: str, tiny_dir: Path) -> None:
+    """The Responses API and embeddings take the same Kafka path as chat: a response equals the
+    chat answer of the same conversation, and an embedding's vector survives the reply topic."""
+    async with contextlib.AsyncExitStack() as stack, \
+            platform(kafka_bootstrap, tiny_dir) as (edge, _engine, _, _, _encoder):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{edge.openai_port}/v1", api_key="dev",
+                                    max_retries=0, timeout=60)
+        await stack.enter_async_context(client)
+        kw = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+        chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, **kw)
+        r = await client.responses.create(model=MODEL, input=MESSAGES[0]["content"], max_output_tokens=12, **kw)
+        assert r.output_text == chat.choices[0].message.content and r.usage.output_tokens == 12
+        events = [e async for e in await client.responses.create(model=MODEL, input=MESSAGES[0]["content"],
+                                                                 max_output_tokens=12, stream=True, **kw)]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+        e = await client.embeddings.create(model=MODEL, input=["one", "two words"])
+        assert len(e.data) == 2 and all(abs(sum(x * x for x in d.embedding) - 1) < 1e-4 for d in e.data)
+        assert e.data[0].embedding != e.data[1].embedding

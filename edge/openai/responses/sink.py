@@ -124,6 +124,12 @@ class ResponsesSink:
                    text=t["content"][0]["text"])
         self._emit("response.output_item.done", output_index=i, item=t)
 
+    def _part(self, kind: str, text: str) -> None:
+        if kind == REASONING:
+            self._reason(text)
+        else:
+            self._answer(text)
+
     def _answer(self, text: str) -> None:
         for d in self.tools.feed(text) if self.tools is not None else [{"content": text}]:
             self._apply(d)
@@ -163,7 +169,7 @@ class ResponsesSink:
             self._answer(text)
         else:
             for kind, part in self.reasoning.feed(text):
-                self._reason(part) if kind == REASONING else self._answer(part)
+                self._part(kind, part)
             if self.reasoning.in_reasoning:
                 self.reasoning_tokens += len(token_ids)
         if len(self.pending) > self.max_pending:
@@ -180,7 +186,7 @@ class ResponsesSink:
                       "total_tokens": s.prompt_tokens + out}
         self.adm.release(s, s.next_seq)
         for kind, part in self.reasoning.finish() if self.reasoning is not None else ():
-            self._reason(part) if kind == REASONING else self._answer(part)
+            self._part(kind, part)
         for d in self.tools.finish() if self.tools is not None else ():
             self._apply(d)
         self._close_reasoning()
