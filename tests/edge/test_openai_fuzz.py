@@ -96,3 +96,43 @@ def test_fuzzed_bodies_get_a_400(port: int, body: bytes, chat: bool) -> None:
 def test_server_still_serves_after_fuzz(port: int) -> None:
     status, raw = post(port, "/v1/completions", orjson.dumps({**VALID, "messages": None}))
     assert status == 400 and orjson.loads(raw)["error"]["message"] == "fake error"  # from the worker
+
+
+NEW_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "tools", "tool_choice", "text",
+              "format", "stream", "store", "previous_response_id", "parallel_tool_calls", "role", "content", "type",
+              "call_id", "name", "arguments", "output", "encoding_format", "dimensions", "prompt", "messages",
+              "tokens", "add_generation_prompt", "add_special_tokens", "return_token_strs"]
+NEW_VALID = {"model": MODEL, "input": "hi", "max_output_tokens": 4, "prompt": "hi", "tokens": [1, 2]}
+new_values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(NEW_FIELDS) | st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12)
+new_bodies = st.one_of(
+    st.binary(max_size=100),
+    st.dictionaries(st.sampled_from(NEW_FIELDS), new_values, max_size=6).map(orjson.dumps),
+    st.builds(lambda k, v: {**NEW_VALID, k: v}, st.sampled_from(NEW_FIELDS[1:]), new_values).map(orjson.dumps),
+)
+ROUTES = ["/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=new_bodies, path=st.sampled_from(ROUTES))
+def test_fuzzed_bodies_on_the_new_routes(port: int, body: bytes, path: str) -> None:
+    """Responses, embeddings, tokenize: never a 5xx; a 200 is a well-formed answer (a streamed
+    response whose worker failed ends with ``response.failed``); else an OpenAI error body."""
+    status, raw = post(port, path, body)
+    if status == 200:
+        if path == "/v1/responses":
+            last = [e for e in raw.decode().split("\n\n") if e][-1]
+            assert last.startswith("event: response.failed"), raw
+        elif path == "/tokenize":
+            out = orjson.loads(raw)
+            assert out["count"] == len(out["tokens"]), out
+        else:
+            assert path == "/detokenize" and isinstance(orjson.loads(raw)["prompt"], str), raw
+        return
+    err = orjson.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if status == 404:
+        assert err["code"] in ("model_not_found", "not_found"), err
+    else:
+        assert status == 400 and err["type"] == "invalid_request_error", (status, err)
