@@ -139,7 +139,8 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             mlp = layer.mlp
-            if isinstance(mlp.gate_up_proj, W8A8Linear) and isinstance(mlp.down_proj, W8A8Linear):
+            if (mlp.activation == "silu" and isinstance(mlp.gate_up_proj, W8A8Linear)
+                    and isinstance(mlp.down_proj, W8A8Linear)):
                 mlp.gated = W8A8GatedMLP(mlp.gate_up_proj, mlp.down_proj)
     if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
         model.lm_head = make(model.embed_tokens.weight, None)
@@ -252,27 +253,62 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = t.get("lm_head.weight", out["embed_tokens.weight"])
+    fused = spec.model_type == "phi3"  # Phi-3 checkpoints store qkv_proj and gate_up_proj fused
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
         for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
-            q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads)
-            k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
-            out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, take(attn + f"v_proj.{kind}")])
+            if fused:
+                qkv = take(attn + f"qkv_proj.{kind}")
+                q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
+                if qkv.shape[0] != q_rows + 2 * kv_rows:
+                    raise ModelError(f"weights of {path}: {attn}qkv_proj.{kind} has shape {tuple(qkv.shape)}, "
+                                     f"expected {q_rows + 2 * kv_rows} rows")
+                q_w, k_w, v_w = qkv.split([q_rows, kv_rows, kv_rows])
+                q = interleave_rope_rows(q_w, spec.num_heads, d)
+                k = interleave_rope_rows(k_w, spec.num_kv_heads, d)
+            else:
+                q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads)
+                k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
+                v_w = take(attn + f"v_proj.{kind}")
+            out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v_w])
         out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
         if spec.qk_norm:
             # [head_dim] per-dimension scales: the same reordering as the rows they scale
             out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1)
             out[dst + "self_attn.k_norm.weight"] = rope_rows(attn + "k_norm.weight", 1)
+        if spec.qk_norm_full:  # [heads * head_dim] scales over the whole projection
+            out[dst + "self_attn.q_norm_full.weight"] = rope_rows(attn + "q_norm.weight", spec.num_heads)
+            out[dst + "self_attn.k_norm_full.weight"] = rope_rows(attn + "k_norm.weight", spec.num_kv_heads)
         mlp = src + "mlp."
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        if fused:
+            out[dst + "mlp.gate_up_proj.weight"] = take(mlp + "gate_up_proj.weight")
+        else:
+            out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
         out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
         if spec.mlp_bias:
             out[dst + "mlp.gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
             out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias")
-        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
-        out[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        for ours, theirs in _norm_names(spec).items():
+            out[dst + ours] = take(src + theirs)
+    if spec.norm_offset:  # Gemma's RMSNorm scales by (1 + w): fold the 1 in once, here
+        for name in [n for n in out if n.endswith("norm.weight") or "_norm" in n]:
+            out[name] = out[name].float() + 1.0
     return out
+
+
+def _norm_names(spec: ModelSpec) -> dict[str, str]:
+    """Our per-layer norm parameters -> the checkpoint's (engine_workers.model.llama.DecoderLayer)."""
+    if spec.model_type == "gemma2":  # the sandwich: pre and post of both attention and MLP
+        return {"input_layernorm.weight": "input_layernorm.weight",
+                "attn_out_norm.weight": "post_attention_layernorm.weight",
+                "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",
+                "mlp_out_norm.weight": "post_feedforward_layernorm.weight"}
+    if spec.model_type == "olmo2":  # post-norms only: HF's post_attention_layernorm norms the output
+        return {"attn_out_norm.weight": "post_attention_layernorm.weight",
+                "mlp_out_norm.weight": "post_feedforward_layernorm.weight"}
+    return {"input_layernorm.weight": "input_layernorm.weight",
+            "post_attention_layernorm.weight": "post_attention_layernorm.weight"}
 
 
 def _eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:
