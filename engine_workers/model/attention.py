@@ -76,6 +76,9 @@ class AttnMetadata:
     # None = SDPA
     prefill_kernel: Callable | None = None
     max_context: int = 0  # the longest context (computed before + new) of any sequence in the batch
+    # [T] long: per token, its sequence's context at this step (computed before + new); built only
+    # when asked (longrope and dynamic RoPE choose a sequence's rotation by it)
+    seq_ends: torch.Tensor | None = None
     # sliding-window masks built on first use, one entry per window size, shared by the layers
     # with that window in this step (see window_masks)
     windowed: dict[int, WindowMasks] = field(default_factory=dict, compare=False)
@@ -132,13 +135,14 @@ def split_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS,
 def build_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
     dtype: torch.dtype = torch.float32, decode_kernel: Callable | None = None,
-    prefill_kernel: Callable | None = None, max_decode_groups: int = MAX_DECODE_GROUPS,
+    prefill_kernel: Callable | None = None, max_decode_groups: int = MAX_DECODE_GROUPS, seq_ends: bool = False,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """``chunks``: per sequence ``(num_computed_before, num_new, block_ids)`` in batch order;
     ``dtype``: the model's (for the masks); ``decode_kernel``: attend decode rows with it (one
     group, no mask: the kernel reads each sequence's own length) instead of gather + SDPA;
     ``prefill_kernel``: attend prefill chunks with it (no masks: it is causal by construction);
-    ``max_decode_groups``: at most this many gather + SDPA decode groups (see split_by_length).
+    ``max_decode_groups``: at most this many gather + SDPA decode groups (see split_by_length);
+    ``seq_ends``: fill ``AttnMetadata.seq_ends``.
 
     Returns the metadata and the positions tensor ``[T]``.
     """
@@ -184,8 +188,12 @@ def build_metadata(
                 groups.append(DecodeGroup(dev(rows), dev(table), dev(decode_mask(ctx_lens, width * block_size, dtype)),
                                           dev(ctx_lens)))
     max_context = max((start + n for start, n, _ in chunks), default=0)
+    ends = None
+    if seq_ends:
+        ends = dev(torch.tensor([start + n for start, n, _ in chunks], dtype=torch.long)
+                   .repeat_interleave(torch.tensor([n for _, n, _ in chunks], dtype=torch.long)))
     meta = AttnMetadata(dev(torch.tensor(slots, dtype=torch.long)), block_size, tuple(groups), tuple(prefill),
-                        decode_kernel, prefill_kernel, max_context)
+                        decode_kernel, prefill_kernel, max_context, ends)
     return meta, dev(torch.tensor(positions, dtype=torch.long))
 
 

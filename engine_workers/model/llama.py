@@ -18,56 +18,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_workers.model.attention import AttnMetadata, paged_attention
+from engine_workers.model.rope import Rope, apply_rope, build_rope, interleave_rope_rows, inv_freq, table
 from engine_workers.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderLayer", "LlamaForPagedLM", "ModelSpec", "RMSNorm"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderLayer", "LlamaForPagedLM", "ModelSpec", "RMSNorm", "apply_rope",
+           "interleave_rope_rows", "rope_tables"]
 
 if TYPE_CHECKING:
     from engine_workers.kernels.cpu_kernels import FusedOps
 
 def rope_tables(cfg, spec: ModelSpec, max_len: int, device: torch.device) -> torch.Tensor:
-    """Rotations ``[max_len, head_dim // 2]`` complex64 from the config's RoPE parameters (scaling
-    included): entry ``[p, j]`` is ``scaling * exp(i * p * inv_freq[j])``. Kept in float32 whatever
-    the model dtype: complex bf16 does not exist, and rotating in fp32 loses nothing."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        dim = int(spec.head_dim * params.get("partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        scaling = 1.0
-    else:
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"unsupported rope_type {rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
-    if inv_freq.numel() * 2 != spec.head_dim:
-        raise ValueError("partial rotary embeddings are not supported")
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
-    return torch.polar(torch.full_like(angles, float(scaling)), angles).to(device)
-
-
-def interleave_rope_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder a q or k projection's output rows (weight ``[heads * head_dim, ...]`` or bias) from
-    HF's half-split RoPE layout (dim ``j`` rotates with ``j + head_dim / 2``) to interleaved pairs
-    (``2j`` with ``2j + 1``), so a head is ``head_dim / 2`` complex numbers and RoPE is one complex
-    multiply (see :func:`apply_rope`). Attention only takes dot products of q with k, which a
-    permutation applied to both leaves unchanged; V and the output are not touched."""
-    half = head_dim // 2
-    rest = w.shape[1:]
-    return w.reshape(heads, 2, half, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
-
-
-def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[T, H, D]`` in the interleaved layout (any row stride), ``rot`` ``[T, 1, D/2]``
-    complex: one complex multiply instead of HF's four multiplies, a negation and a concatenation
-    over strided views (docs/design.md, "RoPE as one complex multiply", has the figures)."""
-    t, h, d = x.shape
-    if x.dtype == torch.float32:
-        return torch.view_as_real(torch.view_as_complex(x.view(t, h, d // 2, 2)) * rot).view(t, h, d)
-    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
-    return torch.view_as_real(xc * rot).view(t, h, d).to(x.dtype)
+    """The fixed rotation table ``[max_len, head_dim // 2]`` complex64 of ``cfg``'s RoPE (what
+    :func:`engine_workers.model.rope.build_rope` gives as ``Rope.base``)."""
+    freq, scaling = inv_freq(cfg, spec.head_dim)
+    return table(freq, scaling, max_len).to(device)
 
 
 class RMSNorm(nn.Module):
@@ -101,7 +65,7 @@ class Attention(nn.Module):
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         self.q_norm = RMSNorm(self.d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.d, spec.rms_norm_eps) if spec.qk_norm else None
         # OLMo 2: one RMSNorm over each whole projection (all heads), before RoPE
@@ -160,6 +124,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         window = spec.layer_windows[index] if spec.layer_windows else None
+        # which of the model's rotations this layer takes (Gemma 3: its own RoPE for sliding layers)
+        self.rope_key = "sliding" if spec.local_rope and window is not None else "full"
         self.input_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
         self.self_attn = Attention(spec, window)
         self.post_attention_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
@@ -200,12 +166,33 @@ class LlamaForPagedLM(nn.Module):
         # (engine_workers.kernels.cpu_linear) the loader sets a packed copy of it here instead; the
         # embedding lookup keeps the plain one.
         self.lm_head: nn.Module | None = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        # Plain attribute, not a buffer: the module is built on the meta device and the table is
-        # created afterwards, on the target device, by ``set_rope`` (complex, see rope_tables).
-        self.rope_table: torch.Tensor | None = None
+        # Plain attributes, not buffers: the module is built on the meta device and the tables are
+        # created afterwards, on the target device, by ``set_rope`` / ``set_ropes`` (complex, see rope.py).
+        self.ropes: dict[str, Rope] = {}
 
     def set_rope(self, table: torch.Tensor) -> None:
-        self.rope_table = table
+        """One fixed table ``[L, D/2]`` complex for every layer."""
+        self.ropes = {"full": Rope(table)}
+
+    def set_ropes(self, cfg, max_len: int, device: torch.device) -> None:
+        """Every rotation ``cfg`` asks for (its RoPE scaling type; Gemma 3's local RoPE for the
+        sliding layers), for contexts up to ``max_len``."""
+        if self.spec.local_rope:
+            self.ropes = {"full": build_rope(cfg, self.spec.head_dim, max_len, device, "full_attention"),
+                          "sliding": build_rope(cfg, self.spec.head_dim, max_len, device, "sliding_attention")}
+        else:
+            self.ropes = {"full": build_rope(cfg, self.spec.head_dim, max_len, device)}
+
+    @property
+    def rope_table(self) -> torch.Tensor | None:
+        """The fixed table of the full-attention layers (None before ``set_rope``)."""
+        rope = self.ropes.get("full")
+        return rope.base if rope is not None else None
+
+    @property
+    def needs_seq_ends(self) -> bool:
+        """Whether ``forward`` needs ``AttnMetadata.seq_ends`` (longrope, dynamic RoPE)."""
+        return any(r.needs_ends for r in self.ropes.values())
 
     def use_fused(self, ops: FusedOps | None) -> None:
         """Run the layer norms (with their residual adds) and the SiLU gating on ``ops``
@@ -231,11 +218,12 @@ class LlamaForPagedLM(nn.Module):
         if self.spec.embed_scale is not None:
             # Gemma: the scale rounded to the model dtype first, as transformers does
             residual.mul_(torch.tensor(self.spec.embed_scale, dtype=residual.dtype))
-        assert self.rope_table is not None, "set_rope() first"
-        rot = self.rope_table[positions].unsqueeze(1)
+        assert self.ropes, "set_rope() first"
+        rots = {key: rope.rotations(positions, meta.seq_ends) for key, rope in self.ropes.items()}
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            delta = layer(residual, delta, rot, k_cache, v_cache, meta)
+            assert isinstance(layer, DecoderLayer)
+            delta = layer(residual, delta, rots[layer.rope_key], k_cache, v_cache, meta)
         assert delta is not None  # a model has layers
         x = self.norm.add_forward(residual.index_select(0, logit_rows), delta.index_select(0, logit_rows))
         logits = (self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)).float()

@@ -19,7 +19,6 @@ from engine_workers.model.llama import (
     LlamaForPagedLM,
     ModelSpec,
     interleave_rope_rows,
-    rope_tables,
 )
 from tokenization.model_store import ModelError, resolve_model
 
@@ -118,7 +117,10 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
     length = max_len or mspec.max_position_embeddings
-    model.set_rope(rope_tables(hf_config, mspec, max(length, 1), device))
+    try:
+        model.set_ropes(hf_config, max(length, 1), device)
+    except ValueError as exc:
+        raise ModelError(f"model {path}: {exc}") from None
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
 
 
@@ -273,6 +275,8 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
                 v_w = take(attn + f"v_proj.{kind}")
             out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v_w])
         out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        if spec.o_proj_bias:
+            out[dst + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
         if spec.qk_norm:
             # [head_dim] per-dimension scales: the same reordering as the rows they scale
             out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1)
@@ -299,7 +303,7 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
 
 def _norm_names(spec: ModelSpec) -> dict[str, str]:
     """Our per-layer norm parameters -> the checkpoint's (engine_workers.model.llama.DecoderLayer)."""
-    if spec.model_type == "gemma2":  # the sandwich: pre and post of both attention and MLP
+    if spec.model_type in ("gemma2", "gemma3_text"):  # the sandwich: pre and post of both attention and MLP
         return {"input_layernorm.weight": "input_layernorm.weight",
                 "attn_out_norm.weight": "post_attention_layernorm.weight",
                 "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "olmo2", "phi3")
+from engine_workers.model.rope import inv_freq
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3")
 
 # Fields of PretrainedConfig itself and others that cannot change a forward pass at inference.
 _INERT = frozenset({
@@ -25,7 +27,21 @@ _INERT = frozenset({
     "pretraining_tp",
     # Qwen's switches are folded into layer_types and sliding_window by the config class itself
     "use_sliding_window", "max_window_layers",
+    # metadata and generation defaults older configs carry
+    "tokenizer_class", "prefix", "task_specific_params", "finetuning_task", "torchscript", "tf_legacy_loss",
+    "use_return_dict", "pruned_heads", "tie_encoder_decoder", "add_cross_attention", "cross_attention_hidden_size",
+    "is_decoder", "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    "transformers.js_config",
 })
+
+
+def _inert(name: str) -> bool:
+    # private metadata (``_model_name_or_path``) and token ids cannot change a forward pass
+    return name in _INERT or name.startswith("_") or name.endswith(("_token_id", "_token_ids"))
 _COMMON = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
@@ -40,6 +56,9 @@ _READ = {
     "gemma2": frozenset({"sliding_window", "layer_types", "attention_bias", "attn_logit_softcapping",
                          "final_logit_softcapping", "query_pre_attn_scalar", "hidden_activation",
                          "use_bidirectional_attention"}),
+    "gemma3_text": frozenset({"sliding_window", "layer_types", "attention_bias", "attn_logit_softcapping",
+                              "final_logit_softcapping", "query_pre_attn_scalar", "hidden_activation",
+                              "use_bidirectional_attention", "_sliding_window_pattern"}),
     "olmo2": frozenset({"attention_bias"}),
     "phi3": frozenset({"sliding_window", "original_max_position_embeddings"}),
 }
@@ -59,7 +78,7 @@ class ModelSpec:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # biases on q, k and v
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
     # per layer: the sliding window in tokens (the query's own token included), None = full attention
@@ -73,6 +92,8 @@ class ModelSpec:
     pre_norms: bool = True  # RMSNorm before attention and before the MLP (all but OLMo 2)
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs before their residual add
     norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma): the loader adds the 1 to w
+    o_proj_bias: bool = False  # a bias on the attention output projection too
+    local_rope: bool = False  # sliding layers take their own RoPE parameters (Gemma 3)
 
     @property
     def windowed(self) -> bool:
@@ -86,7 +107,8 @@ class ModelSpec:
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         check_fields(cfg, model_type)
-        act_field = "hidden_activation" if model_type == "gemma2" else "hidden_act"
+        gemma = model_type in ("gemma2", "gemma3_text")
+        act_field = "hidden_activation" if gemma else "hidden_act"
         act = getattr(cfg, act_field, "silu")
         if act not in _ACTIVATIONS:
             raise ValueError(f"config field {act_field}={act!r} is not implemented (only {', '.join(_ACTIVATIONS)})")
@@ -94,7 +116,9 @@ class ModelSpec:
             raise ValueError("config field use_bidirectional_attention=True is not implemented (causal only)")
         heads = cfg.num_attention_heads
         hidden = cfg.hidden_size
-        gemma = model_type == "gemma2"
+        local_rope = model_type == "gemma3_text"
+        check_rope(cfg, ("full_attention", "sliding_attention") if local_rope else (None,))
+        bias = bool(getattr(cfg, "attention_bias", model_type == "qwen2"))
         scalar = getattr(cfg, "query_pre_attn_scalar", None)
         return cls(
             model_type=model_type,
@@ -108,9 +132,9 @@ class ModelSpec:
             rms_norm_eps=cfg.rms_norm_eps,
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")),
+            attention_bias=bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             layer_windows=layer_windows(cfg),
             qk_norm_full=model_type == "olmo2",
             activation=_ACTIVATIONS[act],
@@ -119,16 +143,25 @@ class ModelSpec:
             final_softcap=getattr(cfg, "final_logit_softcapping", None),
             embed_scale=hidden**0.5 if gemma else None,
             pre_norms=model_type != "olmo2",
-            post_norms=model_type in ("gemma2", "olmo2"),
+            post_norms=gemma or model_type == "olmo2",
             norm_offset=gemma,
+            o_proj_bias=bias and model_type != "qwen2",  # Qwen2 biases q, k and v only
+            local_rope=local_rope,
         )
+
+
+def check_rope(cfg, layer_types: tuple[str | None, ...]) -> None:
+    """Refuse a RoPE lockgate does not implement (before any weight is read)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for layer_type in layer_types:
+        inv_freq(cfg, head_dim, layer_type)
 
 
 def check_fields(cfg, model_type: str) -> None:
     """Refuse, naming it, any config field that is neither read by this family's spec nor inert."""
-    known = _INERT | _COMMON | _READ[model_type]
+    read = _COMMON | _READ[model_type]
     for name in sorted(cfg.to_dict()):
-        if name not in known:
+        if name not in read and not _inert(name):
             raise ValueError(f"config field {name!r} is not implemented for {model_type} (lockgate would ignore it "
                              "and compute something else)")
 
