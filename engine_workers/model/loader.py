@@ -36,6 +36,19 @@ class LoadedModel:
 
 
 def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards a ``model.safetensors.index.json`` names (every one
+    must be there), else every ``*.safetensors``, else ``pytorch_model*.bin``."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"cannot read {index}: {type(exc).__name__}: {exc}") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelError(f"{index} names {len(missing)} shard(s) not in {path}: {', '.join(missing)}")
+        return [path / n for n in names]
     st = sorted(path.glob("*.safetensors"))
     if st:
         return st
@@ -117,6 +130,11 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
     length = max_len or mspec.max_position_embeddings
+    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type in ("longrope", "dynamic"):
+        log.warning("%s RoPE: a sequence is rotated by its context at each step; one whose chunks or decode cross "
+                    "the original context keeps its earlier keys' rotation (transformers re-rotates them; "
+                    "docs/design.md, RoPE scaling)", rope_type)
     try:
         model.set_ropes(hf_config, max(length, 1), device)
     except ValueError as exc:
@@ -254,7 +272,7 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
 
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = t.get("lm_head.weight", out["embed_tokens.weight"])
+        out["lm_head.weight"] = take("lm_head.weight")  # untied: a head of its own, never the embedding
     fused = spec.model_type == "phi3"  # Phi-3 checkpoints store qkv_proj and gate_up_proj fused
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
