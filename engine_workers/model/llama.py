@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_workers.model.attention import AttnMetadata, paged_attention
+from engine_workers.model.moe import SparseMoeBlock
 from engine_workers.model.rope import Rope, apply_rope, build_rope, interleave_rope_rows, inv_freq, table
 from engine_workers.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec
 
@@ -129,7 +130,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
         self.self_attn = Attention(spec, window)
         self.post_attention_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
-        self.mlp = MLP(spec)
+        moe = spec.moe
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(spec.hidden_size, moe.inter, moe.router) if moe is not None and moe.sparse_layers[index]
+            else MLP(spec))
         self.attn_out_norm = RMSNorm(hidden, eps) if spec.post_norms else None
         self.mlp_out_norm = RMSNorm(hidden, eps) if spec.post_norms else None
 
@@ -202,7 +206,7 @@ class LlamaForPagedLM(nn.Module):
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 if norm is not None:
                     norm.fused = ops.add_rms_norm if ops else None
-            if layer.mlp.activation == "silu":  # the kernel gates with SiLU only
+            if isinstance(layer.mlp, MLP) and layer.mlp.activation == "silu":  # the kernel gates with SiLU only
                 layer.mlp.fused = ops.silu_mul if ops else None
         self.norm.fused = ops.add_rms_norm if ops else None
 

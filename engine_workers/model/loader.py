@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 
 from engine_workers.model.llama import (
+    MLP,
     DecoderLayer,
     LlamaForPagedLM,
     ModelSpec,
     interleave_rope_rows,
 )
+from engine_workers.model.moe_family import map_moe_state
 from tokenization.model_store import ModelError, resolve_model
 
 log = logging.getLogger(__name__)
@@ -159,7 +161,7 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             mlp = layer.mlp
-            if (mlp.activation == "silu" and isinstance(mlp.gate_up_proj, W8A8Linear)
+            if (isinstance(mlp, MLP) and mlp.activation == "silu" and isinstance(mlp.gate_up_proj, W8A8Linear)
                     and isinstance(mlp.down_proj, W8A8Linear)):
                 mlp.gated = W8A8GatedMLP(mlp.gate_up_proj, mlp.down_proj)
     if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
@@ -303,11 +305,14 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
             out[dst + "self_attn.q_norm_full.weight"] = rope_rows(attn + "q_norm.weight", spec.num_heads)
             out[dst + "self_attn.k_norm_full.weight"] = rope_rows(attn + "k_norm.weight", spec.num_kv_heads)
         mlp = src + "mlp."
-        if fused:
+        if spec.moe is not None and spec.moe.sparse_layers[i]:
+            out.update(map_moe_state(take, t.__contains__, spec.moe, src, dst))
+        elif fused:
             out[dst + "mlp.gate_up_proj.weight"] = take(mlp + "gate_up_proj.weight")
         else:
             out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-        out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
+        if not (spec.moe is not None and spec.moe.sparse_layers[i]):
+            out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
         if spec.mlp_bias:
             out[dst + "mlp.gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
             out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias")

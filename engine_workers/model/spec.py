@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_workers.model.moe_family import MOE_ARCHITECTURES, MOE_INERT, MOE_READ, MoeSpec, moe_spec
 from engine_workers.model.rope import inv_freq
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3",
+                           *MOE_ARCHITECTURES)
 
 # Fields of PretrainedConfig itself and others that cannot change a forward pass at inference.
 _INERT = frozenset({
@@ -41,7 +43,7 @@ _INERT = frozenset({
 
 def _inert(name: str) -> bool:
     # private metadata (``_model_name_or_path``) and token ids cannot change a forward pass
-    return name in _INERT or name.startswith("_") or name.endswith(("_token_id", "_token_ids"))
+    return name in _INERT or name in MOE_INERT or name.startswith("_") or name.endswith(("_token_id", "_token_ids"))
 _COMMON = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
@@ -61,6 +63,7 @@ _READ = {
                               "use_bidirectional_attention", "_sliding_window_pattern"}),
     "olmo2": frozenset({"attention_bias"}),
     "phi3": frozenset({"sliding_window", "original_max_position_embeddings"}),
+    **MOE_READ,
 }
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -94,6 +97,7 @@ class ModelSpec:
     norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma): the loader adds the 1 to w
     o_proj_bias: bool = False  # a bias on the attention output projection too
     local_rope: bool = False  # sliding layers take their own RoPE parameters (Gemma 3)
+    moe: MoeSpec | None = None  # the sparse MLPs of an MoE family (engine_workers.model.moe_family)
 
     @property
     def windowed(self) -> bool:
@@ -134,7 +138,7 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=bias,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             layer_windows=layer_windows(cfg),
             qk_norm_full=model_type == "olmo2",
             activation=_ACTIVATIONS[act],
@@ -147,6 +151,7 @@ class ModelSpec:
             norm_offset=gemma,
             o_proj_bias=bias and model_type != "qwen2",  # Qwen2 biases q, k and v only
             local_rope=local_rope,
+            moe=moe_spec(cfg),
         )
 
 
