@@ -207,11 +207,13 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache (converted to its dtype), attend, return ``[T, Hq * D]``
     in q's dtype. ``window``: a sliding-window layer's window (keys more than ``window - 1``
     positions before the query are not attended); ``None`` = full attention. ``softcap``: scores
-    become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2), on the masked path."""
+    become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2), on the masked path.
+    ``sinks`` [Hq]: each head's sink logit joins its softmax's denominator (gpt-oss), masked path."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -220,8 +222,9 @@ def paged_attention(
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    if softcap is not None:  # SDPA and the kernels cannot cap: the masked path, causal as a window
-        return _windowed_attention(q, k, v, k_cache, v_cache, meta, scale, window or meta.max_context + 1, softcap)
+    if softcap is not None or sinks is not None:  # SDPA and the kernels cannot: the masked path, causal as a window
+        return _windowed_attention(q, k, v, k_cache, v_cache, meta, scale, window or meta.max_context + 1, softcap,
+                                   sinks)
     if window is not None and window < meta.max_context:
         return _windowed_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     out = q.new_empty(t, hq, d)
@@ -276,24 +279,30 @@ def window_masks(meta: AttnMetadata, window: int, dtype: torch.dtype) -> WindowM
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-            softcap: float | None) -> torch.Tensor:
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``q`` ``[B, Hq, n, D]``, ``k``/``v`` ``[B, Hkv, m, D]``, additive ``mask`` broadcasting to
     ``[B, Hq, n, m]``: SDPA, or with ``softcap`` the same math written out with the cap applied to
     the scores (transformers' eager Gemma 2 attention does it in this order: scale, cap, mask)."""
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(b, hkv, hq // hkv * n, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, hq // hkv, n, -1) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores + (mask[None, None, None] if mask.dim() == 2 else mask[:, :, None])
+    if sinks is not None:  # one more logit per head in the softmax, dropped after it (it has no value)
+        sink = sinks.to(scores.dtype).view(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, n, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1)[..., :-1].to(q.dtype).reshape(b, hkv, hq // hkv * n, -1)
+        return torch.matmul(probs, v).view(b, hq, n, d)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(b, hkv, hq // hkv * n, -1)
     return torch.matmul(probs, v).view(b, hq, n, d)
 
 
 def _windowed_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A sliding-window layer in a step where some context is longer than the window: gather +
     SDPA under window masks (the engine's CPU kernels attend to the whole context). Every block
     stays in the cache (docs/design.md, Sliding-window attention), so this reads the same tables
@@ -306,7 +315,7 @@ def _windowed_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: fl
         qd = q.index_select(0, g.rows)  # [B, Hq, D]: one query per sequence
         kd = gather_blocks(k_cache, g.blocks, bs).to(q.dtype).transpose(1, 2)
         vd = gather_blocks(v_cache, g.blocks, bs).to(q.dtype).transpose(1, 2)
-        od = _attend(qd.unsqueeze(2), kd, vd, mask.to(q.device), scale, softcap)
+        od = _attend(qd.unsqueeze(2), kd, vd, mask.to(q.device), scale, softcap, sinks)
         out.index_copy_(0, g.rows, od.squeeze(2))
     for c, mask in zip(meta.prefill, masks.prefill):
         rows = slice(c.first, c.first + c.n)
@@ -316,6 +325,6 @@ def _windowed_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: fl
             ctx = c.start + c.n
             kp, vp = gather_blocks(k_cache, c.blocks, bs)[:ctx], gather_blocks(v_cache, c.blocks, bs)[:ctx]
         op = _attend(q[rows].transpose(0, 1).unsqueeze(0), kp.to(q.dtype).transpose(0, 1).unsqueeze(0),
-                     vp.to(q.dtype).transpose(0, 1).unsqueeze(0), mask.to(q.device), scale, softcap)
+                     vp.to(q.dtype).transpose(0, 1).unsqueeze(0), mask.to(q.device), scale, softcap, sinks)
         out[rows] = op[0].transpose(0, 1)
     return out.view(t, hq * d)

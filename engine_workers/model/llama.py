@@ -73,6 +73,8 @@ class Attention(nn.Module):
         self.q_norm_full = RMSNorm(self.q_size, spec.rms_norm_eps) if spec.qk_norm_full else None
         self.k_norm_full = RMSNorm(self.kv_size, spec.rms_norm_eps) if spec.qk_norm_full else None
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.d**-0.5
+        # gpt-oss: a learned logit per query head that joins every softmax (and takes no value)
+        self.sinks = nn.Parameter(torch.empty(self.hq)) if spec.attn_sinks else None
 
     def forward(self, x, rot, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         else:
             q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, self.hq, self.d)), rot)
             k = apply_rope(self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)), rot)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj(o)
 
 
@@ -132,7 +134,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
         moe = spec.moe
         self.mlp: MLP | SparseMoeBlock = (
-            SparseMoeBlock(spec.hidden_size, moe.inter, moe.router) if moe is not None and moe.sparse_layers[index]
+            moe.block(spec.hidden_size) if moe is not None and moe.sparse_layers[index]
             else MLP(spec))
         self.attn_out_norm = RMSNorm(hidden, eps) if spec.post_norms else None
         self.mlp_out_norm = RMSNorm(hidden, eps) if spec.post_norms else None

@@ -297,6 +297,8 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
         out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
         if spec.o_proj_bias:
             out[dst + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
+        if spec.attn_sinks:
+            out[dst + "self_attn.sinks"] = take(attn + "sinks")
         if spec.qk_norm:
             # [head_dim] per-dimension scales: the same reordering as the rows they scale
             out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1)

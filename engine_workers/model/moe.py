@@ -104,11 +104,13 @@ class GroupedExperts(nn.Module):
     """``num_experts`` gated MLPs stored stacked: ``gate_up`` [E, 2I, H] (gate rows then up rows,
     or interleaved for ``activation="swiglu_clamped"``), ``down`` [E, H, I], optional biases."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, activation: str = "silu", bias: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, activation: str = "silu", bias: bool = False,
+                 alpha: float = 1.702, limit: float = 7.0) -> None:
         super().__init__()
         if activation not in ("silu", "swiglu_clamped"):
             raise ValueError(f"expert activation {activation!r} is not implemented")
         self.num_experts, self.inter, self.activation = num_experts, inter, activation
+        self.alpha, self.limit = alpha, limit  # swiglu_clamped only
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
@@ -116,7 +118,7 @@ class GroupedExperts(nn.Module):
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu_clamped":
-            return swiglu_clamped(gate_up)
+            return swiglu_clamped(gate_up, self.alpha, self.limit)
         gate, up = gate_up.split(self.inter, dim=-1)
         return F.silu(gate) * up
 
@@ -158,10 +160,12 @@ class SparseMoeBlock(nn.Module):
         activation: str = "silu",
         expert_bias: bool = False,
         shared_inter: int = 0,
+        alpha: float = 1.702,
+        limit: float = 7.0,
     ) -> None:
         super().__init__()
         self.router = Router(hidden, router)
-        self.experts = GroupedExperts(router.num_experts, hidden, inter, activation, expert_bias)
+        self.experts = GroupedExperts(router.num_experts, hidden, inter, activation, expert_bias, alpha, limit)
         self.shared = GroupedExperts(1, hidden, shared_inter) if shared_inter else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

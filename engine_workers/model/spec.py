@@ -97,6 +97,7 @@ class ModelSpec:
     norm_offset: bool = False  # RMSNorm scales by (1 + w) (Gemma): the loader adds the 1 to w
     o_proj_bias: bool = False  # a bias on the attention output projection too
     local_rope: bool = False  # sliding layers take their own RoPE parameters (Gemma 3)
+    attn_sinks: bool = False  # a learned per-head sink logit in every attention softmax (gpt-oss)
     moe: MoeSpec | None = None  # the sparse MLPs of an MoE family (engine_workers.model.moe_family)
 
     @property
@@ -151,6 +152,7 @@ class ModelSpec:
             norm_offset=gemma,
             o_proj_bias=bias and model_type != "qwen2",  # Qwen2 biases q, k and v only
             local_rope=local_rope,
+            attn_sinks=model_type == "gpt_oss",
             moe=moe_spec(cfg),
         )
 

@@ -151,3 +151,26 @@ def test_router_spec_refuses_bad_top_k():
         RouterSpec("softmax_topk", 4, 5)
     with pytest.raises(ValueError, match="router kind"):
         RouterSpec("greedy", 4, 1)
+
+
+def test_clamped_swiglu_experts_match_gpt_oss_experts():
+    """gpt-oss's experts (interleaved gate/up, biases, the clamp at ``swiglu_limit`` reached by
+    large inputs) on transformers' [E, H, 2I] layout, transposed as the loader does."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = AutoConfig.for_model("gpt_oss", hidden_size=16, intermediate_size=12, num_local_experts=4, swiglu_limit=5.0)
+    ref = GptOssExperts(cfg)
+    _init(ref)
+    ours = GroupedExperts(4, 16, 12, "swiglu_clamped", bias=True, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    ours.gate_up.data = ref.gate_up_proj.data.transpose(1, 2).contiguous()
+    ours.gate_up_bias.data = ref.gate_up_proj_bias.data
+    ours.down.data = ref.down_proj.data.transpose(1, 2).contiguous()
+    ours.down_bias.data = ref.down_proj_bias.data
+    x = torch.randn(25, 16) * 4
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(25)])
+    weights = torch.softmax(torch.randn(25, 2), -1)
+    with torch.no_grad():
+        gate_up = F.linear(x, ours.gate_up[0], ours.gate_up_bias[0])
+        assert gate_up.abs().max() > cfg.swiglu_limit  # the clamp is exercised
+        torch.testing.assert_close(ours(x, weights, ids), ref(x, ids, weights), rtol=1e-5, atol=1e-4)

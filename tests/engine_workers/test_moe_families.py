@@ -1,4 +1,4 @@
-"""MoE families (Mixtral, Qwen3-MoE), each a tiny random float32 checkpoint saved by transformers,
+"""MoE families (Mixtral, Qwen3-MoE, gpt-oss), each a tiny random float32 checkpoint saved by transformers,
 loaded through lockgate's loader and served by the real engine and paged cache: greedy tokens equal
 transformers' ``generate``, logits close, and the same tokens through prefix-cache hits and chunked
 prefill; config fields lockgate does not run are refused by name."""
@@ -27,6 +27,10 @@ FAMILIES = {
                                     mlp_only_layers=[1])),
     "qwen3_moe-norm": ("qwen3_moe", dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
                                          num_experts_per_tok=3, decoder_sparse_step=2)),
+    # alternating sliding/full layers with a window shorter than the long prompts, attention sinks,
+    # biases everywhere, clamped SwiGLU (its clamp: test_moe.py), yarn RoPE
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=6, sliding_window=24,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 
 
@@ -79,7 +83,7 @@ def test_moe_family_matches_hf_generate(name, tmp_path):
     assert [list(o.token_ids) for o in chunked.generate(prompts, params)] == ref, f"{name}: chunked prefill differs"
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-norm"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-norm", "gpt_oss"])
 def test_moe_family_logits_close_to_hf(name, tmp_path):
     """Every position's logits within 1e-4 (relative to the largest) of transformers' eager float32."""
     from transformers import AutoModelForCausalLM
