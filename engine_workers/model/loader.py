@@ -125,6 +125,9 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     model = model.to(device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    if lowp is not None and mspec.moe is not None:
+        log.warning("%s: the MoE experts' weights stay %s (the low-precision kernels run the dense linear layers "
+                    "only; docs/moe.md)", lowp, dtype)
     if lowp == "q4_1":
         _blocks(model, Path(path))
     elif lowp is not None:
