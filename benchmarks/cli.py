@@ -47,6 +47,12 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_moe(args: argparse.Namespace) -> int:
+    from benchmarks.moe import run
+
+    return run(args)
+
+
 def _bench_recovery(args: argparse.Namespace) -> int:
     from benchmarks.recovery import run
 
@@ -182,6 +188,13 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
                                         "SDPA, per layer, on serving-shaped batches")
     add_decode_args(b)
     b.set_defaults(func=_bench_decode)
+
+    from benchmarks.moe import add_args as add_moe_args
+
+    b = bench.add_parser("moe", help="grouped MoE layer vs transformers' MoE block and a dense MLP of equal active "
+                                     "parameters; a small random MoE through the engine vs transformers generate")
+    add_moe_args(b)
+    b.set_defaults(func=_bench_moe)
 
     from benchmarks.priority import add_args as add_priority_args
 

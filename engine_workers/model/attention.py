@@ -29,7 +29,7 @@ docs/benchmarks.md, Engine).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] long: rows of the flat batch
     blocks: torch.Tensor  # [B, N] long: block tables padded with block 0
     mask: torch.Tensor | None  # [B, 1, 1, N * block_size] additive: 0 = attend, -inf = padding (SDPA)
-    ctx: torch.Tensor | None  # [B] long: context lengths (the decode kernel)
+    ctx: torch.Tensor  # [B] long: context lengths (the decode kernel; sliding-window masks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,24 @@ class AttnMetadata:
     # (q [n, Hq, D], k [ctx, Hkv, D], v, scale) -> out [n, Hq, D]: the CPU causal prefill kernel;
     # None = SDPA
     prefill_kernel: Callable | None = None
+    max_context: int = 0  # the longest context (computed before + new) of any sequence in the batch
+    # [T] long: per token, its sequence's context at this step (computed before + new); built only
+    # when asked (longrope and dynamic RoPE choose a sequence's rotation by it)
+    seq_ends: torch.Tensor | None = None
+    # sliding-window masks built on first use, one entry per window size, shared by the layers
+    # with that window in this step (see window_masks)
+    windowed: dict[int, WindowMasks] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class WindowMasks:
+    """Additive masks for one sliding window over one step's batch: per decode group
+    ``[B, 1, 1, N * block_size]`` and per prefill chunk ``[n, context]``. A query at position ``p``
+    attends to keys ``j`` with ``p - window < j <= p`` (transformers' sliding_window_overlay: the
+    window counts the query's own token)."""
+
+    decode: tuple[torch.Tensor, ...]
+    prefill: tuple[torch.Tensor, ...]
 
 
 def split_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS,
@@ -117,13 +135,14 @@ def split_by_length(nblocks: list[int], group_cost: int = GROUP_COST_BLOCKS,
 def build_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
     dtype: torch.dtype = torch.float32, decode_kernel: Callable | None = None,
-    prefill_kernel: Callable | None = None, max_decode_groups: int = MAX_DECODE_GROUPS,
+    prefill_kernel: Callable | None = None, max_decode_groups: int = MAX_DECODE_GROUPS, seq_ends: bool = False,
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """``chunks``: per sequence ``(num_computed_before, num_new, block_ids)`` in batch order;
     ``dtype``: the model's (for the masks); ``decode_kernel``: attend decode rows with it (one
     group, no mask: the kernel reads each sequence's own length) instead of gather + SDPA;
     ``prefill_kernel``: attend prefill chunks with it (no masks: it is causal by construction);
-    ``max_decode_groups``: at most this many gather + SDPA decode groups (see split_by_length).
+    ``max_decode_groups``: at most this many gather + SDPA decode groups (see split_by_length);
+    ``seq_ends``: fill ``AttnMetadata.seq_ends``.
 
     Returns the metadata and the positions tensor ``[T]``.
     """
@@ -166,9 +185,15 @@ def build_metadata(
             if decode_kernel:
                 groups.append(DecodeGroup(rows, table, None, ctx_lens))
             else:
-                groups.append(DecodeGroup(dev(rows), dev(table), dev(decode_mask(ctx_lens, width * block_size, dtype)), None))
+                groups.append(DecodeGroup(dev(rows), dev(table), dev(decode_mask(ctx_lens, width * block_size, dtype)),
+                                          dev(ctx_lens)))
+    max_context = max((start + n for start, n, _ in chunks), default=0)
+    ends = None
+    if seq_ends:
+        ends = dev(torch.tensor([start + n for start, n, _ in chunks], dtype=torch.long)
+                   .repeat_interleave(torch.tensor([n for _, n, _ in chunks], dtype=torch.long)))
     meta = AttnMetadata(dev(torch.tensor(slots, dtype=torch.long)), block_size, tuple(groups), tuple(prefill),
-                        decode_kernel, prefill_kernel)
+                        decode_kernel, prefill_kernel, max_context, ends)
     return meta, dev(torch.tensor(positions, dtype=torch.long))
 
 
@@ -180,9 +205,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttnMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache (converted to its dtype), attend, return ``[T, Hq * D]``
-    in q's dtype."""
+    in q's dtype. ``window``: a sliding-window layer's window (keys more than ``window - 1``
+    positions before the query are not attended); ``None`` = full attention. ``softcap``: scores
+    become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2), on the masked path.
+    ``sinks`` [Hq]: each head's sink logit joins its softmax's denominator (gpt-oss), masked path."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv
@@ -191,6 +222,11 @@ def paged_attention(
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if softcap is not None or sinks is not None:  # SDPA and the kernels cannot: the masked path, causal as a window
+        return _windowed_attention(q, k, v, k_cache, v_cache, meta, scale, window or meta.max_context + 1, softcap,
+                                   sinks)
+    if window is not None and window < meta.max_context:
+        return _windowed_attention(q, k, v, k_cache, v_cache, meta, scale, window)
     out = q.new_empty(t, hq, d)
     for g in meta.decode:
         qd = q.index_select(0, g.rows)
@@ -215,5 +251,80 @@ def paged_attention(
             qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
             attn_mask=c.mask, is_causal=c.mask is None, scale=scale, enable_gqa=group > 1,
         )
+        out[rows] = op[0].transpose(0, 1)
+    return out.view(t, hq * d)
+
+
+def window_masks(meta: AttnMetadata, window: int, dtype: torch.dtype) -> WindowMasks:
+    """The step's masks for ``window`` (built once per step and window, then reused by every layer
+    with that window)."""
+    got = meta.windowed.get(window)
+    if got is not None:
+        return got
+    dec = []
+    for g in meta.decode:
+        width = g.blocks.shape[1] * meta.block_size
+        ctx = g.ctx.to(g.blocks.device)[:, None]
+        j = torch.arange(width, device=g.blocks.device)[None, :]
+        dec.append(additive_mask(((j < ctx) & (j > ctx - 1 - window))[:, None, None, :], dtype).to(g.blocks.device))
+    pre = []
+    for c in meta.prefill:
+        pos = torch.arange(c.start, c.start + c.n)[:, None]
+        j = torch.arange(c.start + c.n)[None, :]
+        mask = additive_mask((j <= pos) & (j > pos - window), dtype)
+        pre.append(mask if c.blocks is None else mask.to(c.blocks.device))
+    got = WindowMasks(tuple(dec), tuple(pre))
+    meta.windowed[window] = got
+    return got
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``q`` ``[B, Hq, n, D]``, ``k``/``v`` ``[B, Hkv, m, D]``, additive ``mask`` broadcasting to
+    ``[B, Hq, n, m]``: SDPA, or with ``softcap`` the same math written out with the cap applied to
+    the scores (transformers' eager Gemma 2 attention does it in this order: scale, cap, mask)."""
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv * n, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).view(b, hkv, hq // hkv, n, -1) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + (mask[None, None, None] if mask.dim() == 2 else mask[:, :, None])
+    if sinks is not None:  # one more logit per head in the softmax, dropped after it (it has no value)
+        sink = sinks.to(scores.dtype).view(1, hkv, hq // hkv, 1, 1).expand(b, -1, -1, n, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores.float(), dim=-1)[..., :-1].to(q.dtype).reshape(b, hkv, hq // hkv * n, -1)
+        return torch.matmul(probs, v).view(b, hq, n, d)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(b, hkv, hq // hkv * n, -1)
+    return torch.matmul(probs, v).view(b, hq, n, d)
+
+
+def _windowed_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A sliding-window layer in a step where some context is longer than the window: gather +
+    SDPA under window masks (the engine's CPU kernels attend to the whole context). Every block
+    stays in the cache (docs/design.md, Sliding-window attention), so this reads the same tables
+    as full attention and masks what lies outside the window."""
+    t, hq, d = q.shape
+    bs = meta.block_size
+    masks = window_masks(meta, window, q.dtype)
+    out = q.new_empty(t, hq, d)
+    for g, mask in zip(meta.decode, masks.decode):
+        qd = q.index_select(0, g.rows)  # [B, Hq, D]: one query per sequence
+        kd = gather_blocks(k_cache, g.blocks, bs).to(q.dtype).transpose(1, 2)
+        vd = gather_blocks(v_cache, g.blocks, bs).to(q.dtype).transpose(1, 2)
+        od = _attend(qd.unsqueeze(2), kd, vd, mask.to(q.device), scale, softcap, sinks)
+        out.index_copy_(0, g.rows, od.squeeze(2))
+    for c, mask in zip(meta.prefill, masks.prefill):
+        rows = slice(c.first, c.first + c.n)
+        if c.blocks is None:
+            kp, vp = k[rows], v[rows]
+        else:
+            ctx = c.start + c.n
+            kp, vp = gather_blocks(k_cache, c.blocks, bs)[:ctx], gather_blocks(v_cache, c.blocks, bs)[:ctx]
+        op = _attend(q[rows].transpose(0, 1).unsqueeze(0), kp.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                     vp.to(q.dtype).transpose(0, 1).unsqueeze(0), mask.to(q.device), scale, softcap, sinks)
         out[rows] = op[0].transpose(0, 1)
     return out.view(t, hq * d)

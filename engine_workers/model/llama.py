@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch and a paged KV cache.
+"""The decoder every dense family runs on (Llama, Mistral, Qwen2/3, Gemma 2, OLMo 2, Phi-3), over a
+flat token batch and a paged KV cache. A family's differences are the optional parts its
+:class:`~engine_workers.model.spec.ModelSpec` switches on (sliding windows, soft-capping, post-norms,
+QK-norm, GELU gating, embedding scaling); checkpoints' names map onto these modules in the loader.
 
 Our own small modules rather than transformers' modeling code: the whole mixed prefill+decode
 batch is one flat ``[T, hidden]`` tensor, Q/K/V and gate/up projections are fused into one GEMM
@@ -8,7 +11,6 @@ each, and the LM head runs only on the rows that sample. See docs/design.md for 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,100 +18,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_workers.model.attention import AttnMetadata, paged_attention
+from engine_workers.model.moe import SparseMoeBlock
+from engine_workers.model.rope import Rope, apply_rope, build_rope, interleave_rope_rows, inv_freq, table
+from engine_workers.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderLayer", "LlamaForPagedLM", "ModelSpec", "RMSNorm", "apply_rope",
+           "interleave_rope_rows", "rope_tables"]
 
 if TYPE_CHECKING:
     from engine_workers.kernels.cpu_kernels import FusedOps
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-
-    @classmethod
-    def from_hf(cls, cfg) -> ModelSpec:
-        model_type = getattr(cfg, "model_type", None)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported activation {act!r} (only silu)")
-        heads = cfg.num_attention_heads
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            rms_norm_eps=cfg.rms_norm_eps,
-            max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")),
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-        )
-
-
 def rope_tables(cfg, spec: ModelSpec, max_len: int, device: torch.device) -> torch.Tensor:
-    """Rotations ``[max_len, head_dim // 2]`` complex64 from the config's RoPE parameters (scaling
-    included): entry ``[p, j]`` is ``scaling * exp(i * p * inv_freq[j])``. Kept in float32 whatever
-    the model dtype: complex bf16 does not exist, and rotating in fp32 loses nothing."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        dim = int(spec.head_dim * params.get("partial_rotary_factor", 1.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        scaling = 1.0
-    else:
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"unsupported rope_type {rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
-    if inv_freq.numel() * 2 != spec.head_dim:
-        raise ValueError("partial rotary embeddings are not supported")
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
-    return torch.polar(torch.full_like(angles, float(scaling)), angles).to(device)
-
-
-def interleave_rope_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder a q or k projection's output rows (weight ``[heads * head_dim, ...]`` or bias) from
-    HF's half-split RoPE layout (dim ``j`` rotates with ``j + head_dim / 2``) to interleaved pairs
-    (``2j`` with ``2j + 1``), so a head is ``head_dim / 2`` complex numbers and RoPE is one complex
-    multiply (see :func:`apply_rope`). Attention only takes dot products of q with k, which a
-    permutation applied to both leaves unchanged; V and the output are not touched."""
-    half = head_dim // 2
-    rest = w.shape[1:]
-    return w.reshape(heads, 2, half, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
-
-
-def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[T, H, D]`` in the interleaved layout (any row stride), ``rot`` ``[T, 1, D/2]``
-    complex: one complex multiply instead of HF's four multiplies, a negation and a concatenation
-    over strided views (docs/design.md, "RoPE as one complex multiply", has the figures)."""
-    t, h, d = x.shape
-    if x.dtype == torch.float32:
-        return torch.view_as_real(torch.view_as_complex(x.view(t, h, d // 2, 2)) * rot).view(t, h, d)
-    xc = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
-    return torch.view_as_real(xc * rot).view(t, h, d).to(x.dtype)
+    """The fixed rotation table ``[max_len, head_dim // 2]`` complex64 of ``cfg``'s RoPE (what
+    :func:`engine_workers.model.rope.build_rope` gives as ``Rope.base``)."""
+    freq, scaling = inv_freq(cfg, spec.head_dim)
+    return table(freq, scaling, max_len).to(device)
 
 
 class RMSNorm(nn.Module):
@@ -136,28 +59,38 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # sliding window of this layer, None = full attention
+        self.softcap = spec.attn_softcap
         self.hq, self.hkv, self.d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = self.hq * self.d, self.hkv * self.d
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         self.q_norm = RMSNorm(self.d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.d, spec.rms_norm_eps) if spec.qk_norm else None
-        self.scale = self.d**-0.5
+        # OLMo 2: one RMSNorm over each whole projection (all heads), before RoPE
+        self.q_norm_full = RMSNorm(self.q_size, spec.rms_norm_eps) if spec.qk_norm_full else None
+        self.k_norm_full = RMSNorm(self.kv_size, spec.rms_norm_eps) if spec.qk_norm_full else None
+        self.scale = spec.attn_scale if spec.attn_scale is not None else self.d**-0.5
+        # gpt-oss: a learned logit per query head that joins every softmax (and takes no value)
+        self.sinks = nn.Parameter(torch.empty(self.hq)) if spec.attn_sinks else None
 
     def forward(self, x, rot, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
-        if self.q_norm is None or self.k_norm is None:  # both or neither (spec.qk_norm)
+        if self.q_norm_full is not None and self.k_norm_full is not None:
+            q = apply_rope(self.q_norm_full(qkv[:, : self.q_size]).view(t, self.hq, self.d), rot)
+            k = apply_rope(self.k_norm_full(qkv[:, self.q_size : self.q_size + self.kv_size]).view(t, self.hkv, self.d), rot)
+        elif self.q_norm is None or self.k_norm is None:  # both or neither (spec.qk_norm)
             # q and k rotate together: one op over [T, Hq + Hkv, D] (weights are interleaved at load)
             qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv, self.d), rot)
             q, k = qk[:, : self.hq], qk[:, self.hq :]
         else:
             q = apply_rope(self.q_norm(qkv[:, : self.q_size].view(t, self.hq, self.d)), rot)
             k = apply_rope(self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)), rot)
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj(o)
 
 
@@ -165,6 +98,7 @@ class MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.inter = spec.intermediate_size
+        self.activation = spec.activation
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * self.inter, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(self.inter, spec.hidden_size, bias=spec.mlp_bias)
         self.fused: Callable[..., torch.Tensor] | None = None  # (gate_up [T, 2I]) -> silu(gate) * up: the fused CPU kernel
@@ -179,24 +113,52 @@ class MLP(nn.Module):
         if self.fused is not None:
             return self.down_proj(self.fused(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """Names are Llama's: ``input_layernorm`` before attention, ``post_attention_layernorm`` before
+    the MLP (both absent without ``spec.pre_norms``); ``attn_out_norm`` and ``mlp_out_norm`` norm
+    the attention and MLP outputs before their residual add (``spec.post_norms``: Gemma 2's
+    sandwich, OLMo 2's post-norms; the loader maps their checkpoint names)."""
+
+    def __init__(self, spec: ModelSpec, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        hidden, eps = spec.hidden_size, spec.rms_norm_eps
+        window = spec.layer_windows[index] if spec.layer_windows else None
+        # which of the model's rotations this layer takes (Gemma 3: its own RoPE for sliding layers)
+        self.rope_key = "sliding" if spec.local_rope and window is not None else "full"
+        self.input_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
+        self.self_attn = Attention(spec, window)
+        self.post_attention_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
+        moe = spec.moe
+        self.mlp: MLP | SparseMoeBlock = (
+            moe.block(spec.hidden_size) if moe is not None and moe.sparse_layers[index]
+            else MLP(spec))
+        self.attn_out_norm = RMSNorm(hidden, eps) if spec.post_norms else None
+        self.mlp_out_norm = RMSNorm(hidden, eps) if spec.post_norms else None
 
     def forward(self, residual, delta, rot, k_cache, v_cache, meta):
         """Adds ``delta`` (the previous layer's MLP output, None for the first layer) to the
         residual stream in place and returns this layer's MLP output: the residual add is fused
         into the norm that follows it (as vLLM does), which is one pass with the CPU kernel."""
-        h = self.input_layernorm.add_forward(residual, delta)
+        h = _add_norm(self.input_layernorm, residual, delta)
         h = self.self_attn(h, rot, k_cache, v_cache, meta)
-        return self.mlp(self.post_attention_layernorm.add_forward(residual, h))
+        if self.attn_out_norm is not None:
+            h = self.attn_out_norm(h)
+        out = self.mlp(_add_norm(self.post_attention_layernorm, residual, h))
+        return self.mlp_out_norm(out) if self.mlp_out_norm is not None else out
+
+
+def _add_norm(norm: RMSNorm | None, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """``residual += delta`` in place, then ``norm`` of it; without a norm (OLMo 2 has no pre-norms),
+    the residual stream itself, which no layer writes into."""
+    if norm is not None:
+        return norm.add_forward(residual, delta)
+    if delta is not None:
+        residual.add_(delta)
+    return residual
 
 
 class LlamaForPagedLM(nn.Module):
@@ -204,26 +166,50 @@ class LlamaForPagedLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # None = tied: the LM head reads the embedding matrix. With packed CPU linears
         # (engine_workers.kernels.cpu_linear) the loader sets a packed copy of it here instead; the
         # embedding lookup keeps the plain one.
         self.lm_head: nn.Module | None = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        # Plain attribute, not a buffer: the module is built on the meta device and the table is
-        # created afterwards, on the target device, by ``set_rope`` (complex, see rope_tables).
-        self.rope_table: torch.Tensor | None = None
+        # Plain attributes, not buffers: the module is built on the meta device and the tables are
+        # created afterwards, on the target device, by ``set_rope`` / ``set_ropes`` (complex, see rope.py).
+        self.ropes: dict[str, Rope] = {}
 
     def set_rope(self, table: torch.Tensor) -> None:
-        self.rope_table = table
+        """One fixed table ``[L, D/2]`` complex for every layer."""
+        self.ropes = {"full": Rope(table)}
+
+    def set_ropes(self, cfg, max_len: int, device: torch.device) -> None:
+        """Every rotation ``cfg`` asks for (its RoPE scaling type; Gemma 3's local RoPE for the
+        sliding layers), for contexts up to ``max_len``."""
+        if self.spec.local_rope:
+            self.ropes = {"full": build_rope(cfg, self.spec.head_dim, max_len, device, "full_attention"),
+                          "sliding": build_rope(cfg, self.spec.head_dim, max_len, device, "sliding_attention")}
+        else:
+            self.ropes = {"full": build_rope(cfg, self.spec.head_dim, max_len, device)}
+
+    @property
+    def rope_table(self) -> torch.Tensor | None:
+        """The fixed table of the full-attention layers (None before ``set_rope``)."""
+        rope = self.ropes.get("full")
+        return rope.base if rope is not None else None
+
+    @property
+    def needs_seq_ends(self) -> bool:
+        """Whether ``forward`` needs ``AttnMetadata.seq_ends`` (longrope, dynamic RoPE)."""
+        return any(r.needs_ends for r in self.ropes.values())
 
     def use_fused(self, ops: FusedOps | None) -> None:
         """Run the layer norms (with their residual adds) and the SiLU gating on ``ops``
         (:class:`engine_workers.kernels.cpu_kernels.FusedOps`), or back on torch ops with ``None``."""
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = ops.add_rms_norm if ops else None
-            layer.mlp.fused = ops.silu_mul if ops else None
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if norm is not None:
+                    norm.fused = ops.add_rms_norm if ops else None
+            if isinstance(layer.mlp, MLP) and layer.mlp.activation == "silu":  # the kernel gates with SiLU only
+                layer.mlp.fused = ops.silu_mul if ops else None
         self.norm.fused = ops.add_rms_norm if ops else None
 
     def forward(
@@ -236,15 +222,21 @@ class LlamaForPagedLM(nn.Module):
         hidden_out: list[torch.Tensor] | None = None,  # given: the rows' final-norm states [S, hidden] appended
     ) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
-        assert self.rope_table is not None, "set_rope() first"
-        rot = self.rope_table[positions].unsqueeze(1)
+        if self.spec.embed_scale is not None:
+            # Gemma: the scale rounded to the model dtype first, as transformers does
+            residual.mul_(torch.tensor(self.spec.embed_scale, dtype=residual.dtype))
+        assert self.ropes, "set_rope() first"
+        rots = {key: rope.rotations(positions, meta.seq_ends) for key, rope in self.ropes.items()}
         delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            delta = layer(residual, delta, rot, k_cache, v_cache, meta)
+            assert isinstance(layer, DecoderLayer)
+            delta = layer(residual, delta, rots[layer.rope_key], k_cache, v_cache, meta)
         assert delta is not None  # a model has layers
         x = self.norm.add_forward(residual.index_select(0, logit_rows), delta.index_select(0, logit_rows))
         if hidden_out is not None:
             hidden_out.append(x.float())
-        if self.lm_head is not None:
-            return self.lm_head(x).float()
-        return F.linear(x, self.embed_tokens.weight).float()
+        logits = (self.lm_head(x) if self.lm_head is not None else F.linear(x, self.embed_tokens.weight)).float()
+        if self.spec.final_softcap is not None:
+            cap = self.spec.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from engine_workers.model.llama import (
+    MLP,
     DecoderLayer,
     LlamaForPagedLM,
     ModelSpec,
     interleave_rope_rows,
-    rope_tables,
 )
+from engine_workers.model.moe_family import map_moe_state
 from tokenization.model_store import ModelError, resolve_model
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,19 @@ class LoadedModel:
 
 
 def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards a ``model.safetensors.index.json`` names (every one
+    must be there), else every ``*.safetensors``, else ``pytorch_model*.bin``."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"cannot read {index}: {type(exc).__name__}: {exc}") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelError(f"{index} names {len(missing)} shard(s) not in {path}: {', '.join(missing)}")
+        return [path / n for n in names]
     st = sorted(path.glob("*.safetensors"))
     if st:
         return st
@@ -111,6 +125,9 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     model = model.to(device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    if lowp is not None and mspec.moe is not None:
+        log.warning("%s: the MoE experts' weights stay %s (the low-precision kernels run the dense linear layers "
+                    "only; docs/moe.md)", lowp, dtype)
     if lowp == "q4_1":
         _blocks(model, Path(path))
     elif lowp is not None:
@@ -118,7 +135,15 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
     length = max_len or mspec.max_position_embeddings
-    model.set_rope(rope_tables(hf_config, mspec, max(length, 1), device))
+    rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type in ("longrope", "dynamic"):
+        log.warning("%s RoPE: a sequence is rotated by its context at each step; one whose chunks or decode cross "
+                    "the original context keeps its earlier keys' rotation (transformers re-rotates them; "
+                    "docs/design.md, RoPE scaling)", rope_type)
+    try:
+        model.set_ropes(hf_config, max(length, 1), device)
+    except ValueError as exc:
+        raise ModelError(f"model {path}: {exc}") from None
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
 
 
@@ -139,7 +164,8 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
             mlp = layer.mlp
-            if isinstance(mlp.gate_up_proj, W8A8Linear) and isinstance(mlp.down_proj, W8A8Linear):
+            if (isinstance(mlp, MLP) and mlp.activation == "silu" and isinstance(mlp.gate_up_proj, W8A8Linear)
+                    and isinstance(mlp.down_proj, W8A8Linear)):
                 mlp.gated = W8A8GatedMLP(mlp.gate_up_proj, mlp.down_proj)
     if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
         model.lm_head = make(model.embed_tokens.weight, None)
@@ -251,28 +277,70 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
 
     out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = t.get("lm_head.weight", out["embed_tokens.weight"])
+        out["lm_head.weight"] = take("lm_head.weight")  # untied: a head of its own, never the embedding
+    fused = spec.model_type == "phi3"  # Phi-3 checkpoints store qkv_proj and gate_up_proj fused
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
         for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
-            q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads)
-            k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
-            out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, take(attn + f"v_proj.{kind}")])
+            if fused:
+                qkv = take(attn + f"qkv_proj.{kind}")
+                q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
+                if qkv.shape[0] != q_rows + 2 * kv_rows:
+                    raise ModelError(f"weights of {path}: {attn}qkv_proj.{kind} has shape {tuple(qkv.shape)}, "
+                                     f"expected {q_rows + 2 * kv_rows} rows")
+                q_w, k_w, v_w = qkv.split([q_rows, kv_rows, kv_rows])
+                q = interleave_rope_rows(q_w, spec.num_heads, d)
+                k = interleave_rope_rows(k_w, spec.num_kv_heads, d)
+            else:
+                q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads)
+                k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
+                v_w = take(attn + f"v_proj.{kind}")
+            out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v_w])
         out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        if spec.o_proj_bias:
+            out[dst + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
+        if spec.attn_sinks:
+            out[dst + "self_attn.sinks"] = take(attn + "sinks")
         if spec.qk_norm:
             # [head_dim] per-dimension scales: the same reordering as the rows they scale
             out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1)
             out[dst + "self_attn.k_norm.weight"] = rope_rows(attn + "k_norm.weight", 1)
+        if spec.qk_norm_full:  # [heads * head_dim] scales over the whole projection
+            out[dst + "self_attn.q_norm_full.weight"] = rope_rows(attn + "q_norm.weight", spec.num_heads)
+            out[dst + "self_attn.k_norm_full.weight"] = rope_rows(attn + "k_norm.weight", spec.num_kv_heads)
         mlp = src + "mlp."
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-        out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
+        if spec.moe is not None and spec.moe.sparse_layers[i]:
+            out.update(map_moe_state(take, t.__contains__, spec.moe, src, dst))
+        elif fused:
+            out[dst + "mlp.gate_up_proj.weight"] = take(mlp + "gate_up_proj.weight")
+        else:
+            out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        if not (spec.moe is not None and spec.moe.sparse_layers[i]):
+            out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
         if spec.mlp_bias:
             out[dst + "mlp.gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
             out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias")
-        out[dst + "input_layernorm.weight"] = take(src + "input_layernorm.weight")
-        out[dst + "post_attention_layernorm.weight"] = take(src + "post_attention_layernorm.weight")
+        for ours, theirs in _norm_names(spec).items():
+            out[dst + ours] = take(src + theirs)
+    if spec.norm_offset:  # Gemma's RMSNorm scales by (1 + w): fold the 1 in once, here
+        for name in [n for n in out if n.endswith("norm.weight") or "_norm" in n]:
+            out[name] = out[name].float() + 1.0
     return out
+
+
+def _norm_names(spec: ModelSpec) -> dict[str, str]:
+    """Our per-layer norm parameters -> the checkpoint's (engine_workers.model.llama.DecoderLayer)."""
+    if spec.model_type in ("gemma2", "gemma3_text"):  # the sandwich: pre and post of both attention and MLP
+        return {"input_layernorm.weight": "input_layernorm.weight",
+                "attn_out_norm.weight": "post_attention_layernorm.weight",
+                "post_attention_layernorm.weight": "pre_feedforward_layernorm.weight",
+                "mlp_out_norm.weight": "post_feedforward_layernorm.weight"}
+    if spec.model_type == "olmo2":  # post-norms only: HF's post_attention_layernorm norms the output
+        return {"attn_out_norm.weight": "post_attention_layernorm.weight",
+                "mlp_out_norm.weight": "post_feedforward_layernorm.weight"}
+    return {"input_layernorm.weight": "input_layernorm.weight",
+            "post_attention_layernorm.weight": "post_attention_layernorm.weight"}
 
 
 def _eos_ids(path: Path, hf_config, tokenizer) -> tuple[int, ...]:

@@ -140,7 +140,8 @@ class ModelRunner:
             if samples:
                 logit_rows.append(len(ids) - 1)
         meta, positions = build_metadata(meta_in, self.block_size, self.device, self.dtype,
-                                         self.decode_kernel, self.prefill_kernel, self.max_decode_groups)
+                                         self.decode_kernel, self.prefill_kernel, self.max_decode_groups,
+                                         seq_ends=self.model.needs_seq_ends)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = (torch.arange(len(ids), device=self.device) if every_row
                 else torch.tensor(logit_rows, dtype=torch.long, device=self.device))

@@ -1,0 +1,110 @@
+"""The MoE families on the shared decoder (Mixtral, Qwen3-MoE, gpt-oss): which config fields they read, which
+layers are sparse, and the mapping of their checkpoints' expert weights onto
+:class:`engine_workers.model.moe.SparseMoeBlock`.
+
+Attention is the dense families' (Mixtral is Mistral's, Qwen3-MoE is Qwen3's with QK-norm); only the
+MLP of a sparse layer differs. Checkpoints store experts either one module per expert (the names
+transformers saves: ``experts.{e}.w1/w3/w2`` for Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj``
+for Qwen3-MoE) or already stacked (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+[E, H, I]); both are read. gpt-oss stores its experts stacked the other way round (``[E, H, 2I]``
+with gate and up interleaved, ``[E, I, H]``) with biases, and its router has a bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine_workers.model.moe import RouterSpec, SparseMoeBlock
+
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "gpt_oss")
+
+# Per family: the fields its spec reads beyond the dense ones it shares (spec._COMMON plus these).
+MOE_READ = {
+    "mixtral": frozenset({"sliding_window", "num_local_experts", "num_experts_per_tok"}),
+    "qwen3_moe": frozenset({"sliding_window", "layer_types", "attention_bias", "num_local_experts", "num_experts",
+                            "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                            "mlp_only_layers"}),
+    "gpt_oss": frozenset({"sliding_window", "layer_types", "attention_bias", "num_local_experts",
+                          "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"}),
+}
+# Training-only: the auxiliary load-balancing loss and router noise never change an inference forward
+# (transformers applies the jitter only with ``self.training``).
+MOE_INERT = frozenset({"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    router: RouterSpec
+    inter: int  # each expert's intermediate size
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or the dense MLP (False)
+    prefix: str  # the sparse block's checkpoint module name under ``model.layers.{i}.``
+    names: tuple[str, str, str]  # per-expert gate, up, down module names
+    activation: str = "silu"  # or "swiglu_clamped" (gpt-oss)
+    expert_bias: bool = False
+    alpha: float = 1.702  # swiglu_clamped's
+    limit: float = 7.0
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def block(self, hidden: int) -> SparseMoeBlock:
+        return SparseMoeBlock(hidden, self.inter, self.router, self.activation, self.expert_bias,
+                              alpha=self.alpha, limit=self.limit)
+
+
+def moe_spec(cfg) -> MoeSpec | None:
+    """The MoE part of ``cfg`` (None for a dense family); ValueError naming the field it cannot run."""
+    model_type = cfg.model_type
+    if model_type not in MOE_ARCHITECTURES:
+        return None
+    n = cfg.num_hidden_layers
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not experts:
+        raise ValueError("config field num_local_experts is missing or 0")
+    top_k = cfg.num_experts_per_tok
+    if not 0 < top_k <= experts:
+        raise ValueError(f"config field num_experts_per_tok={top_k} must be in 1..{experts}")
+    if model_type == "gpt_oss":
+        return MoeSpec(RouterSpec("topk_softmax", experts, top_k, bias=True), cfg.intermediate_size, (True,) * n,
+                       "mlp", ("", "", ""), "swiglu_clamped", True, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+    if model_type == "mixtral":
+        return MoeSpec(RouterSpec("softmax_topk", experts, top_k, renormalize=True), cfg.intermediate_size,
+                       (True,) * n, "block_sparse_moe", ("w1", "w3", "w2"))
+    step = getattr(cfg, "decoder_sparse_step", 1) or 0
+    if step <= 0:
+        raise ValueError(f"config field decoder_sparse_step={step!r} must be >= 1")
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    if not dense <= set(range(n)):
+        raise ValueError(f"config field mlp_only_layers={sorted(dense)} names layers beyond the {n} there are")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return MoeSpec(RouterSpec("softmax_topk", experts, top_k, renormalize=bool(cfg.norm_topk_prob)),
+                   cfg.moe_intermediate_size, sparse, "mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def map_moe_state(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], moe: MoeSpec, src: str,
+                  dst: str) -> dict[str, torch.Tensor]:
+    """Layer ``src``'s (``model.layers.{i}.``) sparse-block weights as our ``dst`` names
+    (engine_workers.model.moe.SparseMoeBlock under ``mlp.``)."""
+    base = src + moe.prefix + "."
+    if moe.activation == "swiglu_clamped":  # gpt-oss: [E, H, 2I] and [E, I, H], x @ W, with biases
+        return {dst + "mlp.router.weight": take(base + "router.weight"),
+                dst + "mlp.router.bias": take(base + "router.bias"),
+                dst + "mlp.experts.gate_up": take(base + "experts.gate_up_proj").transpose(1, 2).contiguous(),
+                dst + "mlp.experts.gate_up_bias": take(base + "experts.gate_up_proj_bias"),
+                dst + "mlp.experts.down": take(base + "experts.down_proj").transpose(1, 2).contiguous(),
+                dst + "mlp.experts.down_bias": take(base + "experts.down_proj_bias")}
+    out = {dst + "mlp.router.weight": take(base + "gate.weight")}
+    if has(base + "experts.gate_up_proj"):  # already stacked
+        out[dst + "mlp.experts.gate_up"] = take(base + "experts.gate_up_proj")
+        out[dst + "mlp.experts.down"] = take(base + "experts.down_proj")
+        return out
+    gate, up, down = moe.names
+    per = [base + f"experts.{e}." for e in range(moe.num_experts)]
+    out[dst + "mlp.experts.gate_up"] = torch.stack(
+        [torch.cat([take(p + f"{gate}.weight"), take(p + f"{up}.weight")]) for p in per])
+    out[dst + "mlp.experts.down"] = torch.stack([take(p + f"{down}.weight") for p in per])
+    return out
