@@ -239,7 +239,8 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         sampling = _with_logprobs(sampling, logprobs)
     if n > 1 and tool_req is not None and tool_req.active:
         raise ProtocolError("n > 1 is not supported with tools", "n")
-    return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, cache_salt=_salt(obj)),
+    return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, max_tokens_given=_given(obj),
+                                        cache_salt=_salt(obj)),
                          stream, include_usage,
                          logprobs, tool_req, n)
 
@@ -273,8 +274,14 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     if logprobs is not None:
         sampling = _with_logprobs(sampling, logprobs)
     return OpenAIRequest(False, Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids,
-                                         cache_salt=_salt(obj)), stream,
+                                         max_tokens_given=_given(obj), cache_salt=_salt(obj)), stream,
                          include_usage, logprobs, None, n)
+
+
+def _given(obj: dict) -> bool:
+    """Whether the client set the output limit itself (then a limit past the context is refused,
+    as OpenAI and vLLM do, instead of clamped; edge.admission)."""
+    return obj.get("max_completion_tokens") is not None or obj.get("max_tokens") is not None
 
 
 def _salt(obj: dict) -> str | None:
