@@ -111,6 +111,12 @@ class Admission:
             ids = encoder.encode(g)
         if gone():
             return None
+        if g.max_tokens_given and len(ids) + g.sampling.max_tokens > encoder.context_len:
+            # OpenAI's and vLLM's answer: a limit the context cannot hold is the client's error, not
+            # something to clamp silently (issue #38); only the default limit is clamped below
+            raise ProtocolError(f"max_tokens (or max_completion_tokens) {g.sampling.max_tokens} + the prompt's "
+                                f"{len(ids)} tokens exceed the model's context length {encoder.context_len}; "
+                                f"at most {encoder.context_len - len(ids)} new tokens fit", "max_tokens", g.id)
         max_tokens = min(g.sampling.max_tokens, encoder.context_len - len(ids))
         sampling = g.sampling if max_tokens == g.sampling.max_tokens else replace(g.sampling, max_tokens=max_tokens)
         sampling = sampling.seeded()  # told to the client: the accepted frame, OpenAI's ``seed`` field

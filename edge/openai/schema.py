@@ -252,7 +252,8 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     parallel = obj.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ProtocolError(f"parallel_tool_calls must be a boolean, got {_tname(parallel)}", "parallel_tool_calls")
-    return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, cache_salt=_salt(obj)),
+    return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, max_tokens_given=_given(obj),
+                                        cache_salt=_salt(obj)),
                          stream, include_usage,
                          logprobs, tool_req, n, parallel_tool_calls=parallel is not False)
 
@@ -297,10 +298,17 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
             raise ProtocolError("echo with logprobs is not supported (no prompt logprobs)", "echo")
         sampling = _with_logprobs(sampling, logprobs)
     salt = _salt(obj)
-    gens = tuple(Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids, cache_salt=salt)
+    gens = tuple(Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids,
+                          max_tokens_given=_given(obj), cache_salt=salt)
                  for text, ids in parsed)
     return OpenAIRequest(False, gens[0], stream, include_usage, logprobs, None, n,
                          prompts=gens if len(gens) > 1 else (), echo=echo)
+
+
+def _given(obj: dict) -> bool:
+    """Whether the client set the output limit itself (then a limit past the context is refused,
+    as OpenAI and vLLM do, instead of clamped; edge.admission)."""
+    return obj.get("max_completion_tokens") is not None or obj.get("max_tokens") is not None
 
 
 def _salt(obj: dict) -> str | None:

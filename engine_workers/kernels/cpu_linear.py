@@ -15,7 +15,8 @@ and leaves the model on ``F.linear``. Results differ from ``F.linear`` only by f
 Decode-sized inputs (at most ``SMALL_M_MAX`` rows) go to the engine's own kernel instead
 (``csrc/small_m_linear.cpp`` via :func:`engine_workers.kernels.cpu_kernels.small_m`), which keeps a second
 copy of each weight in its own panel layout: at M = 8..32 oneDNN's kernel does not overlap reading
-the weights with computing, and a decode step is mostly that (docs/benchmarks.md). The copy
+the weights with computing, and a decode step is mostly that (docs/benchmarks.md). Larger inputs go through it too, in pieces of
+``SMALL_M_MAX`` rows, so a row's result never depends on the rest of the batch (issue #38). The copy
 doubles the memory of the linear weights, so it is made only while it fits in a quarter of the
 memory available at load time; ``--no-cpu-kernels`` leaves everything on oneDNN.
 
@@ -86,8 +87,18 @@ class PackedLinear(nn.Module):
         return cls.from_weight(lin.weight, lin.bias, small_m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and x.dim() == 2 and x.shape[0] <= SMALL_M_MAX:
-            return self._small(x.contiguous(), self.panels, self.out_features, self.bias)
+        if self.panels is not None and x.dim() == 2:
+            # Batch invariance: every row goes through the small-batch kernel, whose result for a row
+            # does not depend on the other rows (oneDNN's does: it sums in another order above 32
+            # rows, ~1e-5 apart). A decode row then gets the same logits whether its step also
+            # carries a prefill chunk or not, and a resumed request's re-prefilled prefix the same
+            # K/V as the decode steps that first produced it; with sampling, a 1e-5 shift flipped
+            # a near-tie in about 1 stream in 16 (issue #38). Larger inputs go in SMALL_M_MAX-row
+            # pieces; the prefill cost is in docs/benchmarks-robustness.md.
+            if x.shape[0] <= SMALL_M_MAX:
+                return self._small(x.contiguous(), self.panels, self.out_features, self.bias)
+            return torch.cat([self._small(c.contiguous(), self.panels, self.out_features, self.bias)
+                              for c in x.split(SMALL_M_MAX)])
         return self._linear(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

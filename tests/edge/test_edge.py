@@ -273,9 +273,13 @@ async def test_validation_errors_keep_connection(encoder):
             assert err["field"] == "prompt" and "context is 1024" in err["message"]
             await send(ws, gen("c", 4, temperature="hot"))
             assert (await recv(ws))["field"] == "temperature"
-            await send(ws, gen("d", 100_000))  # clamped to the context, not refused
+            await send(ws, gen("d", 100_000))  # past the context: refused, naming the limit (#38)
+            err = await recv(ws)
+            assert err["type"] == "error" and err["id"] == "d" and err["field"] == "max_tokens"
+            assert "context length 1024" in err["message"], err
+            await send(ws, gen("e", 8))  # the connection still serves
             acc = await recv(ws)
-            assert acc["type"] == "accepted" and acc["max_tokens"] + acc["prompt_tokens"] == 1024
+            assert acc["type"] == "accepted" and acc["max_tokens"] == 8
 
 
 async def test_duplicate_client_id(encoder):

@@ -129,6 +129,16 @@ async def test_error_statuses_and_bodies(encoder):
         with pytest.raises(openai.BadRequestError) as e:
             await client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
         assert _error(e.value)["param"] == "messages[0].role"
+        # prompt + the output limit past the context: 400 naming it, not a silent clamp (#38)
+        for call in (lambda: client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10**9),
+                     lambda: client.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=10**9),
+                     lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=10**9)):
+            with pytest.raises(openai.BadRequestError) as e:
+                await call()
+            err = _error(e.value)
+            assert err["param"] == "max_tokens" and "context length" in err["message"], err
+        ok = await client.completions.create(model=MODEL, prompt="x")  # no limit given: the default fits
+        assert ok.choices
         with pytest.raises(openai.NotFoundError) as e:
             await client.chat.completions.create(model="gpt-4o", messages=HELLO)
         err = _error(e.value)

@@ -131,7 +131,7 @@ def check_call(call: Any, names: tuple[str, ...] = ("get_weather", "add")) -> di
 
 async def test_tool_calls_end_to_end(tiny_model_dir: str) -> None:
     async with platform(tiny_model_dir) as (edge, _), sdk(edge) as client:
-        base: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 200, "temperature": 1.0}
+        base: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 150, "temperature": 1.0}
         # required: a call to one of the two tools, arguments valid, finish_reason tool_calls
         rs = [await client.chat.completions.create(**base, tool_choice="required", seed=s) for s in range(6)]
         for r in rs:

@@ -120,6 +120,24 @@ def test_small_batch_kernel_matches_f_linear_for_every_row_count(n, k, bias):
     torch.testing.assert_close(lin(xt), torch.nn.functional.linear(xt, w, b), rtol=1e-5, atol=1e-4)
 
 
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(bias):
+    """Issue #38: a row's output must be bit-identical alone and inside any batch, also above
+    SMALL_M_MAX rows (a decode step that carries a prefill chunk, a resumed request's re-prefill).
+    oneDNN sums in another order there (~1e-5 apart), which flipped a near-tie under sampling."""
+    small_m = _small_m()
+    gen = torch.Generator().manual_seed(38)
+    w = torch.randn(1536, 576, generator=gen)  # SmolLM2's MLP shape: long enough sums to differ
+    b = torch.randn(1536, generator=gen) if bias else None
+    lin = PackedLinear.from_weight(w, b, small_m=small_m)
+    x = torch.randn(130, 576, generator=gen)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in (2, 31, 32, 33, 64, 100, 130):
+        batched = lin(x[:rows])
+        assert torch.equal(batched, alone[:rows]), f"{rows} rows: max diff {(batched - alone[:rows]).abs().max()}"
+
+
 def test_small_batch_kernel_rejects_mismatched_inputs():
     pack, linear = _small_m()
     panels = pack(torch.randn(100, 64))
