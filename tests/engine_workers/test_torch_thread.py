@@ -47,9 +47,9 @@ def test_engine_step_runs_on_torch_thread(tiny_model_dir) -> None:
     where: list[bool] = []
     execute = engine.runner.execute
 
-    def spy(chunks):
+    def spy(chunks, **kwargs):
         where.append(torch_thread.on_torch_thread())
-        return execute(chunks)
+        return execute(chunks, **kwargs)
 
     engine.runner.execute = spy
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
