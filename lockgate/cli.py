@@ -52,6 +52,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lockgate", description="lockgate LLM inference platform")
     parser.add_argument("--log-level", default=env_default("log-level", "INFO"), help="logging level (env LOCKGATE_LOG_LEVEL)")
+    parser.add_argument("--log-format", default=env_default("log-format", "text"), choices=("text", "json"),
+                        help="log lines as text or one JSON object per line with request and trace ids "
+                             "(env LOCKGATE_LOG_FORMAT)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench_parser = sub.add_parser("bench", help="benchmarks (print measured figures)")
     bench = bench_parser.add_subparsers(dest="bench", metavar="BENCH")
@@ -70,7 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from lockgate.logformat import configure
+
+    try:
+        configure(level, str(args.log_format))
+    except ValueError as exc:  # LOCKGATE_LOG_FORMAT is not checked by argparse's choices
+        print(f"lockgate: error: {exc}", file=sys.stderr)
+        return 2
     if level > logging.DEBUG:
         # websockets logs "connection open" / "connection closed" at INFO for every connection: an
         # edge holding 10,000 clients would print 20,000 lines per reconnect wave, formatted on its

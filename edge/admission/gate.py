@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from bus.base import Bus
+from bus.logcontext import bound
 from bus.messages import Cancel, Error, ErrorCode, Finished, InferenceRequest, encode
 from edge.admission.affinity import Placement, PrefixAffinity
 from edge.admission.auth import Authenticator, Principal
@@ -147,16 +148,17 @@ class Admission:
         """Publish an admitted request on its tier's topic. If the bus refuses it the stream's sink
         gets an ``internal`` error (``retry_after`` 1 s), as if a worker had sent it."""
         req = a.request
-        try:
-            topic = self.config.layout.request_topic(req.model, req.tier)
-            key, partition = await self.placement.place(topic, req)
-            await self.bus.send(topic, encode(req), key=key, partition=partition)
-        except Exception as exc:  # the bus is down: tell the client, keep the connection
-            log.warning("publishing %s failed: %s", req.request_id, exc)
-            if not a.stream.ended:
-                a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.INTERNAL,
-                                                       f"could not queue the request: {exc}"[:300],
-                                                       retry_after=1.0))
+        with bound(req.request_id):  # the bus's and placement's log lines name the request (JSON logs)
+            try:
+                topic = self.config.layout.request_topic(req.model, req.tier)
+                key, partition = await self.placement.place(topic, req)
+                await self.bus.send(topic, encode(req), key=key, partition=partition)
+            except Exception as exc:  # the bus is down: tell the client, keep the connection
+                log.warning("publishing %s failed: %s", req.request_id, exc)
+                if not a.stream.ended:
+                    a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.INTERNAL,
+                                                           f"could not queue the request: {exc}"[:300],
+                                                           retry_after=1.0))
 
     # --- streams ------------------------------------------------------------------------------
     def count_tokens(self, s: Stream, n: int, now: float) -> None:
