@@ -91,3 +91,27 @@ async def test_parallel_tool_calls_false_keeps_the_first_call(encoder):
         assert [o.arguments for o in r.output if o.type == "function_call"] == ['{"a": 1, "b": 2}']
         r = await client.responses.create(model=MODEL, input="hi", tools=FLAT, max_output_tokens=2)
         assert len([o for o in r.output if o.type == "function_call"]) == 2
+
+
+async def test_the_sdk_stream_helper_parses_reasoning_then_function_calls(encoder):
+    """``client.responses.stream(...)`` (the SDK's accumulating helper, stricter than a raw event
+    list: it rebuilds every item from its deltas) over reasoning followed by two tool calls."""
+    parts = THINK[:7] + TWO_CALLS
+    async with api(encoder, reasoning_parser="qwen3", worker_kw=script(parts)) as (_, _fw, client):
+        async with client.responses.stream(model=MODEL, input="hi", tools=FLAT,
+                                           max_output_tokens=len(parts)) as stream:
+            events = [e async for e in stream]
+        # the fake worker ends every request at max_tokens: the SDK's get_final_response() wants
+        # response.completed, so the final object is read from the closing response.incomplete
+        # (the tiny-model test in test_openai_responses reads get_final_response()).
+        kinds = [e.type for e in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+        final = events[-1].response
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "let me think"
+        calls = [o for o in final.output if o.type == "function_call"]
+        assert [o.type for o in final.output] == ["reasoning", "function_call", "function_call"]
+        assert [c.arguments for c in calls] == ['{"a": 1, "b": 2}', '{"a": 7, "b": 2}']
+        for c in calls:  # each call's argument deltas rebuild its arguments
+            assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                           and e.item_id == c.id) == c.arguments
+        assert final.output[0].content[0].text == "let me think"

@@ -101,6 +101,9 @@ async def test_function_call_items_become_tool_turns(encoder):
     ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
     ({"input": "x", "instructions": 3}, "instructions"),
     ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"input": "x", "include": "message.output_text.logprobs"}, "include"),
+    ({"input": [{"role": "user", "content": 7}]}, "input[0].content"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p", "schema": 3}}}, "text.format.json_schema.schema"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(encoder, kw, param):
@@ -151,6 +154,12 @@ async def test_function_calls_and_text_format_on_the_tiny_model(tiny_model_dir: 
             assert frags == d.arguments
         assert [(c.name, c.arguments) for c in calls] == [(d.name, d.arguments) for d in done]  # same seed
         assert events[-1].type == "response.completed"
+        async with client.responses.stream(**base, tool_choice="required", extra_body={"seed": 0}) as helper:
+            seen = [e.type async for e in helper]
+            final = await helper.get_final_response()  # the SDK's accumulator rebuilt every item
+        assert "response.function_call_arguments.delta" in seen and final.status == "completed"
+        assert [(o.name, o.arguments) for o in final.output if o.type == "function_call"] == \
+            [(c.name, c.arguments) for c in calls]
 
         schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}}, "required": ["pet"],
                   "additionalProperties": False}
@@ -158,3 +167,38 @@ async def test_function_calls_and_text_format_on_the_tiny_model(tiny_model_dir: 
                                           text={"format": {"type": "json_schema", "name": "pet", "schema": schema,
                                                            "strict": True}})
         jsonschema.validate(json.loads(j.output_text), schema)
+
+
+async def test_input_items_list_the_request_input_paged(encoder):
+    async with api(encoder) as (_, _fw, client):
+        one = await client.responses.create(model=MODEL, input="just text", max_output_tokens=2)
+        page = await client.responses.input_items.list(one.id)
+        assert [(i.type, i.role, i.content[0].text) for i in page.data] == [("message", "user", "just text")]
+        items = [{"role": "system", "content": "Sys."}, {"role": "user", "content": [{"type": "input_text", "text": "2+3?"}]},
+                 {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
+                 {"type": "function_call_output", "call_id": "c1", "output": "5"}]
+        tools = [{"type": "function", "name": "add", "parameters": {"type": "object"}}]
+        r = await client.responses.create(model=MODEL, input=items, tools=tools, max_output_tokens=2, stream=True)
+        rid = [e async for e in r][-1].response.id
+        asc = await client.responses.input_items.list(rid, order="asc")
+        assert [i.type for i in asc.data] == ["message", "message", "function_call", "function_call_output"]
+        assert asc.data[2].call_id == "c1" and asc.data[3].output == "5" and len({i.id for i in asc.data}) == 4
+        desc = await client.responses.input_items.list(rid)  # OpenAI's default order is newest first
+        assert [i.id for i in desc.data] == [i.id for i in reversed(asc.data)]
+        first = await client.responses.input_items.list(rid, order="asc", limit=3)
+        assert first.has_more and [i.id for i in first.data] == [i.id for i in asc.data[:3]]
+        rest = await client.responses.input_items.list(rid, order="asc", limit=3, after=first.data[-1].id)
+        assert not rest.has_more and [i.id for i in rest.data] == [asc.data[3].id]
+        every = [i.id async for i in client.responses.input_items.list(rid, order="asc", limit=1)]  # SDK paging
+        assert every == [i.id for i in asc.data]
+        for kw, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "nope"}, "after"),
+                          ({"include": ["message.output_text.logprobs"]}, "include[0]")):
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.responses.input_items.list(rid, **kw)
+            assert e.value.body["param"] == param, e.value.body
+        private = await client.responses.create(model=MODEL, input="x", store=False, max_output_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.input_items.list(private.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.cancel("resp_unknown")
+        assert (await client.responses.input_items.list(one.id)).data[0].content[0].text == "just text"

@@ -57,3 +57,19 @@ def test_last_token_pooling_matches_transformers_and_leaves_generation_alone(tin
 def test_pooling_is_checked():
     with pytest.raises(ValueError, match="pooling"):
         SamplingParams(pooling="mean")
+
+
+def test_an_embedding_request_is_prefill_only_and_holds_no_decode_slot(tiny_model_dir: str) -> None:
+    """With ``max_num_seqs=1`` (one running slot), an embedding request ends in the step that
+    prefills it: it is never scheduled for a decode step, its KV blocks go back to the pool (or to
+    the prefix cache) at once, and a generating request queued behind it gets the slot next step."""
+    engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=8 << 20, max_num_seqs=1,
+                                 enable_prefix_caching=False))
+    free = engine.kv.num_free_blocks
+    engine.add_request("e", list(range(3, 60)), SamplingParams(max_tokens=1, pooling="last"))
+    engine.add_request("g", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    first = engine.step()
+    assert [(o.request_id, o.finished, o.token_ids) for o in first] == [("e", True, ())]
+    assert engine.scheduler.running == [] and engine.kv.num_free_blocks == free
+    second = engine.step()  # the slot is free: the generating request is prefilled (and samples) now
+    assert [o.request_id for o in second] == ["g"] and len(second[0].token_ids) == 1

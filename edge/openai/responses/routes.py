@@ -1,5 +1,6 @@
-"""``/v1/responses``: create (streamed and not), ``GET`` and ``DELETE`` of a stored response, and
-``cancel`` (refused: this server runs no background responses).
+"""``/v1/responses``: create (streamed and not), ``GET`` and ``DELETE`` of a stored response, its
+``input_items`` (:mod:`edge.openai.responses.items`), and ``cancel`` (refused: this server runs no
+background responses).
 
 A request runs as the chat request it translates into (:mod:`edge.openai.responses.schema`): the
 same tool prompt and forcing grammar (:func:`edge.openai.tools.prepare`), the same
@@ -19,6 +20,7 @@ from aiohttp import web
 from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission
 from edge.openai.reply import API, error_response, json_response, principal, read_json
+from edge.openai.responses.items import page
 from edge.openai.responses.schema import ResponsesRequest, parse_responses
 from edge.openai.responses.sink import ResponsesSink
 from edge.openai.responses.store import ResponseStore
@@ -53,6 +55,7 @@ class ResponsesRoutes:
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/responses", self.create)
         app.router.add_get("/v1/responses/{id}", self.retrieve)
+        app.router.add_get("/v1/responses/{id}/input_items", self.list_input_items)
         app.router.add_delete("/v1/responses/{id}", self.delete)
         app.router.add_post("/v1/responses/{id}/cancel", self.cancel)
 
@@ -73,6 +76,20 @@ class ResponsesRoutes:
             return who
         got = self.store.get(who.tenant, request.match_info["id"])
         return json_response(200, got.response) if got is not None else self._missing(request.match_info["id"])
+
+    async def list_input_items(self, request: web.Request) -> web.Response:
+        who = self._auth(request)
+        if isinstance(who, web.Response):
+            return who
+        rid = request.match_info["id"]
+        got = self.store.get(who.tenant, rid)
+        if got is None:
+            return self._missing(rid)
+        try:
+            return json_response(200, page(got.input_items, request.query))
+        except ProtocolError as exc:
+            self.adm.reject(exc.code, API)
+            return error_response(exc.code, exc.message, exc.field)
 
     async def delete(self, request: web.Request) -> web.Response:
         who = self._auth(request)
@@ -155,7 +172,8 @@ class ResponsesRoutes:
 
     def _keep(self, who: Principal, req: ResponsesRequest, sink: ResponsesSink) -> None:
         if req.store and sink.error is None:
-            self.store.put(who.tenant, sink.response(), req.history + tuple(output_history(sink.output)))
+            self.store.put(who.tenant, sink.response(), req.history + tuple(output_history(sink.output)),
+                           req.input_items)
 
     async def _stream(self, request: web.Request, sink: ResponsesSink, admitted: Any, who: Principal,
                       req: ResponsesRequest) -> web.StreamResponse:

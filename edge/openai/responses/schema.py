@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from edge.openai.responses.items import check_include, input_items
 from edge.openai.schema import OpenAIRequest, parse_chat
 from edge.request import MAX_MESSAGES, ProtocolError
 
@@ -44,6 +45,7 @@ class ResponsesRequest:
     parallel_tool_calls: bool
     previous_response_id: str | None
     echo: dict[str, Any]
+    input_items: tuple[dict[str, Any], ...] = ()  # this request's input as GET .../input_items lists it
 
 
 def _tname(v: object) -> str:
@@ -186,6 +188,7 @@ def parse_responses(obj: Any, default_max_tokens: int, previous: tuple[dict[str,
     if instructions is not None and not isinstance(instructions, str):
         raise ProtocolError("instructions must be a string", "instructions")
     msgs, origin = input_messages(obj.get("input"))
+    check_include(obj.get("include"))
     history = [dict(m) for m in previous] + msgs
     origin = ["previous_response_id"] * len(previous) + origin
     head = [{"role": "system", "content": instructions}] if instructions else []
@@ -217,4 +220,4 @@ def parse_responses(obj: Any, default_max_tokens: int, previous: tuple[dict[str,
             "user": obj.get("user"), "parallel_tool_calls": parallel is not False, "store": store is not False,
             "previous_response_id": prev, "truncation": "disabled", "reasoning": None}
     return ResponsesRequest(replace(chat, stream=False), tuple(history), bool(obj.get("stream")),
-                            store is not False, parallel is not False, prev, echo)
+                            store is not False, parallel is not False, prev, echo, input_items(obj["input"]))

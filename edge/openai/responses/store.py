@@ -28,6 +28,7 @@ class StoredResponse:
     response: dict[str, Any]
     history: tuple[dict[str, Any], ...]
     stored_at: float
+    input_items: tuple[dict[str, Any], ...] = ()  # the request's own input (edge.openai.responses.items)
 
 
 class ResponseStore:
@@ -50,10 +51,11 @@ class ResponseStore:
                 break
             del self._items[key]
 
-    def put(self, tenant: str, response: dict[str, Any], history: tuple[dict[str, Any], ...]) -> None:
+    def put(self, tenant: str, response: dict[str, Any], history: tuple[dict[str, Any], ...],
+            input_items: tuple[dict[str, Any], ...] = ()) -> None:
         now = self.clock()
         self._expire(now)
-        self._items[(tenant, response["id"])] = StoredResponse(response, history, now)
+        self._items[(tenant, response["id"])] = StoredResponse(response, history, now, input_items)
         while len(self._items) > self.max_items:
             self._items.popitem(last=False)
 
