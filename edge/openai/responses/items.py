@@ -38,6 +38,8 @@ def check_include(raw: object, field: str = "include") -> None:
 def _parts(content: object, kind: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": kind, "text": content, **({"annotations": []} if kind == "output_text" else {})}]
+    if not isinstance(content, list):  # validated upstream: a string or a list of parts
+        return []
     return [{"type": kind, "text": p["text"], **({"annotations": []} if kind == "output_text" else {})}
             for p in content if isinstance(p, dict)]
 
