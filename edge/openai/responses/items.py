@@ -35,13 +35,16 @@ def check_include(raw: object, field: str = "include") -> None:
                             f"{field}[0]")
 
 
+def item_id(prefix: str) -> str:
+    """A new output or input item id (``msg_``, ``fc_``, ``fco_``, ``rs_`` …), as OpenAI shapes them."""
+    return prefix + secrets.token_hex(16)
+
+
 def _parts(content: object, kind: str) -> list[dict[str, Any]]:
-    if isinstance(content, str):
-        return [{"type": kind, "text": content, **({"annotations": []} if kind == "output_text" else {})}]
-    if not isinstance(content, list):  # validated upstream: a string or a list of parts
-        return []
-    return [{"type": kind, "text": p["text"], **({"annotations": []} if kind == "output_text" else {})}
-            for p in content if isinstance(p, dict)]
+    texts = [content] if isinstance(content, str) else (  # validated upstream: a string or a list of parts
+        [p["text"] for p in content if isinstance(p, dict)] if isinstance(content, list) else [])
+    extra: dict[str, Any] = {"annotations": []} if kind == "output_text" else {}
+    return [{"type": kind, "text": t, **extra} for t in texts]
 
 
 def input_items(raw: object) -> tuple[dict[str, Any], ...]:
@@ -54,19 +57,19 @@ def input_items(raw: object) -> tuple[dict[str, Any], ...]:
         kind = item.get("type", "message")
         if kind == "message":
             part = "output_text" if item["role"] == "assistant" else "input_text"
-            out.append({"id": item.get("id") or "msg_" + secrets.token_hex(16), "type": "message",
+            out.append({"id": item.get("id") or item_id("msg_"), "type": "message",
                         "role": item["role"], "status": "completed", "content": _parts(item["content"], part)})
         elif kind == "function_call":
-            out.append({"id": item.get("id") or "fc_" + secrets.token_hex(16), "type": "function_call",
+            out.append({"id": item.get("id") or item_id("fc_"), "type": "function_call",
                         "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"],
                         "status": "completed"})
         elif kind == "function_call_output":
             output = item["output"] if isinstance(item["output"], str) else "".join(
                 p["text"] for p in item["output"] if isinstance(p, dict))
-            out.append({"id": item.get("id") or "fco_" + secrets.token_hex(16), "type": "function_call_output",
+            out.append({"id": item.get("id") or item_id("fco_"), "type": "function_call_output",
                         "call_id": item["call_id"], "output": output, "status": "completed"})
         elif kind == "reasoning":
-            out.append({"id": item.get("id") or "rs_" + secrets.token_hex(16), "type": "reasoning",
+            out.append({"id": item.get("id") or item_id("rs_"), "type": "reasoning",
                         "summary": item.get("summary") or []})
     return tuple(out)
 

@@ -19,7 +19,6 @@ bounds as :mod:`edge.openai.stream`: callbacks only append and wake the handler;
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ from bus.messages import Error, ErrorCode, Finished
 from edge.admission.gate import Admission
 from edge.admission.router import Stream
 from edge.openai.reasoning import REASONING, ReasoningStream
+from edge.openai.responses.items import item_id
 from edge.openai.responses.schema import ResponsesRequest
 from edge.openai.schema import error_body
 from edge.openai.tool_parsers import configured_parser
@@ -47,7 +47,7 @@ class ResponsesSink:
         self.req = req
         self.max_pending = max_pending
         self.on_overflow = on_overflow
-        self.id = "resp_" + secrets.token_hex(16)
+        self.id = item_id("resp_")
         self.created_at = int(time.time())
         self.stream: Stream | None = None
         self.output: list[dict[str, Any]] = []
@@ -82,7 +82,7 @@ class ResponsesSink:
 
     def _open_message(self) -> dict[str, Any]:
         if self._msg is None:
-            self._msg = {"id": "msg_" + secrets.token_hex(16), "type": "message", "status": "in_progress",
+            self._msg = {"id": item_id("msg_"), "type": "message", "status": "in_progress",
                          "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]}
             self.output.append(self._msg)
             i = len(self.output) - 1
@@ -105,7 +105,7 @@ class ResponsesSink:
 
     def _reason(self, text: str) -> None:
         if self._think is None:
-            self._think = {"id": "rs_" + secrets.token_hex(16), "type": "reasoning", "status": "in_progress",
+            self._think = {"id": item_id("rs_"), "type": "reasoning", "status": "in_progress",
                            "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
             self.output.append(self._think)
             self._emit("response.output_item.added", output_index=len(self.output) - 1,
@@ -149,7 +149,7 @@ class ResponsesSink:
                 continue  # parallel_tool_calls false: the first call only
             if "id" in tc:  # a new call
                 self._close_message()
-                new = {"id": "fc_" + secrets.token_hex(16), "type": "function_call", "status": "in_progress",
+                new = {"id": item_id("fc_"), "type": "function_call", "status": "in_progress",
                        "call_id": tc["id"], "name": tc["function"]["name"], "arguments": ""}
                 self._calls[k] = new
                 self.output.append(new)
