@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 # Rows up to which the small-batch kernel is used: the largest M at which it still beat oneDNN over
 # SmolLM2's layer shapes (docs/design.md, "Decode-sized batches").
 SMALL_M_MAX = 32
+# oneDNN's kernel choice as it changes a row's sums (measured on torch's bundled oneDNN, AVX-512;
+# PackedLinear._onednn_invariant): a one-row input over more than ONEDNN_GEMV_K features, and
+# inputs above ~1024 rows, sum in another order than 2..1024 rows do.
+ONEDNN_GEMV_K = 1024
+ONEDNN_ROWS_MAX = 512
 PANEL_COLS = 96  # output columns per panel of the kernel's weight layout (NR in small_m_linear.cpp)
 
 
@@ -99,7 +104,23 @@ class PackedLinear(nn.Module):
                 return self._small(x.contiguous(), self.panels, self.out_features, self.bias)
             return torch.cat([self._small(c.contiguous(), self.panels, self.out_features, self.bias)
                               for c in x.split(SMALL_M_MAX)])
+        if x.dim() == 2:
+            return self._onednn_invariant(x)
         return self._linear(x, self.packed, self.bias, "none", [], "")
+
+    def _onednn_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN alone (``--no-cpu-kernels``), batch-invariant: its result for a row is the same
+        at every row count from 2 to about 1024, but a single row over more than ONEDNN_GEMV_K
+        features takes another kernel (a split-K sum, ~3e-5 apart on SmolLM2's down projection)
+        and so do large inputs over long rows. So a lone row is computed as a pair (itself twice)
+        and inputs go in ONEDNN_ROWS_MAX-row pieces (issue #38;
+        tests/engine_workers/test_cpu_linear.py checks the thresholds on the build that runs it)."""
+        m = x.shape[0]
+        if m == 1 and self.in_features > ONEDNN_GEMV_K:
+            return self._linear(x.expand(2, -1).contiguous(), self.packed, self.bias, "none", [], "")[:1]
+        if m <= ONEDNN_ROWS_MAX:
+            return self._linear(x, self.packed, self.bias, "none", [], "")
+        return torch.cat([self._linear(c, self.packed, self.bias, "none", [], "") for c in x.split(ONEDNN_ROWS_MAX)])
 
     def extra_repr(self) -> str:
         small = f", small-batch kernel up to {SMALL_M_MAX} rows" if self.panels is not None else ""

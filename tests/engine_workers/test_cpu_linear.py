@@ -178,3 +178,100 @@ def test_panel_bytes_counts_padded_rows():
     from engine_workers.kernels.cpu_linear import panel_bytes
 
     assert panel_bytes([torch.empty(96, 10), torch.empty(97, 10)]) == (96 * 10 + 192 * 10) * 4
+
+
+# --- batch invariance of every CPU weight mode (issue #38) -------------------------------------------
+
+def _mode_linear(mode: str, w: torch.Tensor, b: torch.Tensor | None) -> nn.Module:
+    """The layer ``mode`` runs a linear on (skips where this host cannot run it)."""
+    from engine_workers.kernels.cpu_linear import LowpLinear, lowp_problem
+
+    if mode == "onednn":  # --no-cpu-kernels (and hosts without the small-batch kernel)
+        if packing_problem(torch.device("cpu"), torch.float32) is not None:
+            pytest.skip("this torch build has no usable oneDNN linear")
+        return PackedLinear.from_weight(w, b, small_m=None)
+    if mode == "float32":
+        return PackedLinear.from_weight(w, b, small_m=_small_m())
+    kind = {"bf16": "bfloat16"}.get(mode, mode)
+    why = lowp_problem(kind)
+    if why is not None:
+        pytest.skip(f"{mode} kernel: {why}")
+    if mode in ("bf16", "int8"):
+        return LowpLinear.from_weight(kind, w, b)
+    if mode == "w8a8":
+        from engine_workers.kernels.w8a8_linear import W8A8Linear
+
+        return W8A8Linear.from_weight(w, b)
+    from engine_workers.kernels.cpu_blocks import BlockLinear
+
+    return BlockLinear.quantized(mode, w, b)  # q4_1 (and q8_0, the q4_1 mode's head)
+
+
+MODES = ["float32", "onednn", "bf16", "int8", "w8a8", "q4_1", "q8_0"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("n", "k"), [(1536, 576), (576, 1536), (200, 1056)])  # SmolLM2's up and down; K past 1024
+def test_every_weight_mode_gives_a_row_the_same_result_alone_and_in_any_batch(mode, n, k):
+    """A row's output bit for bit the same alone and in batches of 2..1100 rows, for every CPU
+    weight mode. Before issue #38's fixes: q4_1 (rows 1-4 summed each block's k in another order
+    than 5+), oneDNN alone (one row over more than 1024 features, and inputs of ~1100 rows, took
+    other kernels)."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    lin = _mode_linear(mode, w, b)
+    x = torch.randn(1100, k, generator=gen)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(130)])
+    for rows in (2, 3, 4, 5, 6, 7, 31, 32, 33, 64, 100, 130):
+        got = lin(x[:rows])
+        assert torch.equal(got, alone[:rows]), f"{mode}, {rows} rows: max diff {(got - alone[:rows]).abs().max():.3g}"
+    big = lin(x)  # a long prefill step: its first rows as when computed in small batches
+    assert torch.equal(big[:130], alone), f"{mode}, 1100 rows: max diff {(big[:130] - alone).abs().max():.3g}"
+    assert torch.equal(big[1000:1100], lin(x[1000:1100]))
+
+
+ENGINE_MODES = {"float32": {}, "no-cpu-kernels": {"cpu_kernels": False}, "bf16": {"dtype": "bfloat16"},
+                "int8": {"quantization": "int8"}, "w8a8": {"quantization": "w8a8"}, "q4_1": {"quantization": "q4_1"}}
+
+
+@pytest.fixture(scope="module")
+def wide_mlp_model(tmp_path_factory) -> str:
+    """A tiny model whose down projection sums over 1536 features (SmolLM2's), past oneDNN's
+    one-row threshold."""
+    from lockgate.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("wide-mlp"), intermediate_size=1536))
+
+
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_every_weight_mode_gives_a_sequence_the_same_logits_alone_and_in_a_mixed_step(wide_mlp_model, mode):
+    """Through the whole model: a prompt's next-token logits, and then one decode step's, bit for
+    bit the same computed alone and inside steps with other sequences' prefills and decodes (the
+    decode inside a step of more than 32 rows), for every CPU weight mode the engine offers. This
+    is what keeps a resumed sampled stream equal to its healthy run after a worker death."""
+    from engine_workers.kernels.cpu_linear import lowp_problem
+
+    kw = ENGINE_MODES[mode]
+    kind = "bfloat16" if kw.get("dtype") == "bfloat16" else kw.get("quantization")
+    if kind is not None and lowp_problem(kind) is not None:
+        pytest.skip(f"{mode} kernel: {lowp_problem(kind)}")
+    eng = Engine(EngineConfig(model=wide_mlp_model, device="cpu", kv_cache_bytes=16 << 20, **kw))
+    assert eng.weight_format == {"no-cpu-kernels": "float32", "bf16": "bfloat16"}.get(mode, mode)
+    run, bs = eng.runner.execute, eng.kv.block_size
+    gen = torch.Generator().manual_seed(38)
+    a, b, c, d = (torch.randint(3, 500, (n,), generator=gen).tolist() for n in (40, 7, 60, 33))
+
+    def blocks(first: int, tokens: int) -> list[int]:
+        return list(range(first, first + -(-tokens // bs)))
+
+    pa = run([(a, 0, blocks(0, 41), True)])[0]
+    t = int(pa.argmax())
+    da = run([([t], 40, blocks(0, 41), True)])[0]
+    # the same sequence again in other blocks, batched: prefilled between two other prompts, then
+    # its decode in a step that also prefills a fourth prompt and decodes the second
+    ba, bb, bc, bd = blocks(10, 41), blocks(20, 9), blocks(30, 61), blocks(40, 34)
+    pb = run([(b, 0, bb, True), (a, 0, ba, True), (c, 0, bc, True)])[1]
+    db = run([(d, 0, bd, True), ([t], 40, ba, True), ([5], len(b), bb, True)])[1]
+    assert torch.equal(pa, pb), f"{mode} prefill: max diff {(pa - pb).abs().max():.3g}"
+    assert torch.equal(da, db), f"{mode} decode: max diff {(da - db).abs().max():.3g}"

@@ -20,6 +20,8 @@
 //   32 KiB float32 buffer (L1) and every row tile (MR2 = 6 rows x 64 columns, 24 accumulators)
 //   runs the float32 kernel's FMAs over it, so the dequantization is paid once per call, not once
 //   per row tile; partial sums go through y between groups.
+// Both loops sum each row's products in the same k order, so a row's result does not depend on
+// how many rows its call has (batch invariance, issue #38).
 //
 // block_dequant_t writes the float32 W^T [K, N] for large M (prefill), where a GEMM on the
 // dequantized weight is faster than this kernel.
@@ -136,14 +138,20 @@ inline void dequant_record(const uint8_t* __restrict rec, bool q4, float* __rest
 
 // R rows x 64 columns over kn k of a dequantized buffer (row k at w + 64 k); accumulators start
 // from y unless first; bias added when given (the last group).
-template <int R>
+// Batch invariance (issue #38): each row's sums run in the same k order as tile<R, Q4>'s, so a
+// row's result is bit-identical whichever loop its call's row count picks (alone, or in a batch
+// of 5+ rows). For Q4_1 that order is the nibble pairs' (k = j, j + 16, j + 1, j + 17, ... within
+// a block); for Q8_0 it is plain k order. Partial sums stored to y between groups are exact.
+template <int R, bool Q4>
 void tile_buf(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kn, float* __restrict y,
               int64_t ldy, const uint16_t (&mk)[4], const float* __restrict bias, bool first) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v)
       acc[r][v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mk[v], y + r * ldy + 16 * v);
-  for (int64_t k = 0; k < kn; ++k) {
+  for (int64_t i = 0; i < kn; ++i) {
+    const int64_t jj = i % QK;
+    const int64_t k = Q4 ? i - jj + (jj >> 1) + (jj & 1) * (QK / 2) : i;
     const float* wk = w + k * NC;
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
                  w3 = _mm512_loadu_ps(wk + 48);
@@ -246,13 +254,25 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t kind, int64_t n
           const float* xr = xp + m0 * K + b0 * QK;
           float* yr = yp + m0 * n + c0;
           const float* bb = last ? pb : nullptr;
-          switch (std::min<int64_t>(MR2, M - m0)) {
-            case 6: tile_buf<6>(xr, K, buf, kn, yr, n, mk, bb, first); break;
-            case 5: tile_buf<5>(xr, K, buf, kn, yr, n, mk, bb, first); break;
-            case 4: tile_buf<4>(xr, K, buf, kn, yr, n, mk, bb, first); break;
-            case 3: tile_buf<3>(xr, K, buf, kn, yr, n, mk, bb, first); break;
-            case 2: tile_buf<2>(xr, K, buf, kn, yr, n, mk, bb, first); break;
-            default: tile_buf<1>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+          const int64_t rows = std::min<int64_t>(MR2, M - m0);
+          if (q4) {
+            switch (rows) {
+              case 6: tile_buf<6, true>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 5: tile_buf<5, true>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 4: tile_buf<4, true>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 3: tile_buf<3, true>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 2: tile_buf<2, true>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              default: tile_buf<1, true>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+            }
+          } else {
+            switch (rows) {
+              case 6: tile_buf<6, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 5: tile_buf<5, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 4: tile_buf<4, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 3: tile_buf<3, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              case 2: tile_buf<2, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+              default: tile_buf<1, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
+            }
           }
         }
       }
