@@ -21,6 +21,7 @@ from engine_workers.model.llama import (
     ModelSpec,
     interleave_rope_rows,
 )
+from engine_workers.model.mla import map_mla_state
 from engine_workers.model.moe_family import map_moe_state
 from tokenization.model_store import ModelError, resolve_model
 
@@ -121,7 +122,8 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
             raise ModelError(f"weights of {path} lack {name}")
         if tuple(state[name].shape) != tuple(shape):
             raise ModelError(f"weights of {path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, assign=True)
+    model.load_state_dict({k: v.float() if _keep_fp32(k, mspec) else v.to(dtype) for k, v in state.items() if k in expected},
+                          assign=True)
     model = model.to(device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -145,6 +147,13 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     except ValueError as exc:
         raise ModelError(f"model {path}: {exc}") from None
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
+
+
+def _keep_fp32(name: str, spec: ModelSpec) -> bool:
+    """DeepSeek-V3's router weight and selection bias stay float32 in any model dtype, as its
+    reference keeps them: top-k over sigmoid scores that differ in the third digit."""
+    return (spec.moe is not None and spec.moe.router.kind == "sigmoid_group"
+            and name.endswith(("mlp.router.weight", "mlp.router.correction")))
 
 
 def _lowp(model: LlamaForPagedLM, kind: str) -> None:
@@ -282,7 +291,9 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
+        if spec.mla is not None:
+            out.update(map_mla_state(take, spec.mla, src, dst))
+        for kind in (() if spec.mla is not None else ("weight", "bias") if spec.attention_bias else ("weight",)):
             if fused:
                 qkv = take(attn + f"qkv_proj.{kind}")
                 q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
@@ -297,8 +308,9 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
                 k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
                 v_w = take(attn + f"v_proj.{kind}")
             out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v_w])
-        out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        if spec.o_proj_bias:
+        if spec.mla is None:
+            out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        if spec.o_proj_bias and spec.mla is None:
             out[dst + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
         if spec.attn_sinks:
             out[dst + "self_attn.sinks"] = take(attn + "sinks")

@@ -66,7 +66,8 @@ def route(logits: torch.Tensor, spec: RouterSpec, correction: torch.Tensor | Non
         group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
         keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(spec.topk_group, dim=-1).indices, 1.0)
         mask = keep.unsqueeze(-1).expand_as(grouped).reshape(t, -1)
-        choice = choice.masked_fill(mask == 0, 0.0)
+        # -inf, not 0: a corrected score can be negative, and a zeroed expert would outrank it
+        choice = choice.masked_fill(mask == 0, float("-inf"))
     ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if spec.renormalize:
