@@ -119,8 +119,9 @@ class GroupedExperts(nn.Module):
         self.down: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
-        # per expert (gate_up, down) modules, set by use_linears; None = the stacked weights above
-        self.linears: nn.ModuleList | None = None
+        # per expert its gate_up and its down module, set by use_linears; None = the stacked weights above
+        self.gate_up_linears: nn.ModuleList | None = None
+        self.down_linears: nn.ModuleList | None = None
         # per expert the whole expert as one callable where a weight format fuses its two layers
         # (w8a8's W8A8GatedMLP, SiLU experts only); takes precedence over ``linears``
         self.gated: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
@@ -132,11 +133,11 @@ class GroupedExperts(nn.Module):
         SiLU experts, each expert runs as ``gated(gate_up, down)``. Returns the modules made."""
         assert self.gate_up is not None and self.down is not None, "use_linears once"
         gu, dn, gub, dnb = self.gate_up, self.down, self.gate_up_bias, self.down_bias
-        self.linears = nn.ModuleList(
-            nn.ModuleList([make(gu[e], None if gub is None else gub[e]), make(dn[e], None if dnb is None else dnb[e])])
-            for e in range(self.num_experts))
+        ups = nn.ModuleList(make(gu[e], None if gub is None else gub[e]) for e in range(self.num_experts))
+        downs = nn.ModuleList(make(dn[e], None if dnb is None else dnb[e]) for e in range(self.num_experts))
+        self.gate_up_linears, self.down_linears = ups, downs
         if gated is not None and self.activation == "silu":
-            self.gated = [gated(pair[0], pair[1]) for pair in self.linears]
+            self.gated = [gated(up, down) for up, down in zip(ups, downs)]
         for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
             if name in self._parameters:
                 self.register_parameter(name, None)
@@ -145,9 +146,8 @@ class GroupedExperts(nn.Module):
     def _expert(self, e: int, seg: torch.Tensor) -> torch.Tensor:
         if self.gated is not None:
             return self.gated[e](seg)
-        if self.linears is not None:
-            gate_up, down = self.linears[e]
-            return down(self._act(gate_up(seg)))
+        if self.gate_up_linears is not None and self.down_linears is not None:
+            return self.down_linears[e](self._act(self.gate_up_linears[e](seg)))
         assert self.gate_up is not None and self.down is not None
         h = F.linear(seg, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
         return F.linear(self._act(h), self.down[e], None if self.down_bias is None else self.down_bias[e])

@@ -63,7 +63,8 @@ def test_grouped_experts_on_low_precision_linears(kind, activation, bias):
     assert ex.use_linears(make, gated) == 12
     # only the kernel's copy is left
     assert ex.gate_up is None and ex.down is None and not list(ex.parameters())
-    assert ex.linears is not None and all(isinstance(m, cls) for pair in ex.linears for m in pair)
+    assert ex.gate_up_linears is not None and ex.down_linears is not None
+    assert all(isinstance(m, cls) for m in [*ex.gate_up_linears, *ex.down_linears])
     assert (ex.gated is not None) == (kind == "w8a8" and activation == "silu")
     with torch.inference_mode():
         got, want = ex(x, weights, ids), ref(x, weights, ids)
@@ -76,8 +77,7 @@ def test_grouped_experts_on_low_precision_linears(kind, activation, bias):
                 if ex.gated is not None:
                     y = ex.gated[e](row)
                 else:
-                    gate_up, down = ex.linears[e]
-                    y = down(ex._act(gate_up(row)))
+                    y = ex.down_linears[e](ex._act(ex.gate_up_linears[e](row)))
                 naive[t] += weights[t, j] * y[0]
     torch.testing.assert_close(got, naive, rtol=1e-4, atol=1e-5)
     err = rel_l2(got, want)
@@ -121,8 +121,8 @@ def test_moe_model_with_low_precision_experts_close_to_float32(moe_dirs, family,
     assert stacks and (family != "deepseek_v3" or shared)  # DeepSeek's shared experts too
     cls = MAKERS[kind][1]
     for m in stacks:
-        assert m.gate_up is None and m.linears is not None
-        assert all(isinstance(lin, cls) for pair in m.linears for lin in pair)
+        assert m.gate_up is None and m.gate_up_linears is not None and m.down_linears is not None
+        assert all(isinstance(lin, cls) for lin in [*m.gate_up_linears, *m.down_linears])
     got, want = next_logits(eng, prompts), next_logits(ref, prompts)
     max_err, min_agree = THROUGH_MODEL[kind]
     err = rel_l2(got, want)
