@@ -81,6 +81,7 @@ def bench_block(shape: MoeShape, token_counts: tuple[int, ...], rounds: int) -> 
         p.data.normal_(0, 0.05)
     ours = SparseMoeBlock(shape.hidden, shape.inter, RouterSpec("softmax_topk", shape.experts, shape.top_k)).eval()
     ours.router.weight.data = hf.gate.weight.data
+    assert ours.experts.gate_up is not None and ours.experts.down is not None  # stacked: no use_linears
     ours.experts.gate_up.data = hf.experts.gate_up_proj.data
     ours.experts.down.data = hf.experts.down_proj.data
     dense_inter = shape.top_k * shape.inter

@@ -1,5 +1,5 @@
-"""The decoder every dense family runs on (Llama, Mistral, Qwen2/3, Gemma 2, OLMo 2, Phi-3), over a
-flat token batch and a paged KV cache. A family's differences are the optional parts its
+"""The decoder every family runs on (Llama, Mistral, Qwen2/3, Gemma 2/3, OLMo 2, Phi-3, and with sparse MLPs
+Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3), over a flat token batch and a paged KV cache. A family's differences are the optional parts its
 :class:`~engine_workers.model.spec.ModelSpec` switches on (sliding windows, soft-capping, post-norms,
 QK-norm, GELU gating, embedding scaling); checkpoints' names map onto these modules in the loader.
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_workers.model.attention import AttnMetadata, paged_attention
+from engine_workers.model.mla import MlaAttention
 from engine_workers.model.moe import SparseMoeBlock
 from engine_workers.model.rope import Rope, apply_rope, build_rope, interleave_rope_rows, inv_freq, table
 from engine_workers.model.spec import SUPPORTED_ARCHITECTURES, ModelSpec
@@ -130,7 +131,9 @@ class DecoderLayer(nn.Module):
         # which of the model's rotations this layer takes (Gemma 3: its own RoPE for sliding layers)
         self.rope_key = "sliding" if spec.local_rope and window is not None else "full"
         self.input_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
-        self.self_attn = Attention(spec, window)
+        self.self_attn: Attention | MlaAttention = (
+            MlaAttention(spec.mla, hidden, lambda dim: RMSNorm(dim, eps)) if spec.mla is not None
+            else Attention(spec, window))
         self.post_attention_layernorm = RMSNorm(hidden, eps) if spec.pre_norms else None
         moe = spec.moe
         self.mlp: MLP | SparseMoeBlock = (

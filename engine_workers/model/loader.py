@@ -21,6 +21,8 @@ from engine_workers.model.llama import (
     ModelSpec,
     interleave_rope_rows,
 )
+from engine_workers.model.mla import map_mla_state
+from engine_workers.model.moe import GroupedExperts
 from engine_workers.model.moe_family import map_moe_state
 from tokenization.model_store import ModelError, resolve_model
 
@@ -121,13 +123,11 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
             raise ModelError(f"weights of {path} lack {name}")
         if tuple(state[name].shape) != tuple(shape):
             raise ModelError(f"weights of {path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, assign=True)
+    model.load_state_dict({k: v.float() if _keep_fp32(k, mspec) else v.to(dtype) for k, v in state.items() if k in expected},
+                          assign=True)
     model = model.to(device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    if lowp is not None and mspec.moe is not None:
-        log.warning("%s: the MoE experts' weights stay %s (the low-precision kernels run the dense linear layers "
-                    "only; docs/moe.md)", lowp, dtype)
     if lowp == "q4_1":
         _blocks(model, Path(path))
     elif lowp is not None:
@@ -147,6 +147,18 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
 
 
+def _keep_fp32(name: str, spec: ModelSpec) -> bool:
+    """DeepSeek-V3's router weight and selection bias stay float32 in any model dtype, as its
+    reference keeps them: top-k over sigmoid scores that differ in the third digit."""
+    return (spec.moe is not None and spec.moe.router.kind == "sigmoid_group"
+            and name.endswith(("mlp.router.weight", "mlp.router.correction")))
+
+
+def _experts(model: LlamaForPagedLM) -> list[GroupedExperts]:
+    """The model's expert stacks (routed and shared), listed before any is changed."""
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
 def _lowp(model: LlamaForPagedLM, kind: str) -> None:
     from engine_workers.kernels import lowp_kernels
     from engine_workers.kernels.cpu_linear import LowpLinear, replace_linears
@@ -160,6 +172,10 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
         lowp_ops = lowp_kernels.lowp()
         make, acts = (lambda w, b: LowpLinear.from_weight(kind, w, b, lowp_ops)), "float32"
     n = replace_linears(model, lambda lin: make(lin.weight, lin.bias))
+    # MoE experts too (routed and shared): each expert's two layers on the same kernel, w8a8 SiLU
+    # experts fused as the dense MLP is
+    gated = (lambda gu, dn: W8A8GatedMLP(gu, dn)) if kind == "w8a8" else None
+    n += sum(m.use_linears(make, gated) for m in _experts(model))
     if kind == "w8a8":
         for layer in model.layers:
             assert isinstance(layer, DecoderLayer)
@@ -212,7 +228,11 @@ def _blocks(model: LlamaForPagedLM, path: Path) -> None:
     for name, lin in made.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, lin)
-    size = sum(lin.weight_bytes() for lin in made.values())
+    # MoE experts (routed and shared): Q4_1, quantized here (the GGUF's expert tensors are not read)
+    experts = sum(m.use_linears(lambda w, b: BlockLinear.quantized("q4_1", w, b)) for m in _experts(model))
+    size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, BlockLinear))
+    if experts:
+        log.info("%d MoE expert layers quantized to Q4_1 at load", experts)
     log.info("%d linear layers on the engine's CPU block kernel (Q4_1, head %s; %.0f MB): %d from the GGUF's "
              "blocks (%s), %d quantized at load; activations float32",
              len(made), made["lm_head"].kind, size / 1e6, from_gguf, source, len(made) - from_gguf)
@@ -282,7 +302,9 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn = src + "self_attn."
-        for kind in ("weight", "bias") if spec.attention_bias else ("weight",):
+        if spec.mla is not None:
+            out.update(map_mla_state(take, spec.mla, src, dst))
+        for kind in (() if spec.mla is not None else ("weight", "bias") if spec.attention_bias else ("weight",)):
             if fused:
                 qkv = take(attn + f"qkv_proj.{kind}")
                 q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
@@ -297,8 +319,9 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
                 k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
                 v_w = take(attn + f"v_proj.{kind}")
             out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v_w])
-        out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        if spec.o_proj_bias:
+        if spec.mla is None:
+            out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+        if spec.o_proj_bias and spec.mla is None:
             out[dst + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
         if spec.attn_sinks:
             out[dst + "self_attn.sinks"] = take(attn + "sinks")

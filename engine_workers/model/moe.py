@@ -18,6 +18,7 @@ Routers (``Router.kind``), as each family's reference computes them:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,8 @@ def route(logits: torch.Tensor, spec: RouterSpec, correction: torch.Tensor | Non
         group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
         keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(spec.topk_group, dim=-1).indices, 1.0)
         mask = keep.unsqueeze(-1).expand_as(grouped).reshape(t, -1)
-        choice = choice.masked_fill(mask == 0, 0.0)
+        # -inf, not 0: a corrected score can be negative, and a zeroed expert would outrank it
+        choice = choice.masked_fill(mask == 0, float("-inf"))
     ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if spec.renormalize:
@@ -102,7 +104,9 @@ def swiglu_clamped(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7
 
 class GroupedExperts(nn.Module):
     """``num_experts`` gated MLPs stored stacked: ``gate_up`` [E, 2I, H] (gate rows then up rows,
-    or interleaved for ``activation="swiglu_clamped"``), ``down`` [E, H, I], optional biases."""
+    or interleaved for ``activation="swiglu_clamped"``), ``down`` [E, H, I], optional biases. After
+    :meth:`use_linears` each expert runs on its own pair of linear modules instead (the CPU
+    low-precision weight formats) and the stacked weights are gone."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, activation: str = "silu", bias: bool = False,
                  alpha: float = 1.702, limit: float = 7.0) -> None:
@@ -111,10 +115,42 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"expert activation {activation!r} is not implemented")
         self.num_experts, self.inter, self.activation = num_experts, inter, activation
         self.alpha, self.limit = alpha, limit  # swiglu_clamped only
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.gate_up: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        # per expert its gate_up and its down module, set by use_linears; None = the stacked weights above
+        self.gate_up_linears: nn.ModuleList | None = None
+        self.down_linears: nn.ModuleList | None = None
+        # per expert the whole expert as one callable where a weight format fuses its two layers
+        # (w8a8's W8A8GatedMLP, SiLU experts only); takes precedence over ``linears``
+        self.gated: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
+
+    def use_linears(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
+                    gated: Callable[[nn.Module, nn.Module], Callable[[torch.Tensor], torch.Tensor]] | None = None) -> int:
+        """Move every expert onto ``make(weight, bias)`` modules, one for gate/up and one for down,
+        and drop the stacked weights (the model then holds only the new copy); with ``gated`` and
+        SiLU experts, each expert runs as ``gated(gate_up, down)``. Returns the modules made."""
+        assert self.gate_up is not None and self.down is not None, "use_linears once"
+        gu, dn, gub, dnb = self.gate_up, self.down, self.gate_up_bias, self.down_bias
+        ups = nn.ModuleList(make(gu[e], None if gub is None else gub[e]) for e in range(self.num_experts))
+        downs = nn.ModuleList(make(dn[e], None if dnb is None else dnb[e]) for e in range(self.num_experts))
+        self.gate_up_linears, self.down_linears = ups, downs
+        if gated is not None and self.activation == "silu":
+            self.gated = [gated(up, down) for up, down in zip(ups, downs)]
+        for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+            if name in self._parameters:
+                self.register_parameter(name, None)
+        return 2 * self.num_experts
+
+    def _expert(self, e: int, seg: torch.Tensor) -> torch.Tensor:
+        if self.gated is not None:
+            return self.gated[e](seg)
+        if self.gate_up_linears is not None and self.down_linears is not None:
+            return self.down_linears[e](self._act(self.gate_up_linears[e](seg)))
+        assert self.gate_up is not None and self.down is not None
+        h = F.linear(seg, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+        return F.linear(self._act(h), self.down[e], None if self.down_bias is None else self.down_bias[e])
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu_clamped":
@@ -136,11 +172,7 @@ class GroupedExperts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            seg = rows[start : start + n]
-            h = F.linear(seg, self.gate_up[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
-            out_rows[start : start + n] = F.linear(
-                self._act(h), self.down[e], None if self.down_bias is None else self.down_bias[e]
-            )
+            out_rows[start : start + n] = self._expert(e, rows[start : start + n])
             start += n
         out_rows.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out_rows.dtype))
         out = torch.zeros_like(x)

@@ -1,5 +1,5 @@
-"""The MoE families on the shared decoder (Mixtral, Qwen3-MoE, gpt-oss): which config fields they read, which
-layers are sparse, and the mapping of their checkpoints' expert weights onto
+"""The MoE families on the shared decoder (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3): which config fields they
+read, which layers are sparse, and the mapping of their checkpoints' expert weights onto
 :class:`engine_workers.model.moe.SparseMoeBlock`.
 
 Attention is the dense families' (Mixtral is Mistral's, Qwen3-MoE is Qwen3's with QK-norm); only the
@@ -7,7 +7,10 @@ MLP of a sparse layer differs. Checkpoints store experts either one module per e
 transformers saves: ``experts.{e}.w1/w3/w2`` for Mixtral, ``experts.{e}.gate_proj/up_proj/down_proj``
 for Qwen3-MoE) or already stacked (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
 [E, H, I]); both are read. gpt-oss stores its experts stacked the other way round (``[E, H, 2I]``
-with gate and up interleaved, ``[E, I, H]``) with biases, and its router has a bias.
+with gate and up interleaved, ``[E, I, H]``) with biases, and its router has a bias. DeepSeek-V3's
+first ``first_k_dense_replace`` layers are dense; the rest route with ``sigmoid_group`` (its
+``e_score_correction_bias`` chooses, the scores weigh) and add ``n_shared_experts`` always-on experts,
+stored as one MLP of ``n_shared_experts * moe_intermediate_size``. Its attention is MLA (mla.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from engine_workers.model.moe import RouterSpec, SparseMoeBlock
 
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "gpt_oss")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 # Per family: the fields its spec reads beyond the dense ones it shares (spec._COMMON plus these).
 MOE_READ = {
@@ -29,10 +32,18 @@ MOE_READ = {
                             "mlp_only_layers"}),
     "gpt_oss": frozenset({"sliding_window", "layer_types", "attention_bias", "num_local_experts",
                           "num_experts_per_tok", "swiglu_alpha", "swiglu_limit"}),
+    "deepseek_v3": frozenset({"first_k_dense_replace", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+                              "moe_intermediate_size", "norm_topk_prob", "n_group", "topk_group",
+                              "routed_scaling_factor", "topk_method", "scoring_func", "moe_layer_freq"}),
 }
 # Training-only: the auxiliary load-balancing loss and router noise never change an inference forward
 # (transformers applies the jitter only with ``self.training``).
-MOE_INERT = frozenset({"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})
+# DeepSeek's hub configs add its own training losses (aux_loss_alpha, seq_aux) and the expert-parallel
+# degree it was trained with (ep_size: where experts run, not what they compute).
+MOE_INERT = frozenset({"output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "aux_loss_alpha",
+                       "seq_aux", "ep_size"})
+# DeepSeek's hub configs name the router lockgate runs; any other value is another router.
+_DEEPSEEK_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +57,7 @@ class MoeSpec:
     expert_bias: bool = False
     alpha: float = 1.702  # swiglu_clamped's
     limit: float = 7.0
+    shared_inter: int = 0  # the always-on shared experts' intermediate size (DeepSeek-V3), 0 = none
 
     @property
     def num_experts(self) -> int:
@@ -53,7 +65,7 @@ class MoeSpec:
 
     def block(self, hidden: int) -> SparseMoeBlock:
         return SparseMoeBlock(hidden, self.inter, self.router, self.activation, self.expert_bias,
-                              alpha=self.alpha, limit=self.limit)
+                              shared_inter=self.shared_inter, alpha=self.alpha, limit=self.limit)
 
 
 def moe_spec(cfg) -> MoeSpec | None:
@@ -62,7 +74,8 @@ def moe_spec(cfg) -> MoeSpec | None:
     if model_type not in MOE_ARCHITECTURES:
         return None
     n = cfg.num_hidden_layers
-    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    experts = (getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+               or getattr(cfg, "n_routed_experts", None))
     if not experts:
         raise ValueError("config field num_local_experts is missing or 0")
     top_k = cfg.num_experts_per_tok
@@ -71,6 +84,8 @@ def moe_spec(cfg) -> MoeSpec | None:
     if model_type == "gpt_oss":
         return MoeSpec(RouterSpec("topk_softmax", experts, top_k, bias=True), cfg.intermediate_size, (True,) * n,
                        "mlp", ("", "", ""), "swiglu_clamped", True, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+    if model_type == "deepseek_v3":
+        return _deepseek_spec(cfg, experts, top_k)
     if model_type == "mixtral":
         return MoeSpec(RouterSpec("softmax_topk", experts, top_k, renormalize=True), cfg.intermediate_size,
                        (True,) * n, "block_sparse_moe", ("w1", "w3", "w2"))
@@ -83,6 +98,33 @@ def moe_spec(cfg) -> MoeSpec | None:
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
     return MoeSpec(RouterSpec("softmax_topk", experts, top_k, renormalize=bool(cfg.norm_topk_prob)),
                    cfg.moe_intermediate_size, sparse, "mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+def _deepseek_spec(cfg, experts: int, top_k: int) -> MoeSpec:
+    n = cfg.num_hidden_layers
+    for name, value in _DEEPSEEK_FIXED.items():
+        got = getattr(cfg, name, value)
+        if got != value:
+            raise ValueError(f"config field {name}={got!r} is not implemented (only {value!r}: DeepSeek-V3's "
+                             "sigmoid scores, grouped top-k on the corrected scores, every layer after the dense ones MoE)")
+    dense = cfg.first_k_dense_replace or 0
+    if not 0 <= dense <= n:
+        raise ValueError(f"config field first_k_dense_replace={dense} must be in 0..{n}")
+    groups, topk_group = cfg.n_group or 1, cfg.topk_group or 1
+    if experts % groups or not 0 < topk_group <= groups:
+        raise ValueError(f"config fields n_group={groups}, topk_group={topk_group} do not split {experts} experts")
+    if groups > 1 and experts // groups < 2:  # a group is scored by its two best experts
+        raise ValueError(f"config field n_group={groups} leaves fewer than 2 experts per group")
+    if top_k > topk_group * (experts // groups):
+        raise ValueError(f"config field num_experts_per_tok={top_k} exceeds the {topk_group * (experts // groups)} "
+                         "experts of the topk_group groups chosen")
+    shared = cfg.n_shared_experts or 0
+    if shared < 0:
+        raise ValueError(f"config field n_shared_experts={shared} must be >= 0")
+    router = RouterSpec("sigmoid_group", experts, top_k, renormalize=bool(cfg.norm_topk_prob), n_group=groups,
+                        topk_group=topk_group, scaling=float(cfg.routed_scaling_factor))
+    return MoeSpec(router, cfg.moe_intermediate_size, tuple(i >= dense for i in range(n)), "mlp",
+                   ("gate_proj", "up_proj", "down_proj"), shared_inter=shared * cfg.moe_intermediate_size)
 
 
 def map_moe_state(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], moe: MoeSpec, src: str,
@@ -98,6 +140,13 @@ def map_moe_state(take: Callable[[str], torch.Tensor], has: Callable[[str], bool
                 dst + "mlp.experts.down": take(base + "experts.down_proj").transpose(1, 2).contiguous(),
                 dst + "mlp.experts.down_bias": take(base + "experts.down_proj_bias")}
     out = {dst + "mlp.router.weight": take(base + "gate.weight")}
+    if moe.router.kind == "sigmoid_group":  # DeepSeek-V3: the selection bias and the shared experts
+        out[dst + "mlp.router.correction"] = take(base + "gate.e_score_correction_bias")
+        if moe.shared_inter:
+            shared = base + "shared_experts."
+            out[dst + "mlp.shared.gate_up"] = torch.cat([take(shared + "gate_proj.weight"),
+                                                         take(shared + "up_proj.weight")])[None]
+            out[dst + "mlp.shared.down"] = take(shared + "down_proj.weight")[None]
     if has(base + "experts.gate_up_proj"):  # already stacked
         out[dst + "mlp.experts.gate_up"] = take(base + "experts.gate_up_proj")
         out[dst + "mlp.experts.down"] = take(base + "experts.down_proj")

@@ -26,8 +26,9 @@ def dtype_size(dtype: torch.dtype) -> int:
 
 
 def kv_block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V), ``dtype`` the cache's storage dtype."""
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype_size(dtype)
+    """Bytes one block takes across all layers (K and V, or MLA's latent and RoPE key), ``dtype`` the
+    cache's storage dtype."""
+    return spec.kv_elems_per_token * block_size * dtype_size(dtype)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -93,9 +94,12 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         slots = num_blocks * block_size
-        shape = (slots, self.spec.num_kv_heads, self.spec.head_dim)
+        # per layer two tensors [slots, *shape]: K and V, or MLA's latent and RoPE key (model/mla.py);
+        # the block pool is the same either way, a block being block_size slots of every layer
+        k_shape, v_shape = self.spec.kv_slot_shapes
         self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=device), torch.zeros(shape, dtype=kv_dtype, device=device))
+            (torch.zeros((slots, *k_shape), dtype=kv_dtype, device=device),
+             torch.zeros((slots, *v_shape), dtype=kv_dtype, device=device))
             for _ in range(self.spec.num_layers)
         ]
         # CPU float32: attention on the engine's own kernels where they build (cpu_kernels.py); they
@@ -114,7 +118,7 @@ class ModelRunner:
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
             from engine_workers.kernels import cpu_kernels as kernels
 
-            if kv_dtype in kernels.KV_DTYPES:
+            if kv_dtype in kernels.KV_DTYPES and self.spec.mla is None:  # the kernels read per-head K/V
                 self.decode_kernel = kernels.paged_decode()
                 self.prefill_kernel = kernels.prefill_attention()
             self.model.use_fused(kernels.fused())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_workers.model.mla import MLA_READ, MlaSpec, mla_spec
 from engine_workers.model.moe_family import MOE_ARCHITECTURES, MOE_INERT, MOE_READ, MoeSpec, moe_spec
 from engine_workers.model.rope import inv_freq
 
@@ -38,6 +39,11 @@ _INERT = frozenset({
     "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
     "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
     "transformers.js_config",
+    # DeepSeek-V3's multi-token-prediction modules serve speculative decoding only: the model's own
+    # forward never reads them, and the loader reads no layer past num_hidden_layers
+    "num_nextn_predict_layers", "num_mtp_layers",
+    # the remote-code classes a hub config points to: lockgate never runs them
+    "auto_map",
 })
 
 
@@ -64,6 +70,7 @@ _READ = {
     "olmo2": frozenset({"attention_bias"}),
     "phi3": frozenset({"sliding_window", "original_max_position_embeddings"}),
     **MOE_READ,
+    "deepseek_v3": MOE_READ["deepseek_v3"] | MLA_READ,
 }
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -99,10 +106,24 @@ class ModelSpec:
     local_rope: bool = False  # sliding layers take their own RoPE parameters (Gemma 3)
     attn_sinks: bool = False  # a learned per-head sink logit in every attention softmax (gpt-oss)
     moe: MoeSpec | None = None  # the sparse MLPs of an MoE family (engine_workers.model.moe_family)
+    mla: MlaSpec | None = None  # multi-head latent attention instead of q/k/v heads (DeepSeek-V3, mla.py)
 
     @property
     def windowed(self) -> bool:
         return any(w is not None for w in self.layer_windows)
+
+    @property
+    def kv_slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The trailing shapes of a layer's two cache tensors per slot: K and V ``(Hkv, head_dim)``
+        each, or MLA's latent and RoPE key (:attr:`engine_workers.model.mla.MlaSpec.slot_shapes`)."""
+        if self.mla is not None:
+            return self.mla.slot_shapes
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+    @property
+    def kv_elems_per_token(self) -> int:
+        """Cache elements one token takes across all layers."""
+        return self.num_layers * sum(h * d for h, d in self.kv_slot_shapes)
 
     @classmethod
     def from_hf(cls, cfg) -> ModelSpec:
@@ -154,6 +175,7 @@ class ModelSpec:
             local_rope=local_rope,
             attn_sinks=model_type == "gpt_oss",
             moe=moe_spec(cfg),
+            mla=mla_spec(cfg),
         )
 
 

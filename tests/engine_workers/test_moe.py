@@ -128,6 +128,30 @@ def test_sigmoid_group_matches_deepseek_v3_router():
     torch.testing.assert_close(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices).float())
 
 
+def test_sigmoid_group_with_negative_correction_keeps_to_the_chosen_groups():
+    """A correction bias below -1 makes every corrected score negative: experts of the groups not
+    chosen must still lose to them (masked to -inf, as DeepSeek's router does, not to 0)."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = AutoConfig.for_model("deepseek_v3", hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                               topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    ref = DeepseekV3TopkRouter(cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(16, 16, generator=gen))
+        ref.e_score_correction_bias.copy_(-2.0 + 0.1 * torch.randn(16, generator=gen))
+    x = torch.randn(30, 16, generator=gen)
+    _, w_ref, i_ref = ref(x)
+    spec = RouterSpec("sigmoid_group", 16, 4, n_group=4, topk_group=2, scaling=2.5)
+    w, i = route(F.linear(x, ref.weight), spec, ref.e_score_correction_bias)
+    assert torch.equal(i.sort(-1).values, i_ref.sort(-1).values)
+    groups = (i // 4).unique(dim=None)
+    assert all(len((row // 4).unique()) <= 2 for row in i)  # at most topk_group groups per token
+    assert groups.numel() > 2  # different tokens choose different groups
+    torch.testing.assert_close(w.gather(1, i.sort(-1).indices), w_ref.gather(1, i_ref.sort(-1).indices))
+
+
 def test_block_matches_transformers_qwen3_moe_block():
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
