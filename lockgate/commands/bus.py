@@ -92,7 +92,7 @@ def _topic_args(p: argparse.ArgumentParser, verb: str) -> None:
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    from bus import kafka_local
+    from lockgate.testing import kafka_local
 
     base = Path(args.dir).expanduser()
     try:

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from bus import BusError, TopicSpec, UnknownTopicError, connect, kafka_local
+from bus import BusError, TopicSpec, UnknownTopicError, connect
+from lockgate.testing import kafka_local
 
 
 def closed_port() -> int:
@@ -29,7 +30,7 @@ async def test_unreachable_broker_raises_bus_error_within_timeout(caplog: pytest
     # one clear error instead of aiokafka's ERROR line per attempt; the retries are at DEBUG
     assert not [r for r in caplog.records if r.name == "aiokafka" and r.levelno >= logging.ERROR]
     assert any("unreachable" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
-    from bus.kafka_connect import BOOTSTRAP_FILTER
+    from bus.kafka.connect import BOOTSTRAP_FILTER
 
     assert BOOTSTRAP_FILTER not in logging.getLogger("aiokafka").filters, "gone once no start is retrying"
     await bus.stop()  # idempotent on a bus that never started
@@ -124,7 +125,7 @@ def test_transient_offset_lookup_errors_are_debug_lines(caplog: pytest.LogCaptur
 
     from aiokafka.errors import NotLeaderForPartitionError, UnknownTopicOrPartitionError
 
-    import bus.kafka_consumer  # noqa: F401 - installs the filter
+    import bus.kafka.consumer  # noqa: F401 - installs the filter
 
     fetcher = logging.getLogger("aiokafka.consumer.fetcher")
     with caplog.at_level(logging.DEBUG):

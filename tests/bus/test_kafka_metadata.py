@@ -1,5 +1,5 @@
 """A leaderless partition is a transient bus error, never a missing topic (issue #22): the pure
-reading of one topic's metadata (``bus.kafka_metadata``), and ``partitions_for`` on real Kafka."""
+reading of one topic's metadata (``bus.kafka.metadata``), and ``partitions_for`` on real Kafka."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from bus import BusError, TopicSpec, UnknownTopicError, connect
-from bus.kafka_metadata import TopicNotReady, led_partitions
+from bus.kafka.metadata import TopicNotReady, led_partitions
 from tests.conftest import THREE_NODE_PORT
 
 
@@ -64,7 +64,7 @@ async def test_a_partition_whose_leader_is_down_is_not_a_missing_topic(three_bro
     import os
     import signal
 
-    from bus import kafka_local
+    from lockgate.testing import kafka_local
     from engine_workers.worker.reply_sender import ReplySender
     from tests.waiting import wait_until
 

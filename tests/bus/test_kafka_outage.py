@@ -1,4 +1,4 @@
-"""bus.kafka_outage without a broker: the refresh backoff's schedule, the throttle around a client's
+"""bus.kafka.outage without a broker: the refresh backoff's schedule, the throttle around a client's
 refresh, and the repeat limiter on log lines. (The whole of it against a stopped and restarted
 broker: tests/engine_workers/test_worker_kafka.py.)"""
 
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from bus.kafka_outage import (
+from bus.kafka.outage import (
     MetadataBackoff,
     RepeatLimiter,
     limit_repeated_logs,

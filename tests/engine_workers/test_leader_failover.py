@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from bus import TopicLayout, connect, kafka_local
+from bus import TopicLayout, connect
+from lockgate.testing import kafka_local
 from bus.deadletter import read_dead_letters
 from bus.messages import Finished, InferenceRequest, SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig

@@ -16,7 +16,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition as KTP
 
 from bus.base import BusError, Record
-from bus.kafka_outage import throttle_metadata_refresh
+from bus.kafka.outage import throttle_metadata_refresh
 
 
 async def read_kafka_partition(bootstrap: str, client_id: str, request_timeout_ms: int, topic: str, partition: int,

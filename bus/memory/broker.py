@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from bus.base import RecordMetadata, TopicPartition, TopicSpec
-from bus.memory_log import PartitionLog, TopicLog
+from bus.memory.log import PartitionLog, TopicLog
 from bus.partitioner import partition_for_key
 from bus.topics import validate_topic
 

@@ -31,7 +31,7 @@ from bus.base import (
     call_rebalance_callback,
     checked_consumer_args,
 )
-from bus.kafka_outage import throttle_metadata_refresh
+from bus.kafka.outage import throttle_metadata_refresh
 
 
 class KafkaBus(Protocol):

@@ -7,17 +7,17 @@
   Set ``?linger_ms=N`` for bulk producers. Keys are caller bytes (request ids), so aiokafka's default
   partitioner (murmur2, like the Java client and the memory bus) keeps a request's records on one
   partition, in order.
-* Consumers (:mod:`bus.kafka_consumer`): ``enable_auto_commit=False``, offsets committed only by
+* Consumers (:mod:`bus.kafka.consumer`): ``enable_auto_commit=False``, offsets committed only by
   ``commit``; group members ``subscribe``, group-less consumers ``assign`` and seek.
 * An ``AIOKafkaAdminClient`` creates and deletes topics (``TOPIC_ALREADY_EXISTS`` and
   ``UNKNOWN_TOPIC_OR_PARTITION`` count as success) and reads one topic's partitions without
   auto-creating it.
 * Broker unreachable: :meth:`KafkaBus.start` retries with exponential backoff (0.1 s doubling to 2
-  s; :mod:`bus.kafka_connect`) and raises :class:`BusError` naming the bootstrap address once
+  s; :mod:`bus.kafka.connect`) and raises :class:`BusError` naming the bootstrap address once
   ``connect_timeout_s`` (default 15) has passed; every start attempt is itself bounded by what is
   left, so it never hangs.
   Broker gone after start: each client's metadata refresh backs off and aiokafka's repeated log
-  lines are limited (:mod:`bus.kafka_outage`); sends wait and retry as aiokafka does.
+  lines are limited (:mod:`bus.kafka.outage`); sends wait and retry as aiokafka does.
 
 Every aiokafka error that reaches a caller is re-raised as :class:`BusError`. Cancellation: a
 cancelled ``getmany`` loses nothing (aiokafka hands records over only when it returns); a cancelled
@@ -55,11 +55,11 @@ from bus.base import (
     check_partition_arg,
     checked_topic_names,
 )
-from bus.kafka_connect import retrying
-from bus.kafka_consumer import KafkaConsumer
-from bus.kafka_metadata import TopicNotReady, led_partitions
-from bus.kafka_outage import limit_repeated_logs, throttle_metadata_refresh
-from bus.kafka_reader import read_kafka_partition
+from bus.kafka.connect import retrying
+from bus.kafka.consumer import KafkaConsumer
+from bus.kafka.metadata import TopicNotReady, led_partitions
+from bus.kafka.outage import limit_repeated_logs, throttle_metadata_refresh
+from bus.kafka.reader import read_kafka_partition
 from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class KafkaBus(Bus):
     async def _describe(self, topic: str, wait: bool = False) -> list[int] | None:
         """Partitions of ``topic``, or ``None`` when it does not exist (``UNKNOWN_TOPIC_OR_PARTITION``
         only). Never creates. A partition without a leader raises :class:`TopicNotReady` (a
-        transient ``BusError``, :mod:`bus.kafka_metadata`); ``wait``: both a missing topic and a
+        transient ``BusError``, :mod:`bus.kafka.metadata`); ``wait``: both a missing topic and a
         leaderless one are asked again (backoff 50 ms doubling to 0.5 s) up to the request timeout."""
         assert self._admin is not None
         deadline = time.monotonic() + self.request_timeout_ms / 1000

@@ -56,7 +56,7 @@ from bus.base import (
     checked_consumer_args,
     checked_topic_names,
 )
-from bus.memory_broker import (  # noqa: F401 - re-exported
+from bus.memory.broker import (  # noqa: F401 - re-exported
     DEFAULT_MAX_RECORDS_PER_PARTITION,
     MemoryBroker,
     forget_named,
