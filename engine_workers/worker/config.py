@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from bus.topics import TopicLayout, safe_name
-from engine_workers.worker.intake import (
+from engine_workers.worker.intake.queue import (
     DEFAULT_AGING_PERIOD_S,
     IntakeMode,
     IntakePolicy,

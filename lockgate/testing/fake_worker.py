@@ -44,7 +44,7 @@ from bus.messages import (
 )
 from bus.topics import TopicLayout
 from edge.admission.router import checkpoint
-from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.replies.sender import ReplySender
 
 log = logging.getLogger(__name__)
 

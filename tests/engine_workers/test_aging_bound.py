@@ -10,7 +10,7 @@ from pathlib import Path
 from bus import MemoryBus, TopicLayout
 from bus.messages import InferenceRequest, SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.intake import aging_start
+from engine_workers.worker.intake.queue import aging_start
 from tests.engine_workers.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
     MODEL,
     Replies,

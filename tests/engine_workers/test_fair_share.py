@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine_workers.worker.fair import FairShare, request_cost
-from engine_workers.worker.fair_sim import TenantLoad, TenantSample, simulate_tenants
-from engine_workers.worker.intake import IntakePolicy, IntakeQueue
-from engine_workers.worker.intake_sim import percentile
+from engine_workers.worker.intake.fair import FairShare, request_cost
+from engine_workers.worker.intake.fair_sim import TenantLoad, TenantSample, simulate_tenants
+from engine_workers.worker.intake.queue import IntakePolicy, IntakeQueue
+from engine_workers.worker.intake.queue_sim import percentile
 
 LIGHT, FLOOD = "light", "flood"
 

@@ -23,7 +23,7 @@ from bus.messages import Error, Finished, InferenceRequest, TokenChunk, Usage, d
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.replies.sender import ReplySender
 from tests.engine_workers.test_worker_memory import MODEL, Replies, make_engine, publish, record_submissions, req
 from tests.waiting import wait_until
 
@@ -298,7 +298,7 @@ def test_reply_records_split_in_order_under_the_limit_and_reassemble() -> None:
     """The pure split (``reply_split``): under the limit one value, as ever; over it, values each
     under the limit whose messages, read in order, are the round's: chunks contiguous by ``seq``
     and ``text_offset``, logprobs one per token, each final after its request's tokens."""
-    from engine_workers.worker.reply_split import Piece, reply_records
+    from engine_workers.worker.replies.split import Piece, reply_records
 
     lp = ((7, -0.5), (8, -1.5))
 

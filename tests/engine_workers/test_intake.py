@@ -2,14 +2,14 @@
 
 import pytest
 
-from engine_workers.worker.intake import (
+from engine_workers.worker.intake.queue import (
     IntakeMode,
     IntakePolicy,
     IntakeQueue,
     RateMeter,
     estimate_wait,
 )
-from engine_workers.worker.intake_sim import Overload, percentile, simulate, tier_waits
+from engine_workers.worker.intake.queue_sim import Overload, percentile, simulate, tier_waits
 
 
 def q(mode: str, period: float = 2.0) -> IntakeQueue:

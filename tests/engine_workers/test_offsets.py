@@ -1,6 +1,6 @@
 """OffsetTracker: commit only up to the lowest offset still in flight."""
 
-from engine_workers.worker.offsets import OffsetTracker
+from engine_workers.worker.offsets.watermark import OffsetTracker
 
 A, B = ("t", 0), ("t", 1)
 

@@ -20,7 +20,7 @@ from bus.messages import (
     replies_of,
 )
 from bus.partitioner import partition_for_key
-from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.replies.sender import ReplySender
 from tests.waiting import wait_until
 
 TOPIC = "lockgate.reply.t"
@@ -258,7 +258,7 @@ async def test_a_raising_callback_does_not_stop_the_others(bus: MemoryBus) -> No
 
 async def test_a_topic_found_missing_is_remembered_briefly_and_checked_again(bus: MemoryBus,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine_workers.worker.reply_topics as rt
+    import engine_workers.worker.replies.topics as rt
 
     sender = ReplySender(bus, "w", on_failed=lambda k, why: None)
     gone = "lockgate.reply.gone"
@@ -281,7 +281,7 @@ async def test_verify_checks_a_topic_once_and_shares_the_check(bus: MemoryBus, m
     """``verify`` (the worker's gate before a request runs): an existing topic -> None, cached (no
     second metadata request); a missing one -> the dead letter's reason after the rechecks; callers
     at the same time share one check; a topic created later verifies."""
-    import engine_workers.worker.reply_topics as rt
+    import engine_workers.worker.replies.topics as rt
 
     monkeypatch.setattr(rt, "MISSING_RECHECK_S", (0.01, 0.01))
     asked: list[str] = []

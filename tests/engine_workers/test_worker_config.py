@@ -6,7 +6,7 @@ import pytest
 
 from bus.topics import TopicLayout
 from engine_workers.worker.config import WorkerConfig
-from engine_workers.worker.intake import IntakeMode
+from engine_workers.worker.intake.queue import IntakeMode
 
 
 def test_defaults_and_the_group_name() -> None:

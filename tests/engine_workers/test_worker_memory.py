@@ -112,7 +112,7 @@ class Replies:
 
 async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicLayout,
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="engine_workers.worker.ledger")
+    caplog.set_level(logging.INFO, logger="engine_workers.worker.offsets.ledger")
     engine = make_engine(tiny_dir)
     prompts = [tuple(range(3 + i, 20 + 3 * i)) for i in range(6)]
     ref = engine.generate(prompts, engine_params(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
@@ -430,7 +430,7 @@ async def test_a_failing_reply_topic_check_lets_the_request_run(tiny_dir: Path, 
             raise RuntimeError("metadata parser bug")
 
         monkeypatch.setattr(w.replies, "verify", broken)
-        with caplog.at_level(logging.ERROR, logger="engine_workers.worker.reply_gate"):
+        with caplog.at_level(logging.ERROR, logger="engine_workers.worker.replies.gate"):
             await publish(bus, layout, req("r", layout, max_tokens=3))
             await replies.wait(["r"], 10)
         assert replies.final["r"].num_tokens == 3

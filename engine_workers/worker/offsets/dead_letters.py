@@ -2,7 +2,7 @@
 
 A record goes to the dead-letter topic when no worker can ever answer it: undecodable, not a
 request, a request whose reply topic does not exist, or one whose replies failed every time
-(:mod:`engine_workers.worker.send_failures`). Its offset is finished (and so committed) only once
+(:mod:`engine_workers.worker.replies.failures`). Its offset is finished (and so committed) only once
 the dead letter is acknowledged, so a lost letter never leaves a gap in the log.
 
 A dead-letter topic that cannot be written (its leader down, the topic deleted on a broker
@@ -26,8 +26,8 @@ from bus.base import Bus, BusError, Record, TopicPartition
 from bus.deadletter import send_dead_letter
 from bus.messages import encode
 from bus.topics import TopicLayout
-from engine_workers.worker.ledger import Job
-from engine_workers.worker.offsets import OffsetTracker
+from engine_workers.worker.offsets.ledger import Job
+from engine_workers.worker.offsets.watermark import OffsetTracker
 
 log = logging.getLogger(__name__)
 

@@ -56,8 +56,8 @@ from collections.abc import Callable
 from bus.base import Bus, BusError
 from bus.messages import Error, Finished, TokenChunk
 from bus.partitioner import partition_for_key
-from engine_workers.worker.reply_split import RECORD_OVERHEAD, Piece, reply_records
-from engine_workers.worker.reply_topics import ReplyTopics, Undeliverable
+from engine_workers.worker.replies.split import RECORD_OVERHEAD, Piece, reply_records
+from engine_workers.worker.replies.topics import ReplyTopics, Undeliverable
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class ReplySender:
 
     async def _send_group(self, t: _Topic, part: int | None, items: list[tuple[str, _Pending]]) -> None:
         """Send one partition's record of a round (several, in order, when it would pass
-        ``max_record_bytes``: :mod:`~engine_workers.worker.reply_split`); never raises (but
+        ``max_record_bytes``: :mod:`~engine_workers.worker.replies.split`); never raises (but
         ``CancelledError``): a request whose record could not be sent is failed, the others of
         the round go on."""
         try:

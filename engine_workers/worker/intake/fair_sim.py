@@ -12,8 +12,8 @@ import heapq
 import random
 from dataclasses import dataclass
 
-from engine_workers.worker.fair import request_cost
-from engine_workers.worker.intake import IntakePolicy, IntakeQueue
+from engine_workers.worker.intake.fair import request_cost
+from engine_workers.worker.intake.queue import IntakePolicy, IntakeQueue
 
 
 @dataclass(frozen=True, slots=True)

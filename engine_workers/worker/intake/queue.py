@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
 
-from engine_workers.worker.fair import DEFAULT_WEIGHT, FairShare
+from engine_workers.worker.intake.fair import DEFAULT_WEIGHT, FairShare
 
 T = TypeVar("T")
 

@@ -27,9 +27,9 @@ from typing import Any
 
 from bus.base import Bus
 from bus.topics import TopicLayout
-from engine_workers.worker.dead_letters import DeadLetters, job_record
-from engine_workers.worker.ledger import Job, RequestLedger
-from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.offsets.dead_letters import DeadLetters, job_record
+from engine_workers.worker.offsets.ledger import Job, RequestLedger
+from engine_workers.worker.replies.sender import ReplySender
 
 log = logging.getLogger(__name__)
 

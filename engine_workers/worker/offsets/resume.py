@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from bus.base import Bus, BusError, TopicPartition
 from bus.messages import DecodeError, Error, Finished, Message, TokenChunk, decode, replies_of
 from bus.partitioner import partition_for_key
-from engine_workers.worker.ledger import Job
+from engine_workers.worker.offsets.ledger import Job
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from bus.base import BusError, Consumer, TopicPartition
 from bus.messages import InferenceRequest
-from engine_workers.worker.intake import NUM_TIERS, Pending
-from engine_workers.worker.offsets import OffsetTracker
+from engine_workers.worker.intake.queue import NUM_TIERS, Pending
+from engine_workers.worker.offsets.watermark import OffsetTracker
 
 log = logging.getLogger(__name__)
 

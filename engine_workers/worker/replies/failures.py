@@ -16,7 +16,7 @@ So a failed request moves through, per record (``Job.send_failures`` counts the 
 2. then: answered ``Error(internal)`` (a small record, the likeliest to get through when only
    large ones failed), its offset finished once that is acknowledged;
 3. that failing too: dead-lettered (``dlq.reason`` names the reply topic), retried until the
-   dead letter is acknowledged (:mod:`engine_workers.worker.dead_letters`), then finished.
+   dead letter is acknowledged (:mod:`engine_workers.worker.offsets.dead_letters`), then finished.
 
 At every step the offset stays in flight, so a restart or rebalance meanwhile re-runs it
 elsewhere, and the partition's watermark moves on as soon as one step succeeds. A request whose
@@ -32,8 +32,8 @@ import logging
 from collections.abc import Callable
 
 from bus.messages import ErrorCode
-from engine_workers.worker.dead_letters import DeadLetters, job_record
-from engine_workers.worker.ledger import Job, RequestLedger
+from engine_workers.worker.offsets.dead_letters import DeadLetters, job_record
+from engine_workers.worker.offsets.ledger import Job, RequestLedger
 
 log = logging.getLogger(__name__)
 

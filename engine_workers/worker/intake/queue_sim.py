@@ -13,7 +13,7 @@ import heapq
 import random
 from dataclasses import dataclass
 
-from engine_workers.worker.intake import IntakePolicy, IntakeQueue, parse_intake_mode
+from engine_workers.worker.intake.queue import IntakePolicy, IntakeQueue, parse_intake_mode
 
 MODES = ("fifo", "strict", "aging")
 
