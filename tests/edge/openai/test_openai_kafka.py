@@ -20,8 +20,8 @@ from edge.config import EdgeConfig
 from edge.request import PromptEncoder
 from edge.server import Edge
 from engine_workers.worker.actor import Worker, WorkerConfig
-from tests.engine_workers.test_worker_kafka import kafka_url, new_layout
-from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixtures, used by name
+from tests.engine_workers.worker.test_worker_kafka import kafka_url, new_layout
+from tests.engine_workers.worker.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixtures, used by name
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]

@@ -28,8 +28,8 @@ from engine_workers.kernels import cpu_kernels
 from engine_workers.kernels.paged_reference import sdpa_decode
 from engine_workers.model.attention import build_metadata, paged_attention
 from engine_workers.model.runner import kv_block_bytes
-from tests.engine_workers.test_attention import dense_reference
-from tests.engine_workers.test_lowp_weights import agreement, next_logits, rel_l2
+from tests.engine_workers.model.test_attention import dense_reference
+from tests.engine_workers.kernels.test_lowp_weights import agreement, next_logits, rel_l2
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
@@ -292,7 +292,7 @@ def test_logits_and_greedy_close_to_a_float32_cache(engines, path):
 
 def test_kernel_and_torch_path_agree_on_a_bf16_cache(engines):
     """Both read the same rounded K/V and do float32 math: the same tokens on a mixed workload."""
-    from tests.engine_workers.test_engine_hf_parity import run_together, workload
+    from tests.engine_workers.engine.test_engine_hf_parity import run_together, workload
 
     if engines["bfloat16"].runner.decode_kernel is None:
         pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")

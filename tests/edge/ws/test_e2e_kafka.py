@@ -18,13 +18,13 @@ from edge.ws.protocol import parse_client_frame
 from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.edge.conftest import collect, recv, send, wait_for
-from tests.engine_workers.test_worker_kafka import (
+from tests.engine_workers.worker.test_worker_kafka import (
     kafka_url,
     new_layout,
     spawn_worker,
     wait_ready,
 )
-from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixtures, used by name
+from tests.engine_workers.worker.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixtures, used by name
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 

@@ -8,7 +8,7 @@ import pytest
 
 from edge.openai.reasoning import ReasoningStream, split
 from tests.edge.conftest import MODEL
-from tests.edge.test_openai import api
+from tests.edge.openai.test_openai import api
 
 THINK = ["<thi", "nk>", "let me ", "think", "</th", "ink>", "\n", "\n", "The ", "answer"]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": %d, "b": 2}}\n</tool_call>\n'

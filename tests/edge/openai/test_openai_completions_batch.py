@@ -9,7 +9,7 @@ import pytest
 
 from lockgate.testing.fake_worker import expected_text
 from tests.edge.conftest import MODEL
-from tests.edge.test_openai import api
+from tests.edge.openai.test_openai import api
 
 
 async def test_batch_of_string_and_id_prompts_numbers_choices_prompt_major(encoder):

@@ -12,7 +12,7 @@ from edge.request import PromptEncoder
 from edge.server import Edge
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.edge.conftest import client, collect, recv, send, wait_for
-from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixture, used by name
+from tests.engine_workers.worker.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixture, used by name
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8  # several KV blocks of shared prefix
 

@@ -11,7 +11,7 @@ from bus import MemoryBus, TopicLayout
 from bus.messages import InferenceRequest, SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.intake.queue import aging_start
-from tests.engine_workers.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
+from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
     MODEL,
     Replies,
     layout,

@@ -24,7 +24,7 @@ from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.replies.sender import ReplySender
-from tests.engine_workers.test_worker_memory import MODEL, Replies, make_engine, publish, record_submissions, req
+from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, make_engine, publish, record_submissions, req
 from tests.waiting import wait_until
 
 

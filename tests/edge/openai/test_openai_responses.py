@@ -14,9 +14,9 @@ from bus.messages import ChatMessage
 from edge.openai.responses.store import ResponseStore
 from lockgate.testing.fake_worker import expected_text
 from tests.edge.conftest import MODEL
-from tests.edge.test_openai import api
-from tests.engine_workers.test_guided import MODEL as TINY
-from tests.engine_workers.test_guided import platform, sdk
+from tests.edge.openai.test_openai import api
+from tests.engine_workers.engine.test_guided import MODEL as TINY
+from tests.engine_workers.engine.test_guided import platform, sdk
 
 
 def ids(encoder, msgs: list[tuple[str, str]]) -> tuple[int, ...]:

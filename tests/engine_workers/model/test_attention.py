@@ -260,7 +260,7 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir, t
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from lockgate.testing.tiny_model import build_tiny_model
-    from tests.engine_workers.test_engine_hf_parity import run_together, workload
+    from tests.engine_workers.engine.test_engine_hf_parity import run_together, workload
 
     if cpu_kernels.paged_decode() is None:
         pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
@@ -281,7 +281,7 @@ def test_cuda_attention_policy_gives_the_same_output(tiny_model_dir):
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from engine_workers.model.runner import _SDPA_NO_CUDNN
-    from tests.engine_workers.test_engine_hf_parity import run_together, workload
+    from tests.engine_workers.engine.test_engine_hf_parity import run_together, workload
 
     grouped = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
     assert grouped.runner.max_decode_groups > 1 and grouped.runner.sdpa_backends is None

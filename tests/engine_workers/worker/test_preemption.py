@@ -12,7 +12,7 @@ from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
-from tests.engine_workers.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
+from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
     MODEL,
     Replies,
     layout,

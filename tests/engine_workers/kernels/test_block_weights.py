@@ -203,7 +203,7 @@ def test_no_cpu_kernels_falls_back_to_float32(caplog: pytest.LogCaptureFixture) 
 
 
 def _helpers():
-    from tests.engine_workers.test_lowp_weights import agreement, greedy, next_logits, rel_l2
+    from tests.engine_workers.kernels.test_lowp_weights import agreement, greedy, next_logits, rel_l2
 
     return agreement, greedy, next_logits, rel_l2
 

@@ -10,7 +10,7 @@ import pytest
 from bus import MemoryBus, TopicLayout
 from bus.messages import InferenceRequest, SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
-from tests.engine_workers.test_worker_memory import (  # noqa: F401  (fixtures)
+from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401  (fixtures)
     MODEL,
     Replies,
     layout,

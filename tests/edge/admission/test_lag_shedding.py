@@ -17,7 +17,7 @@ from edge.request import PromptEncoder
 from edge.server import Edge
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.edge.conftest import client, keys, recv, send, wait_for
-from tests.engine_workers.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixture, used by name
+from tests.engine_workers.worker.test_worker_memory import MODEL, make_engine, tiny_dir  # noqa: F401 - pytest fixture, used by name
 
 
 async def test_a_topic_backlog_sheds_new_requests_within_a_heartbeat(tiny_dir: Path) -> None:

@@ -13,7 +13,7 @@ from bus.partitioner import partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
 from engine_workers.worker.offsets.resume import Progress, decode_replies, fold_progress
-from tests.engine_workers.test_worker_memory import MODEL, Replies, layout, make_engine, publish, req, tiny_dir  # noqa: F401 - pytest fixtures, used by name
+from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, layout, make_engine, publish, req, tiny_dir  # noqa: F401 - pytest fixtures, used by name
 from tests.waiting import wait_until
 
 

@@ -14,7 +14,7 @@ from engine_workers.kernels.cpu_linear import (
     packing_problem,
     prepack_linears,
 )
-from tests.engine_workers.test_engine_hf_parity import run_together, workload
+from tests.engine_workers.engine.test_engine_hf_parity import run_together, workload
 
 needs_onednn = pytest.mark.skipif(packing_problem(torch.device("cpu"), torch.float32) is not None,
                                   reason="this torch build has no usable oneDNN linear")

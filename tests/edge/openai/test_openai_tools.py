@@ -17,7 +17,7 @@ from edge.openai.schema import parse_chat
 from edge.openai.tool_parsers import PARSERS, ToolCall, get_parser, parser_for_model
 from edge.openai.tools import ToolRequest, ToolStream, prepare, render_prompt
 from edge.request import Generate, PromptEncoder, ProtocolError
-from tests.engine_workers.test_guided import MODEL, platform, sdk
+from tests.engine_workers.engine.test_guided import MODEL, platform, sdk
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"]}

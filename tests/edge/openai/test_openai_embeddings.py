@@ -12,10 +12,10 @@ import torch
 
 from edge.request import PromptEncoder
 from tests.edge.conftest import MODEL
-from tests.edge.test_openai import api
-from tests.engine_workers.test_embeddings import reference
-from tests.engine_workers.test_guided import MODEL as TINY
-from tests.engine_workers.test_guided import platform, sdk
+from tests.edge.openai.test_openai import api
+from tests.engine_workers.engine.test_embeddings import reference
+from tests.engine_workers.engine.test_guided import MODEL as TINY
+from tests.engine_workers.engine.test_guided import platform, sdk
 
 
 async def test_embeddings_match_the_model_and_formats_agree(tiny_model_dir: str) -> None:

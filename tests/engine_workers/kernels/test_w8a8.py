@@ -23,7 +23,7 @@ from engine_workers.kernels import cpu_kernels as kernels
 from engine_workers.kernels import lowp_kernels
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
 from engine_workers.kernels.w8a8_linear import W8A8GatedMLP, W8A8Linear, quantize_rows, reference, w8a8_ops, w8a8_problem
-from tests.engine_workers.test_lowp_weights import TINY_PROMPTS, agreement, greedy, next_logits, rel_l2
+from tests.engine_workers.kernels.test_lowp_weights import TINY_PROMPTS, agreement, greedy, next_logits, rel_l2
 
 CPU = torch.device("cpu")
 needs_w8a8 = pytest.mark.skipif(w8a8_problem() is not None, reason=f"W8A8: {w8a8_problem()}")

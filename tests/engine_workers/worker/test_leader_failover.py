@@ -20,8 +20,8 @@ from bus.messages import Finished, InferenceRequest, SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
 from tests.conftest import THREE_NODE_PORT
-from tests.engine_workers.test_worker_kafka import assert_exact_streams
-from tests.engine_workers.test_worker_memory import MODEL, Replies, make_engine, publish, tiny_dir  # noqa: F401 - pytest fixtures, used by name
+from tests.engine_workers.worker.test_worker_kafka import assert_exact_streams
+from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, make_engine, publish, tiny_dir  # noqa: F401 - pytest fixtures, used by name
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]

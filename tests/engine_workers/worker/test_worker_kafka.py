@@ -34,7 +34,7 @@ from bus.messages import (
 from bus.partitioner import partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
-from tests.engine_workers.test_worker_memory import (
+from tests.engine_workers.worker.test_worker_memory import (
     MODEL,
     Replies,
     make_engine,

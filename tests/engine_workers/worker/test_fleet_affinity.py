@@ -12,7 +12,7 @@ from bus import MemoryBus, TopicLayout
 from bus.messages import ChatMessage, Finished, InferenceRequest, SamplingParams, encode
 from edge.admission.affinity import Placement, PrefixAffinity
 from engine_workers.worker.actor import Worker, WorkerConfig
-from tests.engine_workers.test_worker_memory import (  # noqa: F401  (fixtures)
+from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401  (fixtures)
     MODEL,
     Replies,
     layout,

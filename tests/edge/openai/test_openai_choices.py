@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.engine_workers.test_guided import MODEL, platform, sdk
+from tests.engine_workers.engine.test_guided import MODEL, platform, sdk
 
 MSGS = [{"role": "user", "content": "Tell me a story about a fox."}]
 
