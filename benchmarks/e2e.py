@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 
 from benchmarks.bus import local_broker_pids, process_cpu_s
-from bus.messages import (
+from bus import (
     Finished,
     InferenceRequest,
     SamplingParams,

@@ -42,7 +42,7 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
                        freeze: bool = True) -> int:
     """Run until ``stop`` is set (or a signal). ``ready`` receives the edge's bound port."""
     import bus as busmod
-    from bus.topics import TopicLayout
+    from bus import TopicLayout
     from edge.config import EdgeConfig, load_keys
     from edge.server import Edge
     from engine_workers.engine.core import Engine

@@ -43,6 +43,8 @@ def test_the_layer_contracts_are_kept() -> None:
     ("edge/openai/_probe.py", "import edge.ws.session\n",
      "The edge's WebSocket and OpenAI front ends are independent"),
     ("edge/admission/_probe.py", "import edge.openai.tool_parsers\n", "Edge admission knows neither front end"),
+    ("edge/_probe.py", "from bus.messages import Tier\n", "Code outside bus/ imports the bus through its facade"),
+    ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:

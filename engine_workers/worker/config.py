@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from bus.topics import TopicLayout, safe_name
+from bus import TopicLayout, safe_name
 from engine_workers.worker.intake.queue import (
     DEFAULT_AGING_PERIOD_S,
     IntakeMode,

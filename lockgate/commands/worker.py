@@ -57,7 +57,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def worker_config_from_args(args: argparse.Namespace):
-    from bus.topics import TopicLayout
+    from bus import TopicLayout
     from engine_workers.worker.config import WorkerConfig
     from tokenization.model_store import model_name
 

@@ -23,8 +23,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter
 
-from bus.base import Bus
-from bus.messages import Finished, InferenceRequest, UsageRecord, encode
+from bus import Bus, Finished, InferenceRequest, UsageRecord, encode
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from bus.base import Bus, BusError, Record, TopicPartition
-from bus.deadletter import send_dead_letter
-from bus.messages import encode
-from bus.topics import TopicLayout
+from bus import Bus, BusError, Record, TopicLayout, TopicPartition, encode, send_dead_letter
 from engine_workers.worker.offsets.ledger import Job
 from engine_workers.worker.offsets.watermark import OffsetTracker
 

@@ -38,8 +38,7 @@ import time
 from collections.abc import Callable, Set
 from dataclasses import dataclass
 
-from bus.base import BusError, Consumer, TopicPartition
-from bus.messages import InferenceRequest
+from bus import BusError, Consumer, InferenceRequest, TopicPartition
 from engine_workers.worker.intake.queue import NUM_TIERS, Pending
 from engine_workers.worker.offsets.watermark import OffsetTracker
 

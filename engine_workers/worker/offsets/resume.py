@@ -31,9 +31,19 @@ import logging
 from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass
 
-from bus.base import Bus, BusError, TopicPartition
-from bus.messages import DecodeError, Error, Finished, Message, TokenChunk, decode, replies_of
-from bus.partitioner import partition_for_key
+from bus import (
+    Bus,
+    BusError,
+    DecodeError,
+    Error,
+    Finished,
+    Message,
+    TokenChunk,
+    TopicPartition,
+    decode,
+    partition_for_key,
+    replies_of,
+)
 from engine_workers.worker.offsets.ledger import Job
 
 log = logging.getLogger(__name__)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import time
 
-from bus.messages import Error, Finished, Timings, Usage
+from bus import Error, Finished, Timings, Usage
 from engine_workers.engine.core import RequestOutput
-from engine_workers.worker.offsets.ledger import Job, RequestLedger
 from engine_workers.worker.health.metrics import WorkerMetrics
-from engine_workers.worker.replies.sender import ReplySender
 from engine_workers.worker.health.usage import UsageLog
+from engine_workers.worker.offsets.ledger import Job, RequestLedger
+from engine_workers.worker.replies.sender import ReplySender
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from bus.messages import ErrorCode
+from bus import ErrorCode
 from engine_workers.worker.offsets.dead_letters import DeadLetters, job_record
 from engine_workers.worker.offsets.ledger import Job, RequestLedger
 

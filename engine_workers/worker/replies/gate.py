@@ -25,8 +25,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from bus.base import Bus
-from bus.topics import TopicLayout
+from bus import Bus, TopicLayout
 from engine_workers.worker.offsets.dead_letters import DeadLetters, job_record
 from engine_workers.worker.offsets.ledger import Job, RequestLedger
 from engine_workers.worker.replies.sender import ReplySender

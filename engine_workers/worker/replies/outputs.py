@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import time
 
-from bus.messages import ErrorCode
+from bus import ErrorCode
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.core import RequestOutput
-from engine_workers.worker.replies.answers import Answers
-from engine_workers.worker.offsets.ledger import RequestLedger
 from engine_workers.worker.health.metrics import WorkerMetrics
+from engine_workers.worker.offsets.ledger import RequestLedger
+from engine_workers.worker.replies.answers import Answers
 from engine_workers.worker.replies.sender import ReplySender
 
 EXPIRY_CHECK_S = 0.25  # how often running requests are checked against their deadlines

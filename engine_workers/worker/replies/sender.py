@@ -53,9 +53,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from bus.base import Bus, BusError
-from bus.messages import Error, Finished, TokenChunk
-from bus.partitioner import partition_for_key
+from bus import Bus, BusError, Error, Finished, TokenChunk, partition_for_key
 from engine_workers.worker.replies.split import RECORD_OVERHEAD, Piece, reply_records
 from engine_workers.worker.replies.topics import ReplyTopics, Undeliverable
 

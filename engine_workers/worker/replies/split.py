@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bus.messages import Error, Finished, ReplyBatch, TokenChunk, encode
+from bus import Error, Finished, ReplyBatch, TokenChunk, encode
 
 # Bytes kept free under the producer's limit for the record's key, headers and batch framing
 # (aiokafka counts them: ``DefaultRecordBatchBuilder.estimate_size_in_bytes``; ~80 bytes + key).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.base import Bus, BusError, UnknownTopicError
+from bus import Bus, BusError, UnknownTopicError
 
 MAX_CACHED_TOPICS = 10_000  # partition counts remembered (reply topics may be per request)
 MISSING_RECHECK_S = (0.1, 0.2, 0.4)  # waits before a reply topic not found counts as missing

@@ -6,7 +6,7 @@ from collections import Counter, deque
 
 import pytest
 
-from bus.messages import ChatMessage, InferenceRequest, SamplingParams
+from bus import ChatMessage, InferenceRequest, SamplingParams
 from edge.admission.affinity import Placement, PrefixAffinity, prefix_key
 
 SYSTEM = tuple(range(1000, 1080))  # 80 tokens shared

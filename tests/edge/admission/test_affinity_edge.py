@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.messages import InferenceRequest, decode
+from bus import InferenceRequest, decode
 from edge.admission.affinity import prefix_key
 from tests.edge.conftest import KEY, client, collect, keys, recv, running_edge, send
 

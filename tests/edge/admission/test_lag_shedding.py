@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from websockets.exceptions import InvalidStatus
 
-from bus import MemoryBus, TopicLayout
-from bus.messages import InferenceRequest, SamplingParams, encode
+from bus import InferenceRequest, MemoryBus, SamplingParams, TopicLayout, encode
 from edge.config import EdgeConfig
 from edge.request import PromptEncoder
 from edge.server import Edge

@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from bus.messages import ChatMessage
+from bus import ChatMessage
 from edge.server import Edge
 from lockgate.testing.fake_worker import FakeWorker, expected_text
 from tests.edge.conftest import KEY, MODEL, keys, running_edge

@@ -14,8 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from bus import connect
-from bus.messages import Cancel, ChatMessage, decode
+from bus import Cancel, ChatMessage, connect, decode
 from edge.config import EdgeConfig
 from edge.request import PromptEncoder
 from edge.server import Edge

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from bus.messages import ChatMessage
+from bus import ChatMessage
 from edge.openai.responses.store import ResponseStore
 from lockgate.testing.fake_worker import expected_text
 from tests.edge.conftest import MODEL

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from bus.messages import ChatMessage
+from bus import ChatMessage
 from tests.edge.conftest import KEY, MODEL, running_edge
 from tests.waiting import wait_until
 

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from bus.messages import SamplingParams
+from bus import SamplingParams
 from edge.openai.schema import parse_chat
 from edge.openai.tool_parsers import PARSERS, ToolCall, get_parser, parser_for_model
 from edge.openai.tools import ToolRequest, ToolStream, prepare, render_prompt

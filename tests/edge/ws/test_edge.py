@@ -10,7 +10,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bus.messages import Cancel, decode
+from bus import Cancel, decode
 from lockgate.testing.fake_worker import expected_text
 from tests.edge.conftest import (
     KEY,

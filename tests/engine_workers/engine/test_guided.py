@@ -18,9 +18,8 @@ import orjson
 import pytest
 import websockets
 
-from bus import MemoryBus
+from bus import MemoryBus, TopicLayout
 from bus import messages as wire
-from bus.topics import TopicLayout
 from edge.config import EdgeConfig
 from edge.request import PromptEncoder
 from edge.server import Edge

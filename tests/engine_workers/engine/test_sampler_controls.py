@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bus import messages
-from bus.codec import DecodeError
+from bus import DecodeError, messages
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine, RequestOutput
 from engine_workers.engine.params import SamplingParams

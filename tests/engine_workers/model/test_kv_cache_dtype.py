@@ -28,8 +28,8 @@ from engine_workers.kernels import cpu_kernels
 from engine_workers.kernels.paged_reference import sdpa_decode
 from engine_workers.model.attention import build_metadata, paged_attention
 from engine_workers.model.runner import kv_block_bytes
-from tests.engine_workers.model.test_attention import dense_reference
 from tests.engine_workers.kernels.test_lowp_weights import agreement, next_logits, rel_l2
+from tests.engine_workers.model.test_attention import dense_reference
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")

@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bus import MemoryBus, TopicLayout
-from bus.messages import InferenceRequest, SamplingParams
+from bus import InferenceRequest, MemoryBus, SamplingParams, TopicLayout
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.intake.queue import aging_start
 from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import MemoryBus, TopicLayout
-from bus.messages import InferenceRequest, SamplingParams
+from bus import InferenceRequest, MemoryBus, SamplingParams, TopicLayout
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401  (fixtures)
     MODEL,

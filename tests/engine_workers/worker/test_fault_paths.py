@@ -16,10 +16,22 @@ from pathlib import Path
 
 import pytest
 
-from bus import BusError, MemoryBus, TopicLayout, TopicSpec, connect
-from bus.base import RecordMetadata
-from bus.deadletter import parse_dead_letter
-from bus.messages import Error, Finished, InferenceRequest, TokenChunk, Usage, decode, replies_of
+from bus import (
+    BusError,
+    Error,
+    Finished,
+    InferenceRequest,
+    MemoryBus,
+    RecordMetadata,
+    TokenChunk,
+    TopicLayout,
+    TopicSpec,
+    Usage,
+    connect,
+    decode,
+    parse_dead_letter,
+    replies_of,
+)
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig

@@ -8,8 +8,7 @@ import random
 import time
 from pathlib import Path
 
-from bus import MemoryBus, TopicLayout
-from bus.messages import ChatMessage, Finished, InferenceRequest, SamplingParams, encode
+from bus import ChatMessage, Finished, InferenceRequest, MemoryBus, SamplingParams, TopicLayout, encode
 from edge.admission.affinity import Placement, PrefixAffinity
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401  (fixtures)

@@ -13,12 +13,10 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from bus import TopicLayout, connect
-from lockgate.testing import kafka_local
-from bus.deadletter import read_dead_letters
-from bus.messages import Finished, InferenceRequest, SamplingParams
+from bus import Finished, InferenceRequest, SamplingParams, TopicLayout, connect, read_dead_letters
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
+from lockgate.testing import kafka_local
 from tests.conftest import THREE_NODE_PORT
 from tests.engine_workers.worker.test_worker_kafka import assert_exact_streams
 from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, make_engine, publish, tiny_dir  # noqa: F401 - pytest fixtures, used by name

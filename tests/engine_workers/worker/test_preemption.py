@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bus import MemoryBus, TopicLayout
-from bus.messages import Finished, InferenceRequest, SamplingParams
+from bus import Finished, InferenceRequest, MemoryBus, SamplingParams, TopicLayout
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.worker.actor import Worker, WorkerConfig

@@ -7,19 +7,22 @@ import asyncio
 
 import pytest
 
-from bus import BusError, TopicSpec, UnknownTopicError, connect
-from bus.base import Record
-from bus.memory import MemoryBus
-from bus.messages import (
+from bus import (
+    BusError,
     Error,
     Finished,
+    MemoryBus,
+    Record,
     ReplyBatch,
     TokenChunk,
+    TopicSpec,
+    UnknownTopicError,
     Usage,
+    connect,
     decode,
+    partition_for_key,
     replies_of,
 )
-from bus.partitioner import partition_for_key
 from engine_workers.worker.replies.sender import ReplySender
 from tests.waiting import wait_until
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bus import MemoryBus, TopicLayout
-from bus.messages import Error, Finished, ReplyBatch, SamplingParams, TokenChunk, Usage, encode
-from bus.partitioner import partition_for_key
+from bus import Error, Finished, MemoryBus, ReplyBatch, SamplingParams, TokenChunk, TopicLayout, Usage, encode, partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
 from engine_workers.worker.offsets.resume import Progress, decode_replies, fold_progress

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import MemoryBus, TopicLayout, connect
-from bus.messages import Finished, InferenceRequest, SamplingParams, UsageRecord, decode, encode
+from bus import Finished, InferenceRequest, MemoryBus, SamplingParams, TopicLayout, UsageRecord, connect, decode, encode
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401  (fixtures)
     MODEL,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.topics import TopicLayout
+from bus import TopicLayout
 from engine_workers.worker.config import WorkerConfig
 from engine_workers.worker.intake.queue import IntakeMode
 

@@ -21,17 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from bus import TopicLayout, connect
-from bus.messages import (
+from bus import (
     Cancel,
     Error,
     Finished,
     InferenceRequest,
     SamplingParams,
+    TopicLayout,
+    connect,
     decode,
     encode,
+    partition_for_key,
 )
-from bus.partitioner import partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.convert import engine_params
 from tests.engine_workers.worker.test_worker_memory import (
@@ -333,7 +334,7 @@ async def test_missing_reply_topic_on_kafka_is_dead_lettered_never_created(kafka
     (its topic is checked first), nothing sent to that topic (on this broker, which auto-creates
     topics, a send would have created it), and its offset committed with the others: the group,
     joined again, reads nothing before a marker published after the worker stopped."""
-    from bus.deadletter import parse_dead_letter
+    from bus import parse_dead_letter
 
     layout = new_layout(partitions=1)
     gone = layout.reply_topic("gone")

@@ -14,14 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from bus import MemoryBus, TopicLayout, TopicPartition
-from bus.messages import (
+from bus import (
     Cancel,
     Error,
     Finished,
     InferenceRequest,
+    MemoryBus,
     SamplingParams,
     TokenChunk,
+    TopicLayout,
+    TopicPartition,
     WorkerStatus,
     decode,
     encode,
@@ -257,7 +259,7 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
     dead-lettered with the reason (before it runs: the worker checks a new reply topic first) and
     its offset committed (left in flight, it pinned its partition's commits: every later request
     there would run again after any restart). The requests around it are served."""
-    from bus.deadletter import parse_dead_letter
+    from bus import parse_dead_letter
 
     async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, dlq):
         gone = layout.reply_topic("gone")
@@ -286,8 +288,7 @@ async def test_requests_to_a_missing_reply_topic_are_dead_lettered_before_they_r
     """Requests naming a missing reply topic (the first one, and a misdirected flood after it) are
     dead-lettered at intake and never reach the engine; a request sent after the topic was
     created runs and is answered (the memory of a missing topic is checked against the bus)."""
-    from bus import TopicSpec
-    from bus.deadletter import parse_dead_letter
+    from bus import TopicSpec, parse_dead_letter
 
     async with serving_with_dlq(tiny_dir, layout) as (bus, w, replies, dlq):
         submitted = record_submissions(w)
