@@ -25,7 +25,7 @@ Tier labels are ``p0``/``p1``/``p2``, as on the edge. Batch-size histograms are 
 engine thread once per step (prometheus-client is thread-safe).
 
 Plus lockgate-only counters: ``lockgate:request_errors_total`` (model, code) and
-``lockgate:dead_letters_total``; per tenant (``worker/usage.py``, labels model, tenant):
+``lockgate:dead_letters_total``; per tenant (``worker/health/usage.py``, labels model, tenant):
 ``lockgate:tenant_prompt_tokens_total``, ``lockgate:tenant_completion_tokens_total``,
 ``lockgate:tenant_cached_tokens_total``, and ``lockgate:usage_send_failures_total``. The worker is identified by its scrape target (one registry and
 one ``/metrics`` port per worker), not by a label. Not

@@ -25,10 +25,10 @@ acknowledged only after all of its tokens are.
 Failure: a record is retried ``retries`` times (backoff 0.1 s doubling); then every request in it
 is forgotten here (what it still had queued too, so no later chunk leaves a gap) and
 ``on_failed(key, None)`` is called for each: the worker runs it again, then answers it with an
-error, then dead-letters it (engine_workers/worker/send_failures.py), never leaving it to pin its
+error, then dead-letters it (engine_workers/worker/replies/failures.py), never leaving it to pin its
 partition's commits. While one partition's record is being retried, the topic's next round waits.
 A round's record over ``max_record_bytes`` (the producer's limit) is sent as several records of
-that partition, in order (engine_workers/worker/reply_split.py).
+that partition, in order (engine_workers/worker/replies/split.py).
 A reply topic that does not exist is not a failure that a retry or another worker can mend: its
 requests are *undeliverable*, and ``on_failed(key, reason)`` says so (the worker dead-letters and
 commits them, so one request naming a missing topic cannot pin its partition's commits). The
@@ -38,7 +38,7 @@ its requester has just created may not be in every broker's metadata yet) and af
 create it for no reader, and on one without would wait out the request timeout. Those checks and
 the partition counts are :class:`~engine_workers.worker.reply_topics.ReplyTopics`' (``topics``).
 The worker's intake asks :meth:`verify` before the first request naming a topic runs
-(engine_workers/worker/reply_gate.py), so a request to a missing topic is dead-lettered without a
+(engine_workers/worker/replies/gate.py), so a request to a missing topic is dead-lettered without a
 prefill; the rounds' own checks catch a topic deleted later.
 
 Concurrency: ``chunk``/``final``/``drop`` are synchronous and called from the event loop only.

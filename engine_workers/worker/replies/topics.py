@@ -10,7 +10,7 @@ requests naming it costs one metadata request each, not a prefill each. Partitio
 cached (up to ``MAX_CACHED_TOPICS`` topics: reply topics may be per request) for
 :class:`~engine_workers.worker.reply_sender.ReplySender`'s rounds, which group a round by the
 partition each request id maps to; the worker's intake asks :meth:`ReplyTopics.verify` before
-the first request naming a topic runs (engine_workers/worker/reply_gate.py).
+the first request naming a topic runs (engine_workers/worker/replies/gate.py).
 
 Concurrency: called from the event loop only; :meth:`ReplyTopics.stop` cancels the checks in progress.
 """

@@ -1,6 +1,6 @@
 """bus.kafka.outage without a broker: the refresh backoff's schedule, the throttle around a client's
 refresh, and the repeat limiter on log lines. (The whole of it against a stopped and restarted
-broker: tests/engine_workers/test_worker_kafka.py.)"""
+broker: tests/engine_workers/worker/test_worker_kafka.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fair share within a tier (worker/fair.py in the intake), pure, with a simulated clock."""
+"""Fair share within a tier (worker/intake/fair.py in the intake), pure, with a simulated clock."""
 
 import pytest
 

@@ -1,5 +1,5 @@
 """Per-tenant usage: counters labelled by tenant and one UsageRecord per finished request on
-``<ns>.usage`` (engine_workers/worker/usage.py)."""
+``<ns>.usage`` (engine_workers/worker/health/usage.py)."""
 
 from __future__ import annotations
 
