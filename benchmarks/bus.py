@@ -66,7 +66,8 @@ def local_broker_pids(url: str) -> list[int] | None:
     nothing of ours running there)."""
     if not url.startswith("kafka://"):
         return None
-    from bus import kafka_bootstrap, kafka_local
+    from bus import kafka_bootstrap
+    from lockgate.testing import kafka_local
 
     try:
         hosts = kafka_bootstrap(url)

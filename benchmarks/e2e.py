@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 
 from benchmarks.bus import local_broker_pids, process_cpu_s
-from bus.messages import (
+from bus import (
     Finished,
     InferenceRequest,
     SamplingParams,
@@ -53,7 +53,7 @@ from engine_workers.worker.convert import engine_params
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUSES = ("memory://", "kafka://127.0.0.1:9092")  # the product defaults (bus/kafka.py)
+DEFAULT_BUSES = ("memory://", "kafka://127.0.0.1:9092")  # the product defaults (bus/kafka/bus.py)
 
 
 def workload(n: int, seed: int, vocab: int) -> list[tuple[tuple[int, ...], SamplingParams]]:

@@ -27,7 +27,7 @@ import time
 
 from benchmarks.edge_floor import send_floor_us
 from benchmarks.edge_load import GcPauses, client_proc
-from bus.topics import TopicLayout
+from bus import TopicLayout
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
 
 MODEL = "bench"

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from engine_workers.worker.intake_sim import (
+from engine_workers.worker.intake.queue_sim import (
     MODES,
     Overload,
     Sample,

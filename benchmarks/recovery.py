@@ -32,8 +32,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from bus import TopicLayout, connect
-from bus.messages import Finished, InferenceRequest, SamplingParams, TokenChunk, decode, encode, replies_of
+from bus import Finished, InferenceRequest, SamplingParams, TokenChunk, TopicLayout, connect, decode, encode, replies_of
 
 SETTLE_S = 60.0
 

@@ -265,7 +265,7 @@ async def bench(cfg: BenchConfig) -> dict:
         tok = (await asyncio.to_thread(Tokenizer.for_model, cfg.model)).tokenizer
         b = busmod.connect(cfg.bus_url)
         await b.start()
-        from bus.topics import TopicLayout
+        from bus import TopicLayout
 
         bt = BusTarget(b, model_name(cfg.model), TopicLayout(namespace=cfg.namespace))
         try:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from bus.messages import InferenceRequest, SamplingParams, encode
+from bus import InferenceRequest, SamplingParams, encode
 from producers.collector import ReplyCollector
 from producers.timing import RequestTiming
 
@@ -151,7 +151,7 @@ class WsTarget:
 
 class BusTarget:
     def __init__(self, bus, model: str, layout=None) -> None:
-        from bus.topics import TopicLayout
+        from bus import TopicLayout
 
         self.bus = bus
         self.model = model

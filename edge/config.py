@@ -21,8 +21,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.messages import MAX_WEIGHT, MIN_WEIGHT, Tier
-from bus.topics import TopicLayout
+from bus import MAX_WEIGHT, MIN_WEIGHT, Tier, TopicLayout
 
 DEFAULT_REQUESTS_PER_MIN = 120
 DEFAULT_TOKENS_PER_MIN = 500_000

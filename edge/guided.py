@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from bus.messages import SamplingParams
+from bus import SamplingParams
 from tokenization.grammars import GrammarCache, guided_spec
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from bus import ChatMessage, ErrorCode, SamplingParams
 from tokenization.prompts import PromptTokenizer
 
 MAX_ID_LEN = 128

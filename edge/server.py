@@ -34,8 +34,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from bus.base import Bus
-from bus.messages import DecodeError, WorkerStatus, decode
+from bus import Bus, DecodeError, WorkerStatus, decode
 from edge.admission.auth import AuthError, Principal, extract_key, select_subprotocol
 from edge.admission.gate import Admission
 from edge.admission.router import checkpoint

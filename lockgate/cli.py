@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    from bus.base import BusError
+    from bus import BusError
 
     try:
         rc = func(args)

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 
-from bus.logcontext import REQUEST_ID, TRACE_ID
+from bus import REQUEST_ID, TRACE_ID
 
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

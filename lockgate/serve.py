@@ -18,6 +18,7 @@ import sys
 from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
 from lockgate.options import add_engine_args, engine_config_from_args, env_default
 from lockgate.runtime import freeze_heap, run_loop
+from lockgate.worker_flags import add_worker_flags, worker_config_from_args
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     p.add_argument("--keys", default=env_default("keys", None), help="API key file; none = dev mode [LOCKGATE_KEYS]")
     p.add_argument("--bus", default=env_default("serve-bus", "memory://lockgate"),
                    help="bus URL; memory:// keeps everything in-process [LOCKGATE_SERVE_BUS]")
-    p.add_argument("--intake-mode", choices=("aging", "strict", "fifo"), default=env_default("intake-mode", "aging"))
-    p.add_argument("--aging-period", type=float, default=env_default("aging-period", 2.0))
-    p.add_argument("--metrics-port", type=int, default=env_default("metrics-port", None),
-                   help="worker /metrics port (the edge serves /metrics on its own port) [LOCKGATE_METRICS_PORT]")
+    add_worker_flags(p)
     p.set_defaults(func=_serve)
 
 
@@ -42,24 +40,21 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
                        freeze: bool = True) -> int:
     """Run until ``stop`` is set (or a signal). ``ready`` receives the edge's bound port."""
     import bus as busmod
-    from bus.topics import TopicLayout
     from edge.config import EdgeConfig, load_keys
     from edge.server import Edge
     from engine_workers.engine.core import Engine
-    from engine_workers.worker.actor import Worker, WorkerConfig
+    from engine_workers.worker.actor import Worker
     from lockgate.commands.edge import DEV_BANNER
     from lockgate.runtime import raise_nofile
     from tokenization.model_store import model_name
 
-    name = model_name(args.model)
-    layout = TopicLayout()
+    worker_cfg = worker_config_from_args(args, model_name(args.model))
+    name, layout = worker_cfg.model, worker_cfg.layout
     keys = load_keys(args.keys) if args.keys else None
     engine = await asyncio.to_thread(Engine, engine_config_from_args(args))
     edge_cfg = EdgeConfig(model=name, model_path=str(engine.loaded.path), host=args.host, port=args.port, keys=keys, layout=layout,
                           openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser)
-    worker_cfg = WorkerConfig(model=name, layout=layout, intake_mode=args.intake_mode, aging_period_s=args.aging_period,
-                              metrics_port=args.metrics_port)
     if edge_cfg.dev_mode:
         print(DEV_BANNER.format(tier=edge_cfg.dev_tier), file=sys.stderr, flush=True)
     raise_nofile()

@@ -29,9 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bus.base import Bus
-from bus.messages import Cancel, ErrorCode, InferenceRequest, Tier, encode
-from bus.topics import TopicLayout
+from bus import Bus, Cancel, ErrorCode, InferenceRequest, Tier, TopicLayout, encode
 from producers.collector import ReplyCollector
 from producers.openai_batch import (
     DEFAULT_MAX_TOKENS,

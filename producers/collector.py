@@ -30,8 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bus.base import Bus, BusError, Consumer, StartFrom
-from bus.messages import DecodeError, Error, Finished, TokenChunk, decode, replies_of
+from bus import Bus, BusError, Consumer, DecodeError, Error, Finished, StartFrom, TokenChunk, decode, replies_of
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bus.messages import ChatMessage
+from bus import ChatMessage
 from tokenization.prompts import PromptTokenizer
 
 

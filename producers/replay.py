@@ -24,10 +24,7 @@ import secrets
 import time
 from dataclasses import dataclass, field, replace
 
-from bus.base import Bus, TopicSpec
-from bus.messages import DecodeError, InferenceRequest, decode, encode
-from bus.topics import TopicLayout
-from bus.window import read_time_window
+from bus import Bus, DecodeError, InferenceRequest, TopicLayout, TopicSpec, decode, encode, read_time_window
 from producers.collector import Reply, ReplyCollector
 from producers.timing import RequestTiming, Summary
 

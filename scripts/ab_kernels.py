@@ -24,7 +24,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from benchmarks.engine import make_workload
-    from bus.messages import SamplingParams
+    from bus import SamplingParams
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from engine_workers.kernels import cpu_kernels, torch_thread

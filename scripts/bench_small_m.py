@@ -59,7 +59,7 @@ def layer_shapes(rows: list[int], rounds: int) -> None:
 
 def decode_steps(batches: list[int], steps: int, rounds: int) -> None:
     from benchmarks.engine import make_workload
-    from bus.messages import SamplingParams
+    from bus import SamplingParams
     from engine_workers.engine import torch_thread
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine

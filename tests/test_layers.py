@@ -43,6 +43,8 @@ def test_the_layer_contracts_are_kept() -> None:
     ("edge/openai/_probe.py", "import edge.ws.session\n",
      "The edge's WebSocket and OpenAI front ends are independent"),
     ("edge/admission/_probe.py", "import edge.openai.tool_parsers\n", "Edge admission knows neither front end"),
+    ("edge/_probe.py", "from bus.messages import Tier\n", "Code outside bus/ imports the bus through its facade"),
+    ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:
@@ -51,7 +53,7 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, lin
     (tmp_path / module).write_text(line)
     if module == "bus/_probe.py" and "kafka" in line:
         # close the loop: bus.kafka -> bus._probe -> bus.kafka
-        kafka = tmp_path / "bus" / "kafka.py"
+        kafka = tmp_path / "bus" / "kafka" / "bus.py"
         kafka.write_text(kafka.read_text() + "\nimport bus._probe  # noqa: E402\n")
     run = _lint_imports(tmp_path)
     assert run.returncode != 0, run.stdout

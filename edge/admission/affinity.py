@@ -35,8 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bus.messages import ChatMessage, InferenceRequest
-from bus.partitioner import partition_for_key
+from bus import ChatMessage, InferenceRequest, partition_for_key
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from bus.base import Bus
-from bus.logcontext import bound
-from bus.messages import Cancel, Error, ErrorCode, Finished, InferenceRequest, encode
+from bus import Bus, Cancel, Error, ErrorCode, Finished, InferenceRequest, bound, encode
 from edge.admission.affinity import Placement, PrefixAffinity
 from edge.admission.auth import Authenticator, Principal
 from edge.admission.ratelimit import RateLimiter

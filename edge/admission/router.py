@@ -27,14 +27,15 @@ from typing import Protocol
 
 import orjson
 
-from bus.base import Bus, Record
-from bus.messages import (
+from bus import (
     SCHEMA_VERSION,
+    Bus,
     DecodeError,
     Error,
     ErrorCode,
     Finished,
     Message,
+    Record,
     TokenChunk,
     decode,
     replies_of,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bus.messages import WorkerStatus
+from bus import WorkerStatus
 
 MIN_RETRY_S = 1.0
 MAX_RETRY_S = 30.0

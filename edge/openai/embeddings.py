@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bus.messages import Error, ErrorCode, Finished, SamplingParams
+from bus import Error, ErrorCode, Finished, SamplingParams
 from edge.admission.auth import AuthError
 from edge.admission.gate import Admission, Admitted
 from edge.admission.router import Stream

@@ -170,46 +170,16 @@ class OpenAIServer:
         except ProtocolError as exc:
             adm.reject(exc.code, API)
             return _error(exc.code, exc.message, exc.field, exc.retry_after)
-        if req.n > 1 or len(req.batch) > 1:
-            return await self._choices(request, req, principal)
-        transport = request.transport
-        sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
-                            on_overflow=lambda: transport.abort() if transport is not None else None,
-                            echo=_echo(req, req.generate, encoder))
-        try:
-            admitted = await adm.admit(req.generate, principal, sink, API, client_id="")
-        except ProtocolError as exc:
-            adm.reject(exc.code, API)
-            field = exc.field
-            if field is not None and field.startswith("guided_") and field not in body:
-                # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai.tools)
-                field = "response_format" if body.get("response_format") is not None else "tools"
-            return _error(exc.code, exc.message, field, exc.retry_after)
-        assert admitted is not None
-        s = admitted.stream
-        sink.bind(s, admitted.request.sampling.seed)
-        try:
-            if req.stream:
-                return await self._stream(request, sink, admitted)
-            await adm.publish(admitted)
-            while not sink.closed:
-                await sink.wait()
-            if sink.error is not None:
-                status, err, retry_after = sink.error
-                return _json(status, err, retry_after)
-            return _json(200, sink.response())
-        finally:
-            if not s.ended:  # the client went away (handler cancelled) or the write failed
-                adm.count_end(s, "abort", asyncio.get_running_loop().time())
-                adm.release(s, s.next_seq, "disconnect")
+        return await self._answer(request, req, principal, body)
 
-    async def _choices(self, request: web.Request, req: OpenAIRequest, principal: Principal) -> web.StreamResponse:
-        """``n`` > 1 or a batch of prompts: one request on the bus per choice of each prompt, with
-        seeds ``seed``, ``seed + 1``, ... per prompt (the client's seed, or one drawn), so the
-        choices differ and each is reproducible and resumable on its own; choice ``i`` of prompt
-        ``p`` is index ``p * n + i``; their sinks share one wake-up; one answer (or one event
-        stream) holds them all. A choice refused at admission refunds the others; one failing
-        fails the whole answer."""
+    async def _answer(self, request: web.Request, req: OpenAIRequest, principal: Principal,
+                       body: dict[str, Any]) -> web.StreamResponse:
+        """Every chat and completions request, ``n`` = 1 included (one choice of one prompt): one
+        request on the bus per choice of each prompt, with seeds ``seed``, ``seed + 1``, ... per
+        prompt (the client's seed, or one drawn), so the choices differ and each is reproducible
+        and resumable on its own; choice ``i`` of prompt ``p`` is index ``p * n + i``; their sinks
+        share one wake-up; one answer (or one event stream) holds them all. A choice refused at
+        admission refunds the others; one failing fails the whole answer."""
         adm, encoder = self.adm, self.adm.encoder
         assert encoder is not None
         base = req.generate.sampling.seeded().seed
@@ -224,18 +194,22 @@ class OpenAIServer:
                 g = replace(one, sampling=replace(one.sampling, seed=(base + i) % (1 << 63)))
                 sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
                                     on_overflow=lambda: transport.abort() if transport is not None else None,
-                                    index=p * req.n + i, wake=wake, echo=_echo(req, one, encoder))
+                                    wake=wake, index=p * req.n + i, echo=_echo(req, one, encoder))
                 try:
                     a = await adm.admit(g, principal, sink, API, client_id="")
                 except ProtocolError as exc:
                     adm.reject(exc.code, API)
-                    return _error(exc.code, exc.message, exc.field, exc.retry_after)
+                    field = exc.field
+                    if field is not None and field.startswith("guided_") and field not in body:
+                        # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai.tools)
+                        field = "response_format" if body.get("response_format") is not None else "tools"
+                    return _error(exc.code, exc.message, field, exc.retry_after)
                 assert a is not None
                 sink.bind(a.stream, base)
                 sinks.append(sink)
                 admitted.append(a)
             if req.stream:
-                return await self._stream_choices(request, sinks, admitted, wake)
+                return await self._stream(request, sinks, admitted, wake)
             for a in admitted:
                 await adm.publish(a)
             while not all(s.closed for s in sinks):
@@ -253,7 +227,7 @@ class OpenAIServer:
                     adm.count_end(a.stream, "abort", now)
                     adm.release(a.stream, a.stream.next_seq, "disconnect")
 
-    async def _stream_choices(self, request: web.Request, sinks: list[OpenAIStream], admitted: list[Admitted],
+    async def _stream(self, request: web.Request, sinks: list[OpenAIStream], admitted: list[Admitted],
                               wake: asyncio.Event) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
@@ -279,24 +253,3 @@ class OpenAIServer:
         except ConnectionError:  # the client went away (or was cut off as too slow): the caller cancels
             pass
         return resp
-
-    async def _stream(self, request: web.Request, sink: OpenAIStream, admitted: Admitted) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        await resp.prepare(request)
-        try:
-            if sink.req.chat:
-                await resp.write(sink.role_event())
-            await self.adm.publish(admitted)
-            while True:
-                if not sink.pending and not sink.closed:
-                    await sink.wait()
-                data = sink.take()
-                if data:
-                    await resp.write(data)
-                if sink.closed and not sink.pending:
-                    break
-            await resp.write_eof()
-        except ConnectionError:  # the client went away (or was cut off as too slow): the caller cancels
-            pass
-        return resp
-

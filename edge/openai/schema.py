@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bus.messages import ChatMessage, ErrorCode, SamplingParams
+from bus import ChatMessage, ErrorCode, SamplingParams
 from edge.guided import FieldError, guided_fields
 from edge.openai.tools import ToolRequest, history_message, parse_tools
 from edge.request import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from bus.messages import Error, ErrorCode, Finished
+from bus import Error, ErrorCode, Finished
 from edge.admission.gate import Admission
 from edge.admission.router import Stream
 from edge.openai.reasoning import REASONING, ReasoningStream
@@ -34,15 +34,14 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 class OpenAIStream:
-    """The sink of one request. ``bind`` after admission; then the handler loops on
-    :meth:`wait` + :meth:`take` (streaming) or awaits :meth:`wait` until ``closed`` (not)."""
+    """The sink of one choice of a request. ``bind`` after admission; then the handler loops on
+    the shared wake event + :meth:`take` (streaming) or waits on it until ``closed`` (not)."""
 
     def __init__(self, adm: Admission, req: OpenAIRequest, encoder: PromptEncoder, max_pending: int,
-                 on_overflow: Callable[[], None], index: int = 0, wake: asyncio.Event | None = None,
-                 echo: str = "") -> None:
-        """``index``: the choice this sink answers (``n`` > 1: one sink per choice, sharing the
-        handler's ``wake`` event; the handler then writes the role events, the usage chunk and
-        ``[DONE]`` for all of them, so a sink with ``index`` > 0 or a shared event writes none).
+                 on_overflow: Callable[[], None], wake: asyncio.Event, index: int = 0, echo: str = "") -> None:
+        """``index``: the choice this sink answers (one sink per choice, ``n`` = 1 included, all
+        sharing the handler's ``wake`` event; the handler writes the role events, the usage chunk
+        and ``[DONE]`` for all of them, so a sink writes none).
         ``echo``: completions' ``echo``, the prompt's text, sent before the choice's own."""
         self.adm = adm
         self.req = req
@@ -63,8 +62,7 @@ class OpenAIStream:
         self.closed = False  # the stream ended: nothing more will be added
         self.index = index
         self.echo = echo
-        self.solo = wake is None
-        self._wake = wake if wake is not None else asyncio.Event()
+        self._wake = wake
         self._prefix = b""
         self._suffix = b""
         self._text_offset = 0
@@ -199,10 +197,6 @@ class OpenAIStream:
                 choice["text"] = ""
             self.pending.append(sse(self.head(choices=[choice],
                                                **({"usage": None} if self.req.include_usage else {}))))
-            if self.solo:
-                if self.req.include_usage:
-                    self.pending.append(sse(self.head(choices=[], usage=self.usage)))
-                self.pending.append(DONE)
         self.closed = True
         self._wake.set()
 
@@ -222,18 +216,12 @@ class OpenAIStream:
         self.adm.release(s, s.next_seq, cancel_reason)
         status, body = error_body(code, message)
         self.error = (status, body, retry_after)
-        if self.req.stream:  # after the 200 went out the error is an event, then [DONE]
+        if self.req.stream:  # after the 200 went out the error is an event (the handler then writes [DONE])
             self.pending.append(sse(body))
-            if self.solo:
-                self.pending.append(DONE)
         self.closed = True
         self._wake.set()
 
     # --- the handler's side -------------------------------------------------------------------
-    async def wait(self) -> None:
-        await self._wake.wait()
-        self._wake.clear()
-
     def take(self) -> bytes:
         out, self.pending = self.pending, []
         return b"".join(out)

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from bus.messages import ChatMessage, SamplingParams
+from bus import ChatMessage, SamplingParams
 from edge.guided import GUIDED_FIELDS, FieldError, guided_fields, logit_bias
 from edge.request import MAX_CACHE_SALT, MAX_ID_LEN, MAX_MESSAGES, Generate, ProtocolError
 

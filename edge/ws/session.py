@@ -35,8 +35,8 @@ from typing import Any
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from bus.messages import Error as BusErrorMsg
-from bus.messages import ErrorCode, Finished
+from bus import Error as BusErrorMsg
+from bus import ErrorCode, Finished
 from edge.admission.auth import Principal
 from edge.admission.gate import Admission
 from edge.admission.router import Stream

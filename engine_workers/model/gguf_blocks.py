@@ -4,7 +4,7 @@ Why: the default model ships as a Q4_1 GGUF, and its float32 folder is those blo
 (tokenization/model_store.py). ``--quantization q4_1`` therefore loads the blocks themselves
 (:class:`engine_workers.kernels.block_quant.BlockWeight`) instead of re-quantizing the float32
 weights, which would round them a second time: the engine then computes with exactly the float32
-model's weights (tests/engine_workers/test_block_weights.py proves it bit for bit on SmolLM2).
+model's weights (tests/engine_workers/kernels/test_block_weights.py proves it bit for bit on SmolLM2).
 
 Row mapping (GGUF tensor -> lockgate parameter; blocks run along K, so any row order keeps them):
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Set
 
-from bus.base import TopicPartition
-from bus.messages import FinishReason
+from bus import FinishReason, TopicPartition
 from engine_workers.engine.async_engine import AsyncEngine
-from engine_workers.worker.answers import Answers
-from engine_workers.worker.intake import IntakeQueue
-from engine_workers.worker.ledger import Job, RequestLedger
-from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.intake.queue import IntakeQueue
+from engine_workers.worker.offsets.ledger import Job, RequestLedger
+from engine_workers.worker.replies.answers import Answers
+from engine_workers.worker.replies.sender import ReplySender
 
 RECENT_CANCELS = 10_000  # request ids remembered as cancelled: a cancel may arrive before its request
 

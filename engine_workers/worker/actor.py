@@ -35,39 +35,42 @@ import logging
 import time
 from collections.abc import Callable
 
-from bus.base import Bus, BusError, Consumer, TopicPartition
-from bus.messages import (
+from bus import (
+    Bus,
+    BusError,
+    Consumer,
     DecodeError,
     ErrorCode,
     FinishReason,
     InferenceRequest,
+    TopicPartition,
     WorkerStatus,
     decode,
+    safe_name,
 )
-from bus.topics import safe_name
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.core import Engine, RequestOutput
 from engine_workers.worker.aborts import Aborts
 from engine_workers.worker.admission import EngineAdmission
-from engine_workers.worker.answers import Answers
 from engine_workers.worker.config import WorkerConfig
-from engine_workers.worker.health import HealthServer
-from engine_workers.worker.intake import (
+from engine_workers.worker.health.metrics import CONTENT_TYPE, WorkerMetrics
+from engine_workers.worker.health.server import HealthServer
+from engine_workers.worker.health.usage import UsageLog
+from engine_workers.worker.intake.queue import (
     IntakePolicy,
     IntakeQueue,
     aging_start,
     parse_intake_mode,
 )
-from engine_workers.worker.ledger import Job, RequestLedger
 from engine_workers.worker.loops import heartbeat, read_cancels
-from engine_workers.worker.metrics import CONTENT_TYPE, WorkerMetrics
-from engine_workers.worker.offsets import OffsetTracker
-from engine_workers.worker.outputs import StepOutputs
-from engine_workers.worker.reply_gate import ReplyGate
-from engine_workers.worker.reply_sender import ReplySender
-from engine_workers.worker.resume import ResumeFinder
-from engine_workers.worker.send_failures import SendFailures
-from engine_workers.worker.usage import UsageLog
+from engine_workers.worker.offsets.ledger import Job, RequestLedger
+from engine_workers.worker.offsets.resume import ResumeFinder
+from engine_workers.worker.offsets.watermark import OffsetTracker
+from engine_workers.worker.replies.answers import Answers
+from engine_workers.worker.replies.failures import SendFailures
+from engine_workers.worker.replies.gate import ReplyGate
+from engine_workers.worker.replies.outputs import StepOutputs
+from engine_workers.worker.replies.sender import ReplySender
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,13 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 
-from bus.base import Consumer
-from bus.messages import ErrorCode, WorkerStatus
+from bus import Consumer, ErrorCode, WorkerStatus
 from engine_workers.engine.async_engine import AsyncEngine
-from engine_workers.worker.answers import Answers
 from engine_workers.worker.convert import engine_params
-from engine_workers.worker.fair import request_cost
-from engine_workers.worker.intake import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
-from engine_workers.worker.ledger import Job, RequestLedger
+from engine_workers.worker.intake.fair import request_cost
+from engine_workers.worker.intake.queue import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
+from engine_workers.worker.offsets.ledger import Job, RequestLedger
+from engine_workers.worker.replies.answers import Answers
 
 log = logging.getLogger(__name__)
 

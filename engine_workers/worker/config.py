@@ -9,8 +9,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from bus.topics import TopicLayout, safe_name
-from engine_workers.worker.intake import (
+from bus import TopicLayout, safe_name
+from engine_workers.worker.intake.queue import (
     DEFAULT_AGING_PERIOD_S,
     IntakeMode,
     IntakePolicy,
@@ -28,7 +28,7 @@ class WorkerConfig:
     # Aging periods of time on the topic that count, at most (intake.aging_start); None = all.
     age_credit_periods: float | None = None
     # Within a tier, share admissions across tenants by start-time fair queueing over tokens, at
-    # each request's ``weight`` (worker/fair.py; docs/worker.md, "Fair share"); off: FIFO per tier.
+    # each request's ``weight`` (worker/intake/fair.py; docs/worker.md, "Fair share"); off: FIFO per tier.
     fair_share: bool = True
     prefetch_per_tier: int = 4
     heartbeat_s: float = 0.5

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from bus import messages
+import bus
 from engine_workers.engine.params import SamplingParams
 
 _FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
-def engine_params(wire: messages.SamplingParams) -> SamplingParams:
+def engine_params(wire: bus.SamplingParams) -> SamplingParams:
     """The engine's :class:`SamplingParams` for a request's (already validated) wire parameters.
     Every engine field has a wire field of the same name; a new engine field without one fails here
     at import of the first request, not silently."""

@@ -11,8 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from bus.base import Bus, BusError, Consumer
-from bus.messages import Cancel, DecodeError, WorkerStatus, decode, encode
+from bus import Bus, BusError, Cancel, Consumer, DecodeError, WorkerStatus, decode, encode
 
 log = logging.getLogger(__name__)
 

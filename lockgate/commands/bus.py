@@ -92,7 +92,7 @@ def _topic_args(p: argparse.ArgumentParser, verb: str) -> None:
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    from bus import kafka_local
+    from lockgate.testing import kafka_local
 
     base = Path(args.dir).expanduser()
     try:
@@ -154,8 +154,7 @@ def _topics_ensure(args: argparse.Namespace) -> int:
 
 
 def _topics_delete(args: argparse.Namespace) -> int:
-    from bus import TopicLayout
-    from bus.base import checked_topic_names
+    from bus import TopicLayout, checked_topic_names
     from tokenization.model_store import model_name
 
     layout = TopicLayout(namespace=args.namespace)
@@ -198,10 +197,14 @@ def _topics_list(args: argparse.Namespace) -> int:
 def _dlq(args: argparse.Namespace) -> int:
     from datetime import datetime
 
-    from bus import TopicLayout
-    from bus.deadletter import read_dead_letters
-    from bus.messages import DecodeError, InferenceRequest, decode
-    from bus.window import parse_time_ms  # the time forms `lockgate replay` takes
+    from bus import (
+        DecodeError,
+        InferenceRequest,
+        TopicLayout,
+        decode,
+        parse_time_ms,  # the time forms `lockgate replay` takes
+        read_dead_letters,
+    )
 
     since, until = parse_time_ms(args.since), parse_time_ms(args.until)
     if until < since:

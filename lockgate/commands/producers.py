@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
 def _batch_run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from bus.topics import TopicLayout
+    from bus import TopicLayout
     from producers.batch import BatchConfig, run_batch
     from producers.prompting import Tokenizer
     from tokenization.model_store import model_name
@@ -70,8 +70,7 @@ def _batch_run(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     import asyncio
 
-    from bus.topics import TopicLayout
-    from bus.window import parse_time_ms
+    from bus import TopicLayout, parse_time_ms
     from producers.replay import ReplayConfig, run_replay
 
     cfg = ReplayConfig(bus_url=args.bus, topics=tuple(args.topic), since_ms=parse_time_ms(args.since),

@@ -1,2 +1,3 @@
-"""Test doubles shared by the tests and the benchmarks: the tiny random Llama and the fake worker.
-Not product code: no product package imports them."""
+"""Test doubles and dev tools shared by the tests, the benchmarks and `lockgate kafka`: the tiny random
+Llama, the fake worker, and the local Kafka launcher (``kafka_local``). Not product code: no product
+package imports them."""

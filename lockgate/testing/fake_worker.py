@@ -28,23 +28,24 @@ import math
 import time
 from collections.abc import Callable
 
-from bus.base import Bus, Consumer
-from bus.messages import (
+from bus import (
+    Bus,
     Cancel,
+    Consumer,
     DecodeError,
     Error,
     Finished,
     FinishReason,
     InferenceRequest,
     Timings,
+    TopicLayout,
     Usage,
     WorkerStatus,
     decode,
     encode,
 )
-from bus.topics import TopicLayout
 from edge.admission.router import checkpoint
-from engine_workers.worker.reply_sender import ReplySender
+from engine_workers.worker.replies.sender import ReplySender
 
 log = logging.getLogger(__name__)
 

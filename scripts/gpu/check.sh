@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,n
 python3 -c "import torch, transformers, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 
 stage "gpu tests (warnings as errors, as in CI)"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine_workers/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine_workers/engine/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 
 stage "random weights at the default model's shape"
 timeout 60 python3 scripts/gpu/random_like.py .gpu/smol /tmp/smol || exit 1

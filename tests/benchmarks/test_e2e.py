@@ -39,7 +39,7 @@ def test_bench_e2e_repeat_keeps_each_paths_fastest_run(tiny_model_dir, capsys):
 
 
 def test_bench_e2e_deletes_its_topics(tiny_model_dir, capsys):
-    from bus.memory import forget_named, named_broker
+    from bus import forget_named, named_broker
 
     name = "bench-e2e-cleanup"
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.messages import Cancel, SamplingParams, TokenChunk
+from bus import Cancel, SamplingParams, TokenChunk
 from edge.admission.router import SpliceMismatch, Stream, dedupe
 from edge.config import EdgeConfig
 from edge.server import Edge

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.messages import TokenChunk, WorkerStatus
+from bus import TokenChunk, WorkerStatus
 from edge.admission.auth import Authenticator, AuthError, extract_key, select_subprotocol
 from edge.admission.ratelimit import KeyLimiter, TokenBucket
 from edge.admission.router import Stream, dedupe
@@ -270,7 +270,7 @@ def test_text_frames_match_websockets_framing_and_parse_back():
 
 
 def test_fast_chunk_decode_matches_bus_decode():
-    from bus.messages import (
+    from bus import (
         DecodeError,
         Error,
         Finished,
@@ -338,7 +338,7 @@ async def test_tick_flusher_flushes_each_session_once_per_tick_and_isolates_fail
 async def test_fake_worker_steps_on_its_phase_grid():
     """`bench edge --workers N`: worker k steps at k * step / N + j * step of the monotonic clock, so a
     fleet's bursts interleave; without a phase a worker steps as soon as work arrives."""
-    from bus.memory import MemoryBus
+    from bus import MemoryBus
     from lockgate.testing.fake_worker import FakeWorker
 
     bus = MemoryBus()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.logcontext import REQUEST_ID, bound
+from bus import REQUEST_ID, bound
 from lockgate.logformat import JsonFormatter, configure
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.topics import TopicLayout
+from bus import TopicLayout
 
 
 @pytest.fixture(scope="session")

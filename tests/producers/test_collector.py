@@ -6,8 +6,7 @@ import asyncio
 
 import pytest
 
-from bus import MemoryBus
-from bus.messages import Error, Finished, TokenChunk, Usage, encode
+from bus import Error, Finished, MemoryBus, TokenChunk, Usage, encode
 from producers.collector import ReplyCollector
 
 

@@ -9,8 +9,7 @@ import time
 import pytest
 
 import bus as busmod
-from bus.messages import InferenceRequest, SamplingParams, encode
-from bus.window import parse_time_ms
+from bus import InferenceRequest, SamplingParams, encode, parse_time_ms
 from producers.collector import ReplyCollector
 from producers.replay import ReplayConfig, replay_id, run_replay
 from tests.producers.conftest import serving

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from bus.messages import Error, ErrorCode, Finished
+from bus import Error, ErrorCode, Finished
 from edge.admission.gate import Admission
 from edge.admission.router import Stream
 from edge.openai.reasoning import REASONING, ReasoningStream
