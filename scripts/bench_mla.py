@@ -39,10 +39,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    import torch.nn.functional as F
 
-    from engine_workers.kernels.paged_reference import gather_blocks
-    from engine_workers.model.attention import build_metadata
     from engine_workers.model.llama import RMSNorm
     from engine_workers.model.mla import MlaAttention, MlaSpec
 
@@ -58,35 +55,50 @@ def main() -> None:
     print(f"{'batch':>5} {'context':>7} {'absorbed ms':>11} {'expanded ms':>11} {'ratio':>6} {'max diff':>9}")
     for b in (int(x) for x in args.batches.split(",")):
         for ctx in (int(x) for x in args.contexts.split(",")):
-            per = -(-(ctx + 1) // bs)
-            tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
-            c_cache = torch.randn(b * per * bs, 1, rank, generator=gen)
-            pe_cache = torch.randn(b * per * bs, 1, rope, generator=gen)
-            meta, _ = build_metadata([(ctx, 1, t) for t in tables], bs, torch.device("cpu"), max_decode_groups=1)
-            q_nope = torch.randn(b, h, nope, generator=gen)
-            q_pe = torch.randn(b, h, rope, generator=gen)
-            out_a = torch.empty(b, h, v)
-
-            def absorbed() -> None:
-                layer._decode(q_nope, q_pe, c_cache, pe_cache, meta, out_a)
-
-            def expanded() -> torch.Tensor:
-                g = meta.decode[0]
-                c = gather_blocks(c_cache, g.blocks, bs)[:, :, 0]  # [B, N, R]
-                pe = gather_blocks(pe_cache, g.blocks, bs)[:, :, 0]
-                n = c.shape[1]
-                kv = F.linear(c, layer.kv_b).view(b, n, h, nope + v)
-                k = torch.cat([kv[..., :nope], pe[:, :, None, :].expand(b, n, h, rope)], dim=-1)
-                q = torch.cat([q_nope, q_pe], dim=-1)[:, :, None, :]  # [B, H, 1, nope + rope]
-                assert g.mask is not None
-                return F.scaled_dot_product_attention(q, k.transpose(1, 2), kv[..., nope:].transpose(1, 2),
-                                                      attn_mask=g.mask, scale=spec.scale)[:, :, 0]
-
-            with torch.inference_mode():
-                ta = _best_ms(absorbed, args.repeats)
-                te = _best_ms(expanded, args.repeats)
-                diff = (out_a - expanded()).abs().max().item()
+            ta, te, diff = _measure(layer, spec, (h, rank, nope, rope, v), b, ctx, bs, gen, args.repeats)
             print(f"{b:>5} {ctx:>7} {ta:>11.2f} {te:>11.2f} {te / ta:>6.1f} {diff:>9.1e}")
+
+
+def _measure(layer, spec, dims: tuple[int, int, int, int, int], b: int, ctx: int, bs: int, gen,
+             repeats: int) -> tuple[float, float, float]:
+    """One (batch, context) point: best-of times of the absorbed and expanded decode, and their max difference."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine_workers.kernels.paged_reference import gather_blocks
+    from engine_workers.model.attention import build_metadata
+
+    h, rank, nope, rope, v = dims
+    per = -(-(ctx + 1) // bs)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+    c_cache = torch.randn(b * per * bs, 1, rank, generator=gen)
+    pe_cache = torch.randn(b * per * bs, 1, rope, generator=gen)
+    meta, _ = build_metadata([(ctx, 1, t) for t in tables], bs, torch.device("cpu"), max_decode_groups=1)
+    q_nope = torch.randn(b, h, nope, generator=gen)
+    q_pe = torch.randn(b, h, rope, generator=gen)
+    out_a = torch.empty(b, h, v)
+
+    def absorbed() -> None:
+        layer._decode(q_nope, q_pe, c_cache, pe_cache, meta, out_a)
+
+    def expanded() -> torch.Tensor:
+        g = meta.decode[0]
+        c = gather_blocks(c_cache, g.blocks, bs)[:, :, 0]  # [B, N, R]
+        pe = gather_blocks(pe_cache, g.blocks, bs)[:, :, 0]
+        n = c.shape[1]
+        kv = F.linear(c, layer.kv_b).view(b, n, h, nope + v)
+        k = torch.cat([kv[..., :nope], pe[:, :, None, :].expand(b, n, h, rope)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)[:, :, None, :]  # [B, H, 1, nope + rope]
+        assert g.mask is not None
+        return F.scaled_dot_product_attention(q, k.transpose(1, 2), kv[..., nope:].transpose(1, 2),
+                                              attn_mask=g.mask, scale=spec.scale)[:, :, 0]
+
+    with torch.inference_mode():
+        ta = _best_ms(absorbed, repeats)
+        te = _best_ms(expanded, repeats)
+        diff = (out_a - expanded()).abs().max().item()
+    return ta, te, diff
+
 
 
 if __name__ == "__main__":
