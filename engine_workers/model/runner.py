@@ -132,7 +132,7 @@ class ModelRunner:
 
         Returns float32 logits ``[S, vocab]`` for the chunks with ``samples=True``, in order; with
         ``every_row``, ``[T, vocab]`` for every token of the batch (next-token logits at each
-        position: what perplexity needs, benchmarks/accuracy.py). ``hidden_out``: when given, the
+        position: what perplexity needs, benchmarks/engine/accuracy.py). ``hidden_out``: when given, the
         same rows' final-norm hidden states ``[S, hidden]`` (float32) are appended to it (embeddings).
         """
         ids: list[int] = []
