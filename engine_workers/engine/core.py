@@ -98,10 +98,14 @@ class _Req:
 class Engine:
     """Not thread-safe: one thread calls every method (``AsyncEngine`` ensures this)."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        torch_thread.call(self._init, config or EngineConfig())
+    def __init__(self, config: EngineConfig | None = None, tp_group: TpGroup | None = None) -> None:
+        """``tp_group``: a tensor-parallel group already started, of ``config.tensor_parallel_size``
+        ranks, to load into instead of starting one (its ranks load the new model; the caller closes
+        it, not :meth:`close`). Tests use it to spare a process start per model."""
+        self._own_group = tp_group is None
+        torch_thread.call(self._init, config or EngineConfig(), tp_group)
 
-    def _init(self, config: EngineConfig) -> None:
+    def _init(self, config: EngineConfig, tp_group: TpGroup | None = None) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -119,7 +123,7 @@ class Engine:
         tp = config.tensor_parallel_size
         self.tp_group: TpGroup | None = None
         if tp > 1:
-            loaded = self._load_parallel(config, lowp)
+            loaded = self._load_parallel(config, lowp, tp_group)
         else:
             loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
                                 config.cpu_kernels, lowp)
@@ -145,7 +149,8 @@ class Engine:
                 self.runner = ParallelRunner(self.tp_group, loaded, num_blocks, config.block_size, self.device,
                                              self.dtype, config.cpu_kernels, self.kv_dtype)
             except BaseException:
-                self.tp_group.close()
+                if self._own_group:
+                    self.tp_group.close()
                 raise
         else:
             self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype,
@@ -167,7 +172,7 @@ class Engine:
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
                  num_blocks * config.block_size, str(self.kv_dtype).removeprefix("torch."))
 
-    def _load_parallel(self, config: EngineConfig, lowp: str | None) -> LoadedModel:
+    def _load_parallel(self, config: EngineConfig, lowp: str | None, given: TpGroup | None) -> LoadedModel:
         """Start the tensor-parallel group (``self.tp_group``) and load every rank's shard."""
         tp = config.tensor_parallel_size
         if self.device.type == "cuda":
@@ -178,18 +183,21 @@ class Engine:
                              "parallelism runs on CPU (gloo): --device cpu")
         if not config.num_threads:  # one torch thread per rank: the ranks share the host's cores
             torch.set_num_threads(1)
-        group = self.tp_group = TpGroup(tp)
+        if given is not None and given.world != tp:
+            raise ValueError(f"tp_group has {given.world} ranks, tensor_parallel_size is {tp}")
+        group = self.tp_group = given or TpGroup(tp)
         try:
             return load_group(group, dict(spec=config.model, dtype=self.dtype, device=self.device,
                                                   max_len=config.max_model_len, weight_prepack=config.weight_prepack,
                                                   cpu_kernels=config.cpu_kernels, lowp=lowp))
         except BaseException:
-            group.close()
+            if self._own_group:
+                group.close()
             raise
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do without a group). The engine is unusable after."""
-        if self.tp_group is not None:
+        if self.tp_group is not None and self._own_group:
             self.tp_group.close()
 
     # -- input ------------------------------------------------------------------------------------

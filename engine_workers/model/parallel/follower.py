@@ -41,9 +41,16 @@ def main(argv: list[str]) -> int:
         if op == "quit":
             return 0
         if op == "load":
-            loaded = load_model(**frame[1], tp_rank=(rank, world))  # type: ignore[index]
+            loaded = runner = None
+            try:
+                loaded = load_model(**frame[1], tp_rank=(rank, world))  # type: ignore[index]
+            except Exception:
+                # rank 0 loads the same checkpoint and meets the same refusal (it reports it); a
+                # failure of this rank alone is seen by rank 0 when it asks for the runner
+                logging.getLogger(__name__).exception("tp rank %d: loading failed", rank)
         elif op == "runner":
-            assert loaded is not None, "load before runner"
+            if loaded is None:
+                return 4  # rank 0 loaded what this rank could not: it sees the exit code
             runner = ModelRunner(loaded, **frame[1])  # type: ignore[index]
             stdout.write(b"ready\n")
             stdout.flush()

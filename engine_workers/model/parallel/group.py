@@ -182,6 +182,12 @@ class TpGroup:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 log.error("tensor-parallel rank pid %d did not exit after SIGKILL", p.pid)
+            for pipe in (p.stdin, p.stdout):
+                if pipe is not None and not pipe.closed:
+                    try:
+                        pipe.close()
+                    except OSError:  # a broken pipe's buffered bytes cannot be flushed: nothing to keep
+                        pass
         if dist.is_initialized():
             # a broken group cannot be destroyed collectively; dropping our side is enough
             dist.destroy_process_group()
