@@ -72,3 +72,38 @@ def test_serve_tp2_completions_equal_tp1(tiny_model_dir, tmp_path):
                 proc.stdout.close()
         for f in files.values():
             f.close()
+
+
+def test_serve_exits_nonzero_when_a_rank_dies(tiny_model_dir, tmp_path):
+    """kill -9 of rank 1: the next request fails with an error (not a hang), and the serving process
+    exits non-zero within a bounded time, as a worker killed outright would."""
+    import urllib.error
+
+    import psutil
+
+    err_path = tmp_path / "serve.txt"
+    with open(err_path, "wb") as err:
+        proc, port = _start(tiny_model_dir, 2, err)
+        try:
+            _wait_ready(proc, err_path)
+            assert _complete(port, "hello")
+            (rank1,) = [c for c in psutil.Process(proc.pid).children() if "parallel.follower" in " ".join(c.cmdline())]
+            rank1.kill()
+            deadline = time.monotonic() + 10  # dead: a zombie until its parent (the server) reaps it
+            while rank1.is_running() and rank1.status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            try:
+                _complete(port, "hello again")
+            except (urllib.error.HTTPError, urllib.error.URLError, ConnectionError, OSError):
+                pass  # an error status, or the connection closed by the exiting server
+            assert proc.wait(60) != 0
+            assert time.monotonic() - t0 < 60
+            assert "rank 1 exited with code -9" in err_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()

@@ -198,3 +198,23 @@ def test_killed_rank_fails_rank0_fast_with_a_clear_error(tiny_model_dir, groups)
     assert time.monotonic() - t0 < 10
     with pytest.raises(TensorParallelError):  # broken for good: every later step says so at once
         engine.generate(["once more"], GREEDY)
+
+
+def test_flag_on_every_engine_command_with_env_twin(monkeypatch):
+    from lockgate.cli import build_parser
+    from lockgate.options import engine_config_from_args
+
+    for cmd in (["serve"], ["worker"], ["bench", "engine"], ["generate", "hi"]):
+        assert engine_config_from_args(build_parser().parse_args(cmd)).tensor_parallel_size == 1, cmd
+        args = build_parser().parse_args([*cmd[:-1], "--tensor-parallel-size", "2", *cmd[-1:]] if cmd[0] == "generate"
+                                         else [*cmd, "--tensor-parallel-size", "2"])
+        assert engine_config_from_args(args).tensor_parallel_size == 2, cmd
+    monkeypatch.setenv("LOCKGATE_TENSOR_PARALLEL_SIZE", "3")
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).tensor_parallel_size == 3
+
+
+def test_cuda_without_devices_refused(tiny_model_dir):
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this host has 2 CUDA devices")
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 on CUDA needs 2 devices; torch sees \d"):
+        Engine(EngineConfig(model=tiny_model_dir, device="cuda", tensor_parallel_size=2))
