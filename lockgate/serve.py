@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -76,7 +77,19 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
                       flush=True)
             if ready is not None and not ready.done():
                 ready.set_result(edge.port)
-            await stop.wait()
+            # until a stop, or the engine's step loop crashes (a tensor-parallel rank died): then
+            # exit non-zero at once, as the worker command does
+            stopped, crash = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.aengine.crashed())
+            await asyncio.wait([stopped, crash], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if crash.done():
+                # Exit at once, as a killed worker would: the edge's open requests wait for replies
+                # no engine will send, and a graceful stop would hold the exit for aiohttp's
+                # shutdown timeout (60 s). The other ranks are already stopped (TpGroup.fail).
+                print(f"lockgate: engine failed, exiting: {crash.result()}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
+            crash.cancel()
             print("lockgate: shutting down (draining running requests)", file=sys.stderr, flush=True)
             await edge.stop()
             await worker.drain()

@@ -87,7 +87,8 @@ class ModelRunner:
                  cpu_kernels: bool = True, kv_dtype: torch.dtype | None = None) -> None:
         """``dtype``: the compute dtype; ``kv_dtype``: the K/V cache's storage dtype (None = ``dtype``)."""
         self.model = loaded.model
-        self.spec = loaded.spec
+        # the modules' own spec: under tensor parallelism the rank's heads only (its cache's shape)
+        self.spec = loaded.model.spec
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype = kv_dtype or dtype
