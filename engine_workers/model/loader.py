@@ -119,7 +119,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
 
     layout = None
     if tp_rank is not None and tp_rank[1] > 1:
-        from engine_workers.model.parallel.layout import TensorParallelError, rank_layout
+        from engine_workers.model.sharding.layout import TensorParallelError, rank_layout
 
         try:
             layout = rank_layout(mspec, *tp_rank)
@@ -129,7 +129,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     state = _map_state(tensors, mspec, path)
     full_spec = mspec
     if layout is not None:
-        from engine_workers.model.parallel.shard import local_spec, shard_state
+        from engine_workers.model.sharding.shard import local_spec, shard_state
 
         del tensors  # the full tensors go once the rank has copied its slices
         state, mspec = shard_state(state, mspec, layout), local_spec(mspec, layout)
@@ -153,7 +153,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
     if layout is not None:
-        from engine_workers.model.parallel.layers import parallelize
+        from engine_workers.model.sharding.layers import parallelize
 
         parallelize(model, layout, full_spec.vocab_size)
     length = max_len or mspec.max_position_embeddings

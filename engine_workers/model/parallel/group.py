@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine_workers.model.parallel.layout import TensorParallelError
+from engine_workers.model.sharding.layout import TensorParallelError
 
 log = logging.getLogger(__name__)
 

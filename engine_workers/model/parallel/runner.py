@@ -3,7 +3,7 @@
 Each ``execute`` broadcasts the step's inputs (:mod:`engine_workers.model.parallel.step`) and then
 runs rank 0's own shard, whose collectives pair with the other ranks'; the logits come back whole
 on rank 0 (the head's gather). A failure of the group raises
-:class:`~engine_workers.model.parallel.layout.TensorParallelError` here, never a hang.
+:class:`~engine_workers.model.sharding.layout.TensorParallelError` here, never a hang.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from engine_workers.model.loader import LoadedModel, load_model
 from engine_workers.model.parallel import step as step_codec
 from engine_workers.model.parallel.group import TpGroup
-from engine_workers.model.parallel.layout import TensorParallelError
 from engine_workers.model.runner import ModelRunner
+from engine_workers.model.sharding.layout import TensorParallelError
 
 
 def load_group(group: TpGroup, load: dict) -> LoadedModel:

@@ -1,7 +1,7 @@
 """The communication of a tensor-parallel decoder, added around a rank's ordinary modules.
 
 A rank's :class:`~engine_workers.model.llama.LlamaForPagedLM` is built from its local spec
-(:mod:`engine_workers.model.parallel.shard`): its QKV and gate/up projections are already the
+(:mod:`engine_workers.model.sharding.shard`): its QKV and gate/up projections are already the
 column-split ones (each rank computes its own heads and its own intermediate rows), so what is
 left is Megatron's two all-reduces per layer and the vocabulary's two ends:
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine_workers.model.parallel.layout import RankLayout
+from engine_workers.model.sharding.layout import RankLayout
 
 if TYPE_CHECKING:
     from engine_workers.model.llama import LlamaForPagedLM

@@ -1,10 +1,10 @@
 """One rank's share of a mapped checkpoint: the local :class:`ModelSpec` its modules are built from
-and the slices of every weight (:mod:`engine_workers.model.parallel.layout` says which).
+and the slices of every weight (:mod:`engine_workers.model.sharding.layout` says which).
 
 Works on the loader's mapped names (``layers.{i}.self_attn.qkv_proj.weight`` with q, k and v
 fused, ``mlp.gate_up_proj`` with gate then up, MoE experts stacked ``[E, 2I, H]``), so every family
 the loader maps is sharded by the same few rules. A rank's decoder is then the ordinary one with
-fewer heads, a narrower MLP and a vocabulary slice; :mod:`engine_workers.model.parallel.layers`
+fewer heads, a narrower MLP and a vocabulary slice; :mod:`engine_workers.model.sharding.layers`
 adds the communication.
 """
 
@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from engine_workers.model.parallel.layout import RankLayout, TensorParallelError
+from engine_workers.model.sharding.layout import RankLayout, TensorParallelError
 from engine_workers.model.spec import ModelSpec
 
 _REPLICATED_SUFFIXES = ("norm.weight", "router.weight", "router.bias", "router.correction")
