@@ -23,6 +23,7 @@ from engine_workers.model.runner import kv_block_bytes
 from engine_workers.model.sharding.layout import TensorParallelError, even_ranges, head_split, rank_layout
 from engine_workers.model.sharding.shard import local_spec
 from lockgate.testing.tiny_model import build_tokenizer
+from tests.engine_workers.model import test_families as families
 
 SMALL = dict(vocab_size=515, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=3, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
@@ -47,20 +48,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def save(name: str, out):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type, extra = FAMILIES[name]
-    tok = build_tokenizer()
-    kwargs = {**SMALL, **extra}
-    if model_type == "phi3":
-        kwargs.pop("head_dim")
-    config = AutoConfig.for_model(model_type, **kwargs)
-    config.eos_token_id = tok.eos_token_id
-    config.pad_token_id = tok.pad_token_id
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).to(torch.float32).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return families.save(name, out, FAMILIES, SMALL)
 
 
 class Groups:
