@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,18 @@ from engine_workers.model.moe_family import map_moe_state
 from tokenization.model_store import ModelError, resolve_model
 
 log = logging.getLogger(__name__)
+
+
+class Sharding(Protocol):
+    """One tensor-parallel rank's plan, as the loader applies it (implemented by
+    :class:`engine_workers.model.parallel.shard.RankSharding`; a protocol so that the loader does
+    not import the parallel package, which imports the loader)."""
+
+    def local_spec(self, spec: ModelSpec) -> ModelSpec: ...
+
+    def shard_state(self, state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]: ...
+
+    def parallelize(self, model: LlamaForPagedLM, spec: ModelSpec) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +101,7 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device, max_len: int | None = None,
                weight_prepack: bool = True, cpu_kernels: bool = True, lowp: str | None = None,
-               tp_rank: tuple[int, int] | None = None) -> LoadedModel:
+               sharding: Sharding | None = None) -> LoadedModel:
     """Load ``spec`` (a folder, ``default`` or a hub id). ``weight_prepack``: on CPU in float32,
     run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.kernels.cpu_linear`);
     with ``cpu_kernels`` too, decode-sized batches on the engine's own kernel where it builds.
@@ -97,9 +110,10 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     layers keep only that copy of their weights, on the engine's low-precision kernel; everything
     else stays ``dtype``. ``q4_1``: Q4_1 layers and a Q8_0 head, read from the GGUF the folder was
     converted from where there is one (:func:`_blocks`), else quantized at load.
-    ``tp_rank``: ``(rank, world)`` of a tensor-parallel group of two or more: the model is that
-    rank's shard (:mod:`engine_workers.model.parallel`), the returned ``spec`` the local one (its
-    heads, rows and vocabulary slice), and its forward communicates with the other ranks."""
+    ``sharding``: one tensor-parallel rank's plan (:class:`engine_workers.model.parallel.shard.RankSharding`):
+    the model is that rank's shard, ``model.spec`` the local one (its heads, rows and vocabulary
+    slice; the returned ``spec`` stays the whole model's), and its forward communicates with the
+    other ranks."""
     from transformers import AutoConfig, AutoTokenizer
 
     resolved = resolve_model(spec)
@@ -117,22 +131,17 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     except Exception as exc:
         raise ModelError(f"cannot load tokenizer of {path}: {exc}") from None
 
-    layout = None
-    if tp_rank is not None and tp_rank[1] > 1:
-        from engine_workers.model.parallel.layout import TensorParallelError, rank_layout
-
-        try:
-            layout = rank_layout(mspec, *tp_rank)
-        except TensorParallelError as exc:
+    full_spec = mspec
+    if sharding is not None:
+        try:  # refuse what cannot split before any weight is read
+            local = sharding.local_spec(mspec)
+        except Exception as exc:
             raise ModelError(f"model {path}: {exc}") from None
     tensors = _read_weights(_weight_files(path))
     state = _map_state(tensors, mspec, path)
-    full_spec = mspec
-    if layout is not None:
-        from engine_workers.model.parallel.shard import local_spec, shard_state
-
+    if sharding is not None:
         del tensors  # the full tensors go once the rank has copied its slices
-        state, mspec = shard_state(state, mspec, layout), local_spec(mspec, layout)
+        state, mspec = sharding.shard_state(state, full_spec), local
     with torch.device("meta"):
         model = LlamaForPagedLM(mspec)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -152,10 +161,8 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
         _lowp(model, lowp)
     elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
-    if layout is not None:
-        from engine_workers.model.parallel.layers import parallelize
-
-        parallelize(model, layout, full_spec.vocab_size)
+    if sharding is not None:
+        sharding.parallelize(model, full_spec)
     length = max_len or mspec.max_position_embeddings
     rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
     if rope_type in ("longrope", "dynamic"):

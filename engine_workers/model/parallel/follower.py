@@ -25,6 +25,7 @@ def main(argv: list[str]) -> int:
     from engine_workers.model.loader import load_model
     from engine_workers.model.parallel import step as step_codec
     from engine_workers.model.parallel.group import gloo_env, read_frame
+    from engine_workers.model.parallel.shard import RankSharding
     from engine_workers.model.runner import ModelRunner
 
     torch.set_num_threads(1)
@@ -43,7 +44,7 @@ def main(argv: list[str]) -> int:
         if op == "load":
             loaded = runner = None
             try:
-                loaded = load_model(**frame[1], tp_rank=(rank, world))  # type: ignore[index]
+                loaded = load_model(**frame[1], sharding=RankSharding(rank, world))  # type: ignore[index]
             except Exception:
                 # rank 0 loads the same checkpoint and meets the same refusal (it reports it); a
                 # failure of this rank alone is seen by rank 0 when it asks for the runner

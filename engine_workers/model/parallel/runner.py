@@ -14,6 +14,7 @@ from engine_workers.model.loader import LoadedModel, load_model
 from engine_workers.model.parallel import step as step_codec
 from engine_workers.model.parallel.group import TpGroup
 from engine_workers.model.parallel.layout import TensorParallelError
+from engine_workers.model.parallel.shard import RankSharding
 from engine_workers.model.runner import ModelRunner
 
 
@@ -21,7 +22,7 @@ def load_group(group: TpGroup, load: dict) -> LoadedModel:
     """Every rank loads its shard of ``load`` (:func:`load_model`'s keyword arguments), the others
     while rank 0 loads its own; returns rank 0's."""
     group.send(("load", load))
-    return load_model(**load, tp_rank=(0, group.world))
+    return load_model(**load, sharding=RankSharding(0, group.world))
 
 
 class ParallelRunner:

@@ -11,11 +11,16 @@ adds the communication.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine_workers.model.parallel.layout import RankLayout, TensorParallelError
+from engine_workers.model.parallel.layout import RankLayout, TensorParallelError, rank_layout
 from engine_workers.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from engine_workers.model.llama import LlamaForPagedLM
 
 _REPLICATED_SUFFIXES = ("norm.weight", "router.weight", "router.bias", "router.correction")
 
@@ -94,3 +99,23 @@ def shard_state(state: dict[str, torch.Tensor], spec: ModelSpec, lay: RankLayout
             raise TensorParallelError(f"{spec.model_type}: no tensor-parallel rule splits weight {name!r}")
         out[name] = t.contiguous().clone()
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RankSharding:
+    """Rank ``rank`` of ``world``'s plan, as :func:`engine_workers.model.loader.load_model` applies
+    it (its ``sharding`` argument): refuse or plan, slice the mapped weights, add the communication."""
+
+    rank: int
+    world: int
+
+    def local_spec(self, spec: ModelSpec) -> ModelSpec:
+        return local_spec(spec, rank_layout(spec, self.rank, self.world))
+
+    def shard_state(self, state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+        return shard_state(state, spec, rank_layout(spec, self.rank, self.world))
+
+    def parallelize(self, model: LlamaForPagedLM, spec: ModelSpec) -> None:
+        from engine_workers.model.parallel.layers import parallelize
+
+        parallelize(model, rank_layout(spec, self.rank, self.world), spec.vocab_size)
