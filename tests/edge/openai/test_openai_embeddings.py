@@ -88,3 +88,24 @@ async def test_bad_input_is_a_400_naming_the_field(encoder, kw, param):
         assert e.value.body["param"] == param, e.value.body
         with pytest.raises(openai.NotFoundError):
             await client.embeddings.create(model="text-embedding-3-small", input="x")
+
+
+def test_the_pooling_flag_its_env_twin_and_the_config_check(monkeypatch) -> None:
+    import argparse
+
+    from edge.config import ConfigError, EdgeConfig
+    from lockgate.serve import register
+
+    def parsed(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        return parser.parse_args(["serve", *argv])
+
+    assert parsed().embedding_pooling == "last"
+    assert parsed("--embedding-pooling", "mean").embedding_pooling == "mean"
+    monkeypatch.setenv("LOCKGATE_EMBEDDING_POOLING", "mean")
+    assert parsed().embedding_pooling == "mean"
+    with pytest.raises(SystemExit):
+        parsed("--embedding-pooling", "max")
+    with pytest.raises(ConfigError, match="embedding_pooling"):
+        EdgeConfig(model="m", embedding_pooling="max")
