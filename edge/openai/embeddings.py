@@ -128,6 +128,13 @@ class EmbeddingSink:
         self.wake.set()
 
 
+def _as_input(message: str, field: str) -> str:
+    """Admission's prompt message, in this route's words (an input has no output tokens)."""
+    message = message.replace("(prompt must leave room for at least one output token)",
+                              "(an input must be shorter than the context)")
+    return field + message[len("prompt"):] if message.startswith("prompt") else message
+
+
 def encode(vector: tuple[float, ...], fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
@@ -165,9 +172,10 @@ class EmbeddingsRoutes:
                     a = await adm.admit(g, who, sink, API, client_id="")
                 except ProtocolError as exc:
                     adm.reject(exc.code, API)
-                    field = exc.field if len(inputs) == 1 or exc.field not in ("prompt", "messages") else f"input[{i}]"
-                    return error_response(exc.code, exc.message, "input" if field == "prompt" else field,
-                                          exc.retry_after)
+                    if exc.field not in ("prompt", "messages"):
+                        return error_response(exc.code, exc.message, exc.field, exc.retry_after)
+                    field = "input" if len(inputs) == 1 else f"input[{i}]"
+                    return error_response(exc.code, _as_input(exc.message, field), field, exc.retry_after)
                 assert a is not None
                 sinks.append(sink)
                 admitted.append(a)
