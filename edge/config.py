@@ -174,6 +174,10 @@ class EdgeConfig:
     # the reasoning format of the OpenAI API (edge.reasoning: deepseek_r1, qwen3): <think>...</think>
     # becomes reasoning_content (chat) and reasoning items (Responses); None = off
     reasoning_parser: str | None = None
+    # /v1/embeddings' pooling when a request names none: "last" (the last prompt token's final
+    # state) or "mean" (every prompt token's); the edge stamps it on each request, so every worker
+    # computes the same kind of vector for the model
+    embedding_pooling: str = "last"
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None
@@ -211,6 +215,8 @@ class EdgeConfig:
             raise ConfigError(f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
             raise ConfigError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
+        if self.embedding_pooling not in ("last", "mean"):
+            raise ConfigError(f"embedding_pooling must be last or mean, got {self.embedding_pooling!r}")
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",

@@ -203,6 +203,8 @@ class OpenAIServer:
                     if field is not None and field.startswith("guided_") and field not in body:
                         # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai.tools)
                         field = "response_format" if body.get("response_format") is not None else "tools"
+                    elif field == "prompt" and len(req.batch) > 1:  # which prompt of the batch
+                        field = f"prompt[{p}]"
                     return _error(exc.code, exc.message, field, exc.retry_after)
                 assert a is not None
                 sink.bind(a.stream, base)

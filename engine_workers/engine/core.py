@@ -86,13 +86,16 @@ class EngineStats:
 
 
 class _Req:
-    __slots__ = ("seq", "detok", "pending_logprobs", "guide")
+    __slots__ = ("seq", "detok", "pending_logprobs", "guide", "pool_sum", "pool_rows")
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, guide: Guide | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.pending_logprobs: list[TokenLogprobs] = []
         self.guide = guide  # the structured-output matcher of a guided_* request
+        # mean pooling: the sum of the final-norm states of prompt rows [0, pool_rows), chunk by chunk
+        self.pool_sum: torch.Tensor | None = None
+        self.pool_rows = 0
 
 
 class Engine:
@@ -337,7 +340,12 @@ class Engine:
             chunks.append((s.all_token_ids[start : start + item.num_new_tokens], start, self.kv.block_ids(s.seq_id), item.samples))
         pooled = [item.seq for item in sched.scheduled if item.samples and item.seq.params.pooling]
         hidden: list[torch.Tensor] | None = [] if pooled else None
-        logits = self.runner.execute(chunks, hidden_out=hidden)
+        means = [i for i, item in enumerate(sched.scheduled) if item.seq.params.pooling == "mean"]
+        sums: list[torch.Tensor] | None = [] if means else None
+        logits = self.runner.execute(chunks, hidden_out=hidden, sum_chunks=means, sums_out=sums)
+        if sums:
+            for j, i in enumerate(means):
+                self._add_rows(sched.scheduled[i].seq, chunks[i][1], len(chunks[i][0]), sums[0][j])
         self.scheduler.on_step_done(sched)
         self.stats.steps += 1
         self.stats.last_batch_tokens = sched.num_batched_tokens
@@ -348,7 +356,8 @@ class Engine:
         if hidden:  # embedding requests end at their prefill: their rows are pooled, not sampled
             keep = [i for i, s in enumerate(sampling) if not s.params.pooling]
             states = hidden[0]
-            vectors = torch.nn.functional.normalize(states[[i for i, s in enumerate(sampling) if s.params.pooling]], dim=-1)
+            picked = [self._pool_state(s, states[i]) for i, s in enumerate(sampling) if s.params.pooling]
+            vectors = torch.nn.functional.normalize(torch.stack(picked), dim=-1)
             logits = logits[keep] if len(keep) < len(sampling) else logits
             sampling = [sampling[i] for i in keep]
             done = time.monotonic()
@@ -403,6 +412,26 @@ class Engine:
             self._take_logprobs(req), False, None, seq.num_prompt_tokens, seq.num_cached_tokens, len(seq.output_token_ids),
             seed=seq.seed,
         ))
+
+    def _add_rows(self, seq: Sequence, start: int, n: int, row_sum: torch.Tensor) -> None:
+        """A mean-pooled request's chunk of prompt rows ``[start, start + n)`` was computed: add its
+        sum. Its chunks are contiguous from row 0 (it never adopts a cached prefix); a preempted
+        request recomputes from row 0, which starts the sum afresh."""
+        req = self._reqs[seq.seq_id]
+        if start == 0:
+            req.pool_sum, req.pool_rows = row_sum.clone(), n
+            return
+        assert req.pool_sum is not None and start == req.pool_rows, "mean pooling missed prompt rows"
+        req.pool_sum += row_sum
+        req.pool_rows += n
+
+    def _pool_state(self, seq: Sequence, last: torch.Tensor) -> torch.Tensor:
+        """The state a pooling request's vector normalises: its last row's, or its rows' mean."""
+        if seq.params.pooling != "mean":
+            return last
+        req = self._reqs[seq.seq_id]
+        assert req.pool_sum is not None and req.pool_rows == seq.num_prompt_tokens, "mean pooling missed prompt rows"
+        return req.pool_sum / req.pool_rows
 
     def _pooled(self, seq: Sequence, vector: tuple[float, ...], now: float, outputs: list) -> None:
         """An embedding request's prefill is done: it ends (``stop``, no output token) with its vector."""

@@ -78,7 +78,7 @@ def _edge(args: argparse.Namespace) -> int:
                         keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, **kw)
+                        reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling, **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
     if config.reuse_port and not config.dev_mode:
