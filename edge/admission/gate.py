@@ -99,7 +99,7 @@ class Admission:
             raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
         if g.sampling.guided:  # a constraint the grammar engine cannot compile never reaches the bus
             if self._grammars is None or self._grammars.tokenizer is not encoder.tokenizer:
-                self._grammars = GrammarChecker(encoder.tokenizer)
+                self._grammars = GrammarChecker(encoder.tokenizer, self.config.grammar_compile_timeout_s)
             problem = await self._grammars.check(g.sampling)
             if problem is not None:
                 raise ProtocolError(f"cannot compile the output constraint: {problem}", problem.split(":", 1)[0], g.id)
