@@ -59,13 +59,15 @@ def new_layout(partitions: int = 4) -> TopicLayout:
 
 
 def spawn_worker(bootstrap: str, model_dir: Path, layout: TopicLayout, worker_id: str, log: Path,
-                 metrics_port: int | None = None, max_num_seqs: int = 2) -> subprocess.Popen:
+                 metrics_port: int | None = None, max_num_seqs: int = 2,
+                 extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [LOCKGATE, "--log-level", "WARNING", "worker", "--bus", kafka_url(bootstrap), "--model", str(model_dir),
            "--served-model-name", MODEL, "--namespace", layout.namespace, "--partitions", str(layout.partitions),
            "--worker-id", worker_id, "--max-num-seqs", str(max_num_seqs), "--threads", "1", "--kv-cache-bytes", "4M",
            "--max-model-len", "512", "--drain-grace", "10"]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port)]
+    cmd += list(extra)
     with log.open("w") as err:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
 
@@ -423,10 +425,11 @@ KILL_MARGIN = 12  # ... with at least this many tokens of that request still to 
 
 
 def streamed_in_hand(replies: Replies, max_tokens: dict[str, int], after: int = KILL_AFTER,
-                     margin: int = KILL_MARGIN) -> tuple[str, str] | None:
-    """(worker, request) where the worker has published at least ``after`` tokens of a request with
-    no final reply yet and at least ``margin`` tokens to go, read from the reply topic; None if none
-    is. The request is the one furthest from its end (the widest window for the kill to land)."""
+                     margin: int = KILL_MARGIN, workers: set[str] | None = None) -> tuple[str, str] | None:
+    """(worker, request) where the worker (one of ``workers``, default any) is the latest to have
+    streamed a request with no final reply yet, has published at least ``after`` of its tokens,
+    and at least ``margin`` are still to go, read from the reply topic; None if none is. The
+    request is the one furthest from its end (the widest window for the kill to land)."""
     streamed: dict[tuple[str, str], int] = {}
     for c in replies.chunks:
         key = (c.worker_id, c.request_id)
@@ -435,7 +438,8 @@ def streamed_in_hand(replies: Replies, max_tokens: dict[str, int], after: int = 
     best: tuple[int, str, str] | None = None
     for (w, rid), n in streamed.items():
         left = max_tokens.get(rid, 0) - n
-        if rid in replies.final or owner[rid] != w or n < after or left < margin:
+        if rid in replies.final or owner[rid] != w or n < after or left < margin or (workers is not None
+                                                                                      and w not in workers):
             continue
         if best is None or left > best[0]:
             best = (left, w, rid)
@@ -452,7 +456,7 @@ async def kill_when_streaming(replies: Replies, procs: dict[str, subprocess.Pope
 
     async def observed() -> bool:
         await replies.poll(20)
-        hit = streamed_in_hand(replies, max_tokens, after, margin)
+        hit = streamed_in_hand(replies, max_tokens, after, margin, workers=set(procs))
         if hit is not None and procs[hit[0]].poll() is None:
             found.append(hit)
             return True
