@@ -202,7 +202,7 @@ async def test_kill9_fault_rounds_every_sampled_stream_exact(kafka_bootstrap: st
                             taken = {c.request_id for c in replies.chunks if c.worker_id == victim}
                             second, _ = await kill_when_streaming(
                                 replies, fleet.live(),
-                                {rid: n for rid, n in max_tokens.items() if rid in taken}, after=1, margin=10)
+                                {rid: n for rid, n in max_tokens.items() if rid in taken}, after=1, margin=20)
                             killed.append(second)
                     await replies.wait([q.request_id for q in reqs], 150)
                     ok = 0
