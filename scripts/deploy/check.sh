@@ -5,7 +5,8 @@
 #   3. kubeconform -strict of every rendered manifest: built-in kinds against the Kubernetes
 #      schemas, KEDA/Strimzi kinds against deploy/schemas (no kind is skipped; a missing schema fails)
 #   4. self-tests: known-bad manifests and values must be refused
-#   5. promtool check rules + promtool test rules (deploy/prometheus/alerts_test.yml)
+#   5. promtool check rules + promtool test rules (deploy/prometheus/alerts_test.yml), and
+#      promtool check config of docker-compose's docs/prometheus.yml
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -46,5 +47,8 @@ grep -q 'GSSAPI' "$out/err" || { echo "deploy-check: the GSSAPI refusal does not
 echo "deploy-check: known-bad manifests and values refused"
 
 "$PROMTOOL" check rules deploy/prometheus/alerts.yml
+# docker-compose.yml's Prometheus config, laid out as compose mounts it (the rules beside it)
+mkdir -p "$out/prom" && cp docs/prometheus.yml deploy/prometheus/alerts.yml "$out/prom/"
+"$PROMTOOL" check config "$out/prom/prometheus.yml"
 "$PROMTOOL" test rules deploy/prometheus/alerts_test.yml
 echo "deploy-check: OK"
