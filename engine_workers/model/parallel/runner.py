@@ -8,6 +8,8 @@ on rank 0 (the head's gather). A failure of the group raises
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine_workers.model.loader import LoadedModel, load_model
@@ -40,10 +42,13 @@ class ParallelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[tuple[list[int], int, list[int], bool]], every_row: bool = False,
-                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                hidden_out: list[torch.Tensor] | None = None, sum_chunks: Sequence[int] = (),
+                sums_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+        # pooling (hidden_out, sums) reads rank 0's replicated final-norm states after the forward
+        # and needs no collective, so the followers run the step without it
         self.group.broadcast_step(step_codec.encode(chunks, every_row))
         try:
-            return self.local.execute(chunks, every_row, hidden_out)
+            return self.local.execute(chunks, every_row, hidden_out, sum_chunks, sums_out)
         except TensorParallelError:
             raise
         except RuntimeError as exc:
