@@ -34,6 +34,7 @@ from edge.config import EdgeConfig
 from edge.guided import GrammarChecker
 from edge.metrics import EdgeMetrics
 from edge.request import Generate, PromptEncoder, ProtocolError
+from tracing import SpanKind, Tracer, to_headers
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ class Admitted:
 
 class Admission:
     def __init__(self, config: EdgeConfig, bus: Bus, encoder: PromptEncoder | None, metrics: EdgeMetrics,
-                 reply_topic: str) -> None:
+                 reply_topic: str, tracer: Tracer | None = None) -> None:
         self.config = config
+        self.tracer = tracer  # None: tracing off, no span is built (docs/observability.md, "Tracing")
         self.bus = bus
         self.encoder = encoder  # set by the edge's start() when it loads the tokenizer itself
         self.metrics = metrics
@@ -86,6 +88,7 @@ class Admission:
         (codes ``invalid_request``, ``overloaded``, ``rate_limited``); ``None`` when ``gone()``
         says the client left while the prompt was being tokenized (nothing was charged)."""
         cfg, encoder = self.config, self.encoder
+        started_ns = time.time_ns() if self.tracer is not None else 0
         assert encoder is not None, "Admission.encoder is set before the edge serves"
         if g.model is not None and g.model != cfg.model:
             raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
@@ -128,6 +131,13 @@ class Admission:
         labels = (cfg.model, f"p{principal.tier}", api)
         s = Stream(rid, client_id if client_id is not None else g.id, sink, principal, labels, len(ids), max_tokens,
                    now, now + cfg.request_timeout_s, token_ids)
+        if self.tracer is not None:
+            # From the admission's start: tokenization is part of the request's time at the edge.
+            # Requests refused above get no span (the rejection metrics count them).
+            s.span = self.tracer.start("lockgate.request", None, SpanKind.SERVER, started_ns, {
+                "lockgate.request_id": rid, "lockgate.api": api, "lockgate.tier": principal.tier,
+                "lockgate.tenant": principal.tenant, "gen_ai.request.model": cfg.model,
+                "gen_ai.usage.input_tokens": len(ids), "gen_ai.request.max_tokens": max_tokens})
         self.router.register(s)
         self.metrics.streams.inc()
         self.metrics.prompt_tokens.labels(*labels).inc(len(ids))
@@ -145,18 +155,36 @@ class Admission:
     async def publish(self, a: Admitted) -> None:
         """Publish an admitted request on its tier's topic. If the bus refuses it the stream's sink
         gets an ``internal`` error (``retry_after`` 1 s), as if a worker had sent it."""
-        req = a.request
-        with bound(req.request_id):  # the bus's and placement's log lines name the request (JSON logs)
+        req, span = a.request, a.stream.span
+        headers: tuple[tuple[str, bytes], ...] = ()
+        pub = None
+        if span is not None and self.tracer is not None:
+            # The record carries the publish span's context: the worker's span is its child, so
+            # the trace reads edge request -> publish -> worker (docs/observability.md).
+            pub = self.tracer.start("lockgate.publish", span, SpanKind.PRODUCER)
+            headers = to_headers(pub.context)
+        with bound(req.request_id, span.context.trace_id if span is not None else None):
+            # the bus's and placement's log lines name the request (JSON logs)
             try:
                 topic = self.config.layout.request_topic(req.model, req.tier)
                 key, partition = await self.placement.place(topic, req)
-                await self.bus.send(topic, encode(req), key=key, partition=partition)
+                if pub is not None:
+                    pub.set("messaging.destination.name", topic)
+                await self.bus.send(topic, encode(req), key=key, headers=headers, partition=partition)
             except Exception as exc:  # the bus is down: tell the client, keep the connection
                 log.warning("publishing %s failed: %s", req.request_id, exc)
+                if pub is not None:
+                    pub.fail(f"publish failed: {exc}")
+                    pub.end()
+                if span is not None:
+                    span.fail(f"internal: could not queue the request: {exc}")
                 if not a.stream.ended:
                     a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.INTERNAL,
                                                            f"could not queue the request: {exc}"[:300],
                                                            retry_after=1.0))
+                return
+            if pub is not None:
+                pub.end()
 
     # --- streams ------------------------------------------------------------------------------
     def count_tokens(self, s: Stream, n: int, now: float) -> None:
@@ -176,6 +204,8 @@ class Admission:
             if s.first_at is not None and s.next_seq > 1:
                 tpot.observe((now - s.first_at) / (s.next_seq - 1))
         m.success.labels(*s.labels, finish_reason).inc()
+        if s.span is not None:
+            s.span.set("gen_ai.response.finish_reasons", finish_reason)
 
     def completion_tokens(self, s: Stream, msg: Finished) -> int:
         return max(msg.num_tokens, s.next_seq)
@@ -191,6 +221,10 @@ class Admission:
         self.limiter.release(s.principal.entry, max(0, s.max_tokens - used), time.monotonic())
         if cancel_reason is not None:
             self.publish_cancel(s.request_id, cancel_reason)
+        if s.span is not None:
+            s.span.set("gen_ai.usage.output_tokens", used)
+            s.span.set("lockgate.cancel_reason", cancel_reason)
+            s.span.end()
         return True
 
     def expire(self, now: float) -> None:
@@ -198,6 +232,8 @@ class Admission:
         for st in list(self.router.streams.values()):
             if now > st.deadline and not st.ended:
                 self.publish_cancel(st.request_id, "expired")
+                if st.span is not None:
+                    st.span.fail("expired: no reply before the request deadline")
                 st.sink.on_error(st, Error(st.request_id, ErrorCode.EXPIRED, "no reply before the request deadline"))
 
     # --- cancels ------------------------------------------------------------------------------

@@ -92,12 +92,13 @@ def _edge(args: argparse.Namespace) -> int:
     async def main() -> None:
         import bus as busmod
         from edge.server import Edge
+        from lockgate.telemetry import tracer_for
 
         raise_nofile()
         b = busmod.connect(args.bus)
         await b.start()
         try:
-            async with Edge(config, b) as edge:
+            async with tracer_for(args, "edge") as tracer, Edge(config, b, tracer=tracer) as edge:
                 freeze_heap()
                 stop = asyncio.Event()
                 loop = asyncio.get_running_loop()

@@ -1,0 +1,49 @@
+"""``--otlp-endpoint``: the process's tracer and its OTLP exporter, or None (tracing off).
+
+The composition root's part of tracing (docs/observability.md, "Tracing"): the endpoint and the
+service name come from the global flags, their ``LOCKGATE_*`` twins, then the standard
+``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_SERVICE_NAME``; with no endpoint nothing is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from tracing import OtlpExporter, Tracer
+
+
+def otlp_endpoint_default() -> str:
+    return os.environ.get("LOCKGATE_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or ""
+
+
+def service_name_default() -> str:
+    return os.environ.get("LOCKGATE_SERVICE_NAME") or os.environ.get("OTEL_SERVICE_NAME") or ""
+
+
+def add_tracing_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--otlp-endpoint", default=otlp_endpoint_default(), metavar="URL",
+                        help="export traces over OTLP/HTTP (JSON) to URL/v1/traces, e.g. http://127.0.0.1:4318; "
+                             "empty: tracing off (env LOCKGATE_OTLP_ENDPOINT, then OTEL_EXPORTER_OTLP_ENDPOINT; "
+                             "default: off)")
+    parser.add_argument("--service-name", default=service_name_default(), metavar="NAME",
+                        help="the traces' service.name (env LOCKGATE_SERVICE_NAME, then OTEL_SERVICE_NAME; "
+                             "default: lockgate-<command>, e.g. lockgate-edge)")
+
+
+@asynccontextmanager
+async def tracer_for(args: argparse.Namespace, command: str) -> AsyncIterator[Tracer | None]:
+    """The tracer of a ``lockgate <command>`` process (its exporter started and, on exit, flushed
+    and stopped), or None when no OTLP endpoint is configured. ``ValueError`` for a bad endpoint."""
+    endpoint = str(getattr(args, "otlp_endpoint", "") or "")
+    if not endpoint:
+        yield None
+        return
+    name = str(getattr(args, "service_name", "") or "") or f"lockgate-{command}"
+    exporter = OtlpExporter(endpoint, {"service.name": name,
+                                       "service.instance.id": f"{socket.gethostname()}-{os.getpid()}"})
+    async with exporter:
+        yield Tracer(exporter.offer)
