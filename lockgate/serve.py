@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -55,7 +56,8 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     engine = await asyncio.to_thread(Engine, engine_config_from_args(args))
     edge_cfg = EdgeConfig(model=name, model_path=str(engine.loaded.path), host=args.host, port=args.port, keys=keys, layout=layout,
                           openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          embedding_pooling=args.embedding_pooling)
     if edge_cfg.dev_mode:
         print(DEV_BANNER.format(tier=edge_cfg.dev_tier), file=sys.stderr, flush=True)
     raise_nofile()
@@ -77,7 +79,19 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
                       flush=True)
             if ready is not None and not ready.done():
                 ready.set_result(edge.port)
-            await stop.wait()
+            # until a stop, or the engine's step loop crashes (a tensor-parallel rank died): then
+            # exit non-zero at once, as the worker command does
+            stopped, crash = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.aengine.crashed())
+            await asyncio.wait([stopped, crash], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if crash.done():
+                # Exit at once, as a killed worker would: the edge's open requests wait for replies
+                # no engine will send, and a graceful stop would hold the exit for aiohttp's
+                # shutdown timeout (60 s). The other ranks are already stopped (TpGroup.fail).
+                print(f"lockgate: engine failed, exiting: {crash.result()}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
+            crash.cancel()
             print("lockgate: shutting down (draining running requests)", file=sys.stderr, flush=True)
             await edge.stop()
             await worker.drain()

@@ -102,7 +102,7 @@ class Admission:
             raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
         if g.sampling.guided:  # a constraint the grammar engine cannot compile never reaches the bus
             if self._grammars is None or self._grammars.tokenizer is not encoder.tokenizer:
-                self._grammars = GrammarChecker(encoder.tokenizer)
+                self._grammars = GrammarChecker(encoder.tokenizer, self.config.grammar_compile_timeout_s)
             problem = await self._grammars.check(g.sampling)
             if problem is not None:
                 raise ProtocolError(f"cannot compile the output constraint: {problem}", problem.split(":", 1)[0], g.id)
@@ -152,10 +152,14 @@ class Admission:
             weight=principal.entry.weight)
         return Admitted(s, req)
 
-    async def publish(self, a: Admitted) -> None:
-        """Publish an admitted request on its tier's topic. If the bus refuses it the stream's sink
-        gets an ``internal`` error (``retry_after`` 1 s), as if a worker had sent it."""
+    async def publish(self, a: Admitted) -> bool:
+        """Publish an admitted request on its tier's topic, waiting at most ``publish_timeout_s``.
+        ``True`` once the bus acknowledged the write. Otherwise the stream's sink gets an
+        ``overloaded`` error (HTTP 503, ``retry_after`` 1 s) naming the bus, as if a worker had sent
+        it, and a Cancel is queued: a write that timed out here may still land when the bus
+        returns, and the worker then drops it instead of running a request nobody waits for."""
         req, span = a.request, a.stream.span
+        timeout = self.config.publish_timeout_s
         headers: tuple[tuple[str, bytes], ...] = ()
         pub = None
         if span is not None and self.tracer is not None:
@@ -167,24 +171,28 @@ class Admission:
             # the bus's and placement's log lines name the request (JSON logs)
             try:
                 topic = self.config.layout.request_topic(req.model, req.tier)
-                key, partition = await self.placement.place(topic, req)
                 if pub is not None:
                     pub.set("messaging.destination.name", topic)
-                await self.bus.send(topic, encode(req), key=key, headers=headers, partition=partition)
-            except Exception as exc:  # the bus is down: tell the client, keep the connection
-                log.warning("publishing %s failed: %s", req.request_id, exc)
+                async with asyncio.timeout(timeout):
+                    key, partition = await self.placement.place(topic, req)
+                    await self.bus.send(topic, encode(req), key=key, headers=headers, partition=partition)
+            except Exception as exc:  # the bus is down or unreachable: tell the client, keep the connection
+                why = f"no answer within {timeout:g} s (publish_timeout_s)" if isinstance(exc, TimeoutError) else str(exc)
+                log.warning("publishing %s failed: %s", req.request_id, why)
                 if pub is not None:
-                    pub.fail(f"publish failed: {exc}")
+                    pub.fail(f"publish failed: {why}"[:300])
                     pub.end()
                 if span is not None:
-                    span.fail(f"internal: could not queue the request: {exc}")
+                    span.fail(f"overloaded: the request was not queued: {why}"[:300])
                 if not a.stream.ended:
-                    a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.INTERNAL,
-                                                           f"could not queue the request: {exc}"[:300],
-                                                           retry_after=1.0))
-                return
+                    a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.OVERLOADED,
+                                                           f"the bus is unreachable, the request was not queued: "
+                                                           f"{why}"[:300], retry_after=1.0))
+                self.publish_cancel(req.request_id, "unqueued")
+                return False
             if pub is not None:
                 pub.end()
+            return True
 
     # --- streams ------------------------------------------------------------------------------
     def count_tokens(self, s: Stream, n: int, now: float) -> None:

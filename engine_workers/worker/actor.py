@@ -138,7 +138,10 @@ class Worker:
         for name, coro in (("intake", self._intake_loop()),
                            ("control", read_cancels(self._control, self.cancel, cfg.worker_id)),
                            ("heartbeat", heartbeat(self.bus, cfg.layout.status_topic, cfg.worker_id, self.status,
-                                                   cfg.heartbeat_s, before=self._observe, refresh=self._refresh_lag))):
+                                                   cfg.heartbeat_s, before=self._observe, refresh=self._refresh_lag)),
+                           # a crashed step loop (say a tensor-parallel rank died) ends run(): the
+                           # worker stops uncommitted and exits non-zero, its requests resume elsewhere
+                           ("engine", self.aengine.crashed())):
             self._tasks.append(asyncio.create_task(coro, name=f"{self.config.worker_id}-{name}"))
         log.info("worker %s serving %s (group %s, intake %s, aging period %gs)", self.config.worker_id,
                  self.config.model, self.config.group, self.policy.mode.value, self.policy.aging_period_s)
