@@ -89,15 +89,21 @@ class OtlpExporter:
 
     async def _run(self) -> None:
         assert self._wake is not None
-        while not self._stopping:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+        while True:
+            # ``_stopping`` is read before the flush, so a stop that lands during it (or before
+            # this task first ran) still gets one more full flush of what is queued.
+            if not self._stopping:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.interval_s)
+                except TimeoutError:
+                    pass
+                self._wake.clear()
+            stopping = self._stopping
             while self._queue:
                 if not await self._flush():
                     break  # receiver down: try again next interval (or give up when stopping)
+            if stopping:
+                return
 
     async def _flush(self) -> bool:
         n = min(len(self._queue), self.batch)

@@ -21,7 +21,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from bus import Bus, Cancel, Error, ErrorCode, Finished, InferenceRequest, bound, encode
@@ -34,7 +34,7 @@ from edge.config import EdgeConfig
 from edge.guided import GrammarChecker
 from edge.metrics import EdgeMetrics
 from edge.request import Generate, PromptEncoder, ProtocolError
-from tracing import SpanKind, Tracer, to_headers
+from tracing import HEADER, SpanContext, SpanKind, Tracer, parse_traceparent, to_headers
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,13 @@ class Admission:
 
     async def admit(self, g: Generate, principal: Principal, sink: StreamSink, api: str, *,
                     client_id: str | None = None, token_ids: bool = False,
-                    gone: Callable[[], bool] = lambda: False) -> Admitted | None:
+                    gone: Callable[[], bool] = lambda: False,
+                    trace_parent: SpanContext | None = None) -> Admitted | None:
         """Check, tokenize, charge and register one request. Raises :class:`ProtocolError`
         (codes ``invalid_request``, ``overloaded``, ``rate_limited``); ``None`` when ``gone()``
-        says the client left while the prompt was being tokenized (nothing was charged)."""
+        says the client left while the prompt was being tokenized (nothing was charged).
+        ``trace_parent``: the client's trace context (:meth:`trace_parent`); the request's span is
+        its child, else the root of a new trace."""
         cfg, encoder = self.config, self.encoder
         started_ns = time.time_ns() if self.tracer is not None else 0
         assert encoder is not None, "Admission.encoder is set before the edge serves"
@@ -134,7 +137,7 @@ class Admission:
         if self.tracer is not None:
             # From the admission's start: tokenization is part of the request's time at the edge.
             # Requests refused above get no span (the rejection metrics count them).
-            s.span = self.tracer.start("lockgate.request", None, SpanKind.SERVER, started_ns, {
+            s.span = self.tracer.start("lockgate.request", trace_parent, SpanKind.SERVER, started_ns, {
                 "lockgate.request_id": rid, "lockgate.api": api, "lockgate.tier": principal.tier,
                 "lockgate.tenant": principal.tenant, "gen_ai.request.model": cfg.model,
                 "gen_ai.usage.input_tokens": len(ids), "gen_ai.request.max_tokens": max_tokens})
@@ -151,6 +154,14 @@ class Admission:
             cache_salt=f"tenant:{principal.tenant}" + (f"|{g.cache_salt}" if g.cache_salt else ""),
             weight=principal.entry.weight)
         return Admitted(s, req)
+
+    def trace_parent(self, headers: Mapping[str, str]) -> SpanContext | None:
+        """The client's context from its HTTP (or WebSocket upgrade) request's ``traceparent``
+        header; None when tracing is off (the header is not even read) or the header is absent or
+        malformed (a new trace starts; the request itself is never refused for it)."""
+        if self.tracer is None:
+            return None
+        return parse_traceparent(headers.get(HEADER))
 
     async def publish(self, a: Admitted) -> bool:
         """Publish an admitted request on its tier's topic, waiting at most ``publish_timeout_s``.
