@@ -13,7 +13,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from tracing import OtlpExporter, Tracer
+from tracing import OtlpExporter, Tracer, traces_url
 
 
 def otlp_endpoint_default() -> str:
@@ -24,8 +24,20 @@ def service_name_default() -> str:
     return os.environ.get("LOCKGATE_SERVICE_NAME") or os.environ.get("OTEL_SERVICE_NAME") or ""
 
 
+def otlp_endpoint(value: str) -> str:
+    """``--otlp-endpoint``'s type: "" (off) or an http(s) URL, checked when the flags are parsed
+    (the env twins' values too: argparse runs a string default through its type)."""
+    value = value.strip()
+    if value:
+        try:
+            traces_url(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def add_tracing_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--otlp-endpoint", default=otlp_endpoint_default(), metavar="URL",
+    parser.add_argument("--otlp-endpoint", type=otlp_endpoint, default=otlp_endpoint_default(), metavar="URL",
                         help="export traces over OTLP/HTTP (JSON) to URL/v1/traces, e.g. http://127.0.0.1:4318; "
                              "empty: tracing off (env LOCKGATE_OTLP_ENDPOINT, then OTEL_EXPORTER_OTLP_ENDPOINT; "
                              "default: off)")

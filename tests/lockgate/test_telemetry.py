@@ -1,0 +1,73 @@
+"""``--otlp-endpoint`` / ``--service-name`` (lockgate/telemetry.py): env twins, checking, and the
+process tracer they build (none when no endpoint is set)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lockgate.cli import build_parser
+from lockgate.telemetry import add_tracing_flags, tracer_for
+from tests.tracing.receiver import receiving
+from tests.waiting import wait_until
+
+ENV = ("LOCKGATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "LOCKGATE_SERVICE_NAME", "OTEL_SERVICE_NAME")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ENV:
+        monkeypatch.delenv(k, raising=False)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_tracing_flags(p)
+    return p.parse_args(argv)
+
+
+def test_off_by_default_and_the_global_flags_exist() -> None:
+    a = parse([])
+    assert (a.otlp_endpoint, a.service_name) == ("", "")
+    g = build_parser().parse_args(["--otlp-endpoint", "http://127.0.0.1:4318", "--service-name", "gw", "edge"])
+    assert (g.otlp_endpoint, g.service_name) == ("http://127.0.0.1:4318", "gw")
+
+
+def test_env_twins_then_the_standard_otel_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel:4318")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "std")
+    assert (parse([]).otlp_endpoint, parse([]).service_name) == ("http://otel:4318", "std")
+    monkeypatch.setenv("LOCKGATE_OTLP_ENDPOINT", "http://ours:4318")
+    monkeypatch.setenv("LOCKGATE_SERVICE_NAME", "ours")
+    assert (parse([]).otlp_endpoint, parse([]).service_name) == ("http://ours:4318", "ours")
+    assert parse(["--otlp-endpoint", "http://flag:4318"]).otlp_endpoint == "http://flag:4318"  # the flag wins
+
+
+def test_a_bad_endpoint_is_refused_when_parsing(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--otlp-endpoint", "127.0.0.1:4318"])
+    err = capsys.readouterr().err
+    assert "--otlp-endpoint" in err and "'127.0.0.1:4318' is not an http:// or https:// URL" in err
+
+
+async def test_no_endpoint_no_tracer() -> None:
+    async with tracer_for(parse([]), "edge") as tracer:
+        assert tracer is None
+
+
+async def test_the_tracer_exports_under_the_service_name() -> None:
+    with receiving() as rcv:
+        async with tracer_for(parse(["--otlp-endpoint", rcv.url]), "worker") as tracer:
+            assert tracer is not None
+            tracer.start("one").end()
+        # leaving the context stopped the exporter, which flushed
+        await wait_until(lambda: len(rcv.spans()) == 1, timeout=10)
+        (s,) = rcv.spans()
+        assert s.service == "lockgate-worker" and s.name == "one" and rcv.errors == []
+        assert s.resource["service.instance.id"]
+        async with tracer_for(parse(["--otlp-endpoint", rcv.url, "--service-name", "gw-1"]), "edge") as tracer:
+            assert tracer is not None
+            tracer.start("two").end()
+        await wait_until(lambda: len(rcv.spans()) == 2, timeout=10)
+        assert rcv.spans()[1].service == "gw-1"
