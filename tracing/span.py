@@ -47,7 +47,8 @@ class SpanRecord:
 
 
 class Span:
-    """An open span. :meth:`end` records it once; later calls are ignored."""
+    """An open span. :meth:`end` records it once (only when its context is sampled: the flag comes
+    from the parent, so the whole trace is kept or none of it); later calls are ignored."""
 
     __slots__ = ("_tracer", "name", "context", "parent_id", "kind", "start_ns", "attributes", "error", "ended")
 
@@ -76,6 +77,8 @@ class Span:
         self.ended = True
         end = time.time_ns() if end_ns is None else max(end_ns, self.start_ns)
         c = self.context
+        if not c.sampled:  # parent-based sampling: a client that did not sample its trace gets none of ours
+            return
         self._tracer.sink(SpanRecord(c.trace_id, c.span_id, self.parent_id, self.name, self.kind, self.start_ns, end,
                                      tuple(self.attributes.items()), self.error))
 

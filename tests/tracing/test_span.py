@@ -38,12 +38,28 @@ def test_children_share_the_trace_and_name_their_parent() -> None:
 
 def test_a_remote_parent_keeps_its_trace_and_sampled_flag() -> None:
     tracer, got = recorder()
-    remote = SpanContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", sampled=False)
+    remote = SpanContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")
     s = tracer.start("edge", remote)
-    assert s.context.trace_id == remote.trace_id and s.context.sampled is False
+    assert s.context.trace_id == remote.trace_id and s.context.sampled is True
     assert s.context.span_id != remote.span_id
     s.end()
-    assert got[0].parent_id == remote.span_id
+    assert got[0].parent_id == remote.span_id and got[0].trace_id == remote.trace_id
+
+
+def test_an_unsampled_trace_records_nothing() -> None:
+    """Parent-based sampling: the client's ``-00`` flags carry down the chain (the publish span's
+    header too), and no span of that trace is exported; a new root is always sampled."""
+    tracer, got = recorder()
+    remote = SpanContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", sampled=False)
+    edge = tracer.start("edge", remote)
+    publish = tracer.start("publish", edge)
+    assert publish.context.sampled is False and publish.context.traceparent().endswith("-00")
+    worker = tracer.start("worker", parse_traceparent(publish.context.traceparent()))
+    tracer.record("phase", worker, 1, 2)
+    for s in (worker, publish, edge):
+        s.end()
+    assert got == []
+    assert tracer.start("root").context.sampled is True
 
 
 def test_separate_roots_are_separate_traces() -> None:

@@ -107,6 +107,11 @@ async def test_one_trace_spans_edge_kafka_and_worker(kafka_bootstrap: str, tiny_
     http_parent, ws_parent = os.urandom(8).hex(), os.urandom(8).hex()
     with receiving() as rcv:
         async with traced_platform(kafka_url(kafka_bootstrap), tiny_dir, rcv.url) as (edge, edge_ex, worker_ex):
+            # first, a client that does not sample its trace (flags 00): served, and none of its
+            # spans are exported (they would be queued before the next requests' spans)
+            unsampled = os.urandom(16).hex()
+            r = await chat(edge, {"traceparent": f"00-{unsampled}-{http_parent}-00"})
+            assert r["usage"]["completion_tokens"] == MAX_TOKENS
             # OpenAI HTTP: the request's own traceparent header
             r = await chat(edge, {"traceparent": f"00-{http_trace}-{http_parent}-01"})
             assert r["usage"]["completion_tokens"] == MAX_TOKENS
@@ -134,6 +139,7 @@ async def test_one_trace_spans_edge_kafka_and_worker(kafka_bootstrap: str, tiny_
             await wait_until(lambda: complete(fresh()), timeout=30)
             check_trace(fresh(), "", "openai", prompt_tokens)
             assert fresh()[0].trace_id not in (http_trace, ws_trace, "0" * 32)
+            assert trace_of(rcv, unsampled) == []
         assert rcv.errors == []  # every body was a valid ExportTraceServiceRequest
         assert edge_ex.dropped == 0 and worker_ex.dropped == 0
 
