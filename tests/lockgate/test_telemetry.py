@@ -71,3 +71,43 @@ async def test_the_tracer_exports_under_the_service_name() -> None:
             tracer.start("two").end()
         await wait_until(lambda: len(rcv.spans()) == 2, timeout=10)
         assert rcv.spans()[1].service == "gw-1"
+
+
+async def test_lockgate_serve_traces_edge_and_worker_under_one_service(tiny_model_dir: str) -> None:
+    """`lockgate serve --otlp-endpoint`: the embedded edge and worker share one exporter
+    (`lockgate-serve`), and one request is one trace from the client's header to the reply send;
+    stopping the platform flushes the spans."""
+    import asyncio
+    import json
+
+    import websockets
+
+    from lockgate.serve import run_embedded
+    from tests.lockgate.test_serve import serve_args
+
+    trace, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with receiving() as rcv:
+        args = serve_args(tiny_model_dir)
+        args.otlp_endpoint, args.service_name = rcv.url, ""  # the global flags, as `lockgate --otlp-endpoint URL serve`
+        ready, stop = asyncio.get_running_loop().create_future(), asyncio.Event()
+        task = asyncio.create_task(run_embedded(args, ready, stop, freeze=False))
+        try:
+            port = await asyncio.wait_for(ready, 60)
+            async with websockets.connect(f"ws://127.0.0.1:{port}/ws",
+                                          additional_headers={"traceparent": f"00-{trace}-{parent}-01"}) as ws:
+                await ws.send(json.dumps({"type": "generate", "id": "a", "prompt": "hi", "max_tokens": 4, "temperature": 0}))
+                for _ in range(100):
+                    msg = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                    if msg["type"] in ("done", "error"):
+                        break
+            assert msg["type"] == "done", msg
+        finally:
+            stop.set()
+            assert await asyncio.wait_for(task, 60) == 0
+        spans = [s for s in rcv.spans() if s.trace_id == trace]
+        names = {s.name for s in spans}
+        assert {"lockgate.request", "lockgate.publish", "lockgate.worker", "queue wait", "prefill", "reply send"} <= names
+        assert {s.service for s in spans} == {"lockgate-serve"} and rcv.errors == []
+        by = {s.name: s for s in spans}
+        assert by["lockgate.request"].parent_id == parent
+        assert by["lockgate.worker"].parent_id == by["lockgate.publish"].span_id
