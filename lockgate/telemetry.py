@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from tracing import OtlpExporter, Tracer, traces_url
 
@@ -46,6 +47,39 @@ def add_tracing_flags(parser: argparse.ArgumentParser) -> None:
                              "default: lockgate-<command>, e.g. lockgate-edge)")
 
 
+class ProcessTracer(Tracer):
+    """The process's tracer, knowing its exporter (for :func:`expose_metrics`)."""
+
+    def __init__(self, exporter: OtlpExporter) -> None:
+        super().__init__(exporter.offer)
+        self.exporter = exporter
+
+
+class ExporterMetrics:
+    """A prometheus-client collector of the exporter's counters, read at each scrape (so the
+    exporter, in ``tracing/``, knows nothing of Prometheus)."""
+
+    def __init__(self, exporter: OtlpExporter) -> None:
+        self.exporter = exporter
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        ex = self.exporter
+        yield CounterMetricFamily("lockgate:trace_spans_exported", "Spans the OTLP receiver accepted.", value=ex.exported)
+        yield CounterMetricFamily("lockgate:trace_spans_dropped",
+                                  "Spans dropped: the export queue was full, or their batch failed.", value=ex.dropped)
+        yield CounterMetricFamily("lockgate:trace_export_failures", "OTLP export POSTs that failed.",
+                                  value=ex.failed_batches)
+
+
+def expose_metrics(tracer: Tracer | None, registry: Any) -> None:
+    """Show the exporter's counters on ``registry`` (the edge's or the worker's ``/metrics``); a
+    no-op with tracing off."""
+    if isinstance(tracer, ProcessTracer):
+        registry.register(ExporterMetrics(tracer.exporter))
+
+
 @asynccontextmanager
 async def tracer_for(args: argparse.Namespace, command: str) -> AsyncIterator[Tracer | None]:
     """The tracer of a ``lockgate <command>`` process (its exporter started and, on exit, flushed
@@ -58,4 +92,4 @@ async def tracer_for(args: argparse.Namespace, command: str) -> AsyncIterator[Tr
     exporter = OtlpExporter(endpoint, {"service.name": name,
                                        "service.instance.id": f"{socket.gethostname()}-{os.getpid()}"})
     async with exporter:
-        yield Tracer(exporter.offer)
+        yield ProcessTracer(exporter)

@@ -36,7 +36,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from bus import connect
     from engine_workers.engine.core import Engine
     from engine_workers.worker.actor import Worker
-    from lockgate.telemetry import tracer_for
+    from lockgate.telemetry import expose_metrics, tracer_for
 
     cfg = worker_config_from_args(args)
     loop = asyncio.get_running_loop()
@@ -45,6 +45,7 @@ async def _serve(args: argparse.Namespace) -> int:
     async with tracer_for(args, "worker") as tracer, connect(args.bus) as bus:
         engine = await asyncio.to_thread(Engine, engine_config_from_args(args))
         worker = Worker(cfg, bus, engine, tracer=tracer)
+        expose_metrics(tracer, worker.metrics.registry)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_drain)
         async with worker:

@@ -111,3 +111,37 @@ async def test_lockgate_serve_traces_edge_and_worker_under_one_service(tiny_mode
         by = {s.name: s for s in spans}
         assert by["lockgate.request"].parent_id == parent
         assert by["lockgate.worker"].parent_id == by["lockgate.publish"].span_id
+
+
+async def test_the_exporter_counters_are_prometheus_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from lockgate.telemetry import expose_metrics
+    from tests.tracing.receiver import dead_endpoint
+
+    off = CollectorRegistry()
+    expose_metrics(None, off)  # tracing off: nothing registered
+    assert b"trace_spans" not in generate_latest(off)
+
+    def value(registry: CollectorRegistry, name: str) -> float:
+        v = registry.get_sample_value(name)
+        assert v is not None, name
+        return v
+
+    with receiving() as rcv:
+        reg = CollectorRegistry()
+        async with tracer_for(parse(["--otlp-endpoint", rcv.url]), "edge") as tracer:
+            expose_metrics(tracer, reg)
+            assert tracer is not None
+            for _ in range(3):
+                tracer.start("s").end()
+        assert value(reg, "lockgate:trace_spans_exported_total") == 3
+        assert value(reg, "lockgate:trace_spans_dropped_total") == 0
+    reg = CollectorRegistry()
+    async with tracer_for(parse(["--otlp-endpoint", dead_endpoint()]), "edge") as tracer:
+        expose_metrics(tracer, reg)
+        assert tracer is not None
+        tracer.start("s").end()
+    assert value(reg, "lockgate:trace_spans_dropped_total") == 1
+    assert value(reg, "lockgate:trace_export_failures_total") == 1
+    assert value(reg, "lockgate:trace_spans_exported_total") == 0
