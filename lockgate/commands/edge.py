@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lockgate.edge_options import add_edge_limits, edge_limits
 from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
 from lockgate.options import env_default
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
@@ -47,15 +48,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
                    help="max estimated queue wait per tier p0,p1,p2 in seconds before shedding (env LOCKGATE_SLO_WAIT)")
     p.add_argument("--max-frame-bytes", type=int, default=env_default("max-frame-bytes", 1 << 20))
     p.add_argument("--request-timeout", type=float, default=env_default("request-timeout", 300.0))
-    p.add_argument("--publish-timeout", type=float, default=env_default("publish-timeout", 5.0),
-                   help="seconds to wait for the bus to take a request; past it (broker down) the client gets "
-                        "503 (env LOCKGATE_PUBLISH_TIMEOUT)")
-    p.add_argument("--max-connections-per-key", type=int, default=env_default("max-connections-per-key", 256),
-                   help="open WebSocket connections one API key may hold, 0 = unlimited; more get HTTP 429 "
-                        "(env LOCKGATE_MAX_CONNECTIONS_PER_KEY)")
-    p.add_argument("--grammar-compile-timeout", type=float, default=env_default("grammar-compile-timeout", 5.0),
-                   help="seconds a structured-output constraint may take to compile at admission; longer is a 400 "
-                        "(env LOCKGATE_GRAMMAR_COMPILE_TIMEOUT)")
+    add_edge_limits(p)
     p.set_defaults(func=_edge)
 
     k = sub.add_parser("keys", help="API keys for the edge")
@@ -86,8 +79,7 @@ def _edge(args: argparse.Namespace) -> int:
     config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
                         keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
-                        publish_timeout_s=args.publish_timeout, max_connections_per_key=args.max_connections_per_key,
-                        grammar_compile_timeout_s=args.grammar_compile_timeout,
+                        **edge_limits(args),
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling, **kw)
     if config.dev_mode:
