@@ -10,7 +10,7 @@ STAMP := $(VENV)/.lockgate-installed
 KAFKA_PORT ?= 9092
 PYTEST_ARGS ?=
 
-.PHONY: install model chromium kafka-start kafka-stop lint deploy-check test test-fast serve bench clean
+.PHONY: install model chromium kafka-start kafka-stop lint deploy-check otel-check test test-fast serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ lint: install
 # (scripts/deploy/tools.sh; cold: ~6 min of Go builds on 2 cores); warm: ~2 s.
 deploy-check: install
 	scripts/deploy/check.sh
+
+# Opt-in, not in `make test`: the end-to-end trace against the real OpenTelemetry Collector, which
+# scripts/otelcol.sh builds once with Go into ~/.cache/lockgate/tools (cold: ~4.5 min on 2 cores,
+# needs the Go module proxy; warm: instant). docs/observability.md, "Tracing".
+otel-check: install kafka-start
+	LOCKGATE_OTELCOL="$$(scripts/otelcol.sh)" LOCKGATE_TEST_KAFKA=127.0.0.1:$(KAFKA_PORT) \
+		$(BIN)/python -m pytest -ra -m otelcol tests/tracing $(PYTEST_ARGS)
 
 # The deploy tools' cold install (Go builds, downloads) runs in the background, at low priority, while
 # lint, the model, Chromium and Kafka get ready; deploy-check waits for it (tests/deploy needs helm).

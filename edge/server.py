@@ -43,6 +43,7 @@ from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.routes import OpenAIServer
 from edge.request import PromptEncoder
 from edge.ws.session import Session, TickFlusher
+from tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,14 @@ WS_PATHS = ("/", "/ws")
 
 
 class Edge:
-    def __init__(self, config: EdgeConfig, bus: Bus, encoder: PromptEncoder | None = None) -> None:
+    def __init__(self, config: EdgeConfig, bus: Bus, encoder: PromptEncoder | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.config = config
         self.bus = bus
         self.metrics = EdgeMetrics()
         self.reply_topic = config.layout.reply_topic(config.edge_id)
         # Both APIs admit through this one object (keys, limits, shedding, publish, cancel).
-        self.admission = Admission(config, bus, encoder, self.metrics, self.reply_topic)
+        self.admission = Admission(config, bus, encoder, self.metrics, self.reply_topic, tracer)
         self.limiter = self.admission.limiter
         self.shedder = self.admission.shedder
         self.auth = self.admission.auth

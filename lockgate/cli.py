@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from lockgate.options import env_default
+from lockgate.telemetry import add_tracing_flags
 
 COMMAND_MODULES = (
     "lockgate.commands.engine",
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", default=env_default("log-format", "text"), choices=("text", "json"),
                         help="log lines as text or one JSON object per line with request and trace ids "
                              "(env LOCKGATE_LOG_FORMAT)")
+    add_tracing_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench_parser = sub.add_parser("bench", help="benchmarks (print measured figures)")
     bench = bench_parser.add_subparsers(dest="bench", metavar="BENCH")

@@ -49,6 +49,7 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     from engine_workers.worker.actor import Worker
     from lockgate.commands.edge import DEV_BANNER
     from lockgate.runtime import raise_nofile
+    from lockgate.telemetry import expose_metrics, tracer_for
     from tokenization.model_store import model_name
 
     worker_cfg = worker_config_from_args(args, model_name(args.model))
@@ -69,9 +70,10 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
-    async with busmod.connect(args.bus) as bus:
+    async with tracer_for(args, "serve") as tracer, busmod.connect(args.bus) as bus:
         await bus.ensure_topics(layout.model_specs(name))
-        async with Worker(worker_cfg, bus, engine) as worker, Edge(edge_cfg, bus) as edge:
+        async with Worker(worker_cfg, bus, engine, tracer=tracer) as worker, Edge(edge_cfg, bus, tracer=tracer) as edge:
+            expose_metrics(tracer, edge.metrics.registry)  # one exporter: its counters once, on the edge's /metrics
             if freeze:  # start-up state out of the GC's full collections (lockgate.runtime.freeze_heap)
                 freeze_heap()
             print(f"lockgate serving {name} at http://{args.host}:{edge.port}/  (WebSocket: ws://{args.host}:{edge.port}/ws)", flush=True)

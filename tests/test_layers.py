@@ -15,7 +15,7 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "lockgate", "benchmarks")
+PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "tracing", "lockgate", "benchmarks")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -45,6 +45,8 @@ def test_the_layer_contracts_are_kept() -> None:
     ("edge/admission/_probe.py", "import edge.openai.tool_parsers\n", "Edge admission knows neither front end"),
     ("edge/_probe.py", "from bus.messages import Tier\n", "Code outside bus/ imports the bus through its facade"),
     ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
+    ("tracing/_probe.py", "import bus\n", "tracing imports nothing of ours"),
+    ("bus/_probe.py", "import tracing\n", "bus imports nothing of ours"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:

@@ -21,7 +21,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from bus import Bus, Cancel, Error, ErrorCode, Finished, InferenceRequest, bound, encode
@@ -34,6 +34,7 @@ from edge.config import EdgeConfig
 from edge.guided import GrammarChecker
 from edge.metrics import EdgeMetrics
 from edge.request import Generate, PromptEncoder, ProtocolError
+from tracing import HEADER, SpanContext, SpanKind, Tracer, parse_traceparent, to_headers
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ class Admitted:
 
 class Admission:
     def __init__(self, config: EdgeConfig, bus: Bus, encoder: PromptEncoder | None, metrics: EdgeMetrics,
-                 reply_topic: str) -> None:
+                 reply_topic: str, tracer: Tracer | None = None) -> None:
         self.config = config
+        self.tracer = tracer  # None: tracing off, no span is built (docs/observability.md, "Tracing")
         self.bus = bus
         self.encoder = encoder  # set by the edge's start() when it loads the tokenizer itself
         self.metrics = metrics
@@ -81,11 +83,15 @@ class Admission:
 
     async def admit(self, g: Generate, principal: Principal, sink: StreamSink, api: str, *,
                     client_id: str | None = None, token_ids: bool = False,
-                    gone: Callable[[], bool] = lambda: False) -> Admitted | None:
+                    gone: Callable[[], bool] = lambda: False,
+                    trace_parent: SpanContext | None = None) -> Admitted | None:
         """Check, tokenize, charge and register one request. Raises :class:`ProtocolError`
         (codes ``invalid_request``, ``overloaded``, ``rate_limited``); ``None`` when ``gone()``
-        says the client left while the prompt was being tokenized (nothing was charged)."""
+        says the client left while the prompt was being tokenized (nothing was charged).
+        ``trace_parent``: the client's trace context (:meth:`trace_parent`); the request's span is
+        its child, else the root of a new trace."""
         cfg, encoder = self.config, self.encoder
+        started_ns = time.time_ns() if self.tracer is not None else 0
         assert encoder is not None, "Admission.encoder is set before the edge serves"
         if g.model is not None and g.model != cfg.model:
             raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
@@ -128,6 +134,13 @@ class Admission:
         labels = (cfg.model, f"p{principal.tier}", api)
         s = Stream(rid, client_id if client_id is not None else g.id, sink, principal, labels, len(ids), max_tokens,
                    now, now + cfg.request_timeout_s, token_ids)
+        if self.tracer is not None:
+            # From the admission's start: tokenization is part of the request's time at the edge.
+            # Requests refused above get no span (the rejection metrics count them).
+            s.span = self.tracer.start("lockgate.request", trace_parent, SpanKind.SERVER, started_ns, {
+                "lockgate.request_id": rid, "lockgate.api": api, "lockgate.tier": principal.tier,
+                "lockgate.tenant": principal.tenant, "gen_ai.request.model": cfg.model,
+                "gen_ai.usage.input_tokens": len(ids), "gen_ai.request.max_tokens": max_tokens})
         self.router.register(s)
         self.metrics.streams.inc()
         self.metrics.prompt_tokens.labels(*labels).inc(len(ids))
@@ -142,30 +155,55 @@ class Admission:
             weight=principal.entry.weight)
         return Admitted(s, req)
 
+    def trace_parent(self, headers: Mapping[str, str]) -> SpanContext | None:
+        """The client's context from its HTTP (or WebSocket upgrade) request's ``traceparent``
+        header; None when tracing is off (the header is not even read) or the header is absent or
+        malformed (a new trace starts; the request itself is never refused for it)."""
+        if self.tracer is None:
+            return None
+        return parse_traceparent(headers.get(HEADER))
+
     async def publish(self, a: Admitted) -> bool:
         """Publish an admitted request on its tier's topic, waiting at most ``publish_timeout_s``.
         ``True`` once the bus acknowledged the write. Otherwise the stream's sink gets an
         ``overloaded`` error (HTTP 503, ``retry_after`` 1 s) naming the bus, as if a worker had sent
         it, and a Cancel is queued: a write that timed out here may still land when the bus
         returns, and the worker then drops it instead of running a request nobody waits for."""
-        req = a.request
+        req, span = a.request, a.stream.span
         timeout = self.config.publish_timeout_s
-        with bound(req.request_id):  # the bus's and placement's log lines name the request (JSON logs)
+        headers: tuple[tuple[str, bytes], ...] = ()
+        pub = None
+        if span is not None and self.tracer is not None:
+            # The record carries the publish span's context: the worker's span is its child, so
+            # the trace reads edge request -> publish -> worker (docs/observability.md).
+            pub = self.tracer.start("lockgate.publish", span, SpanKind.PRODUCER)
+            headers = to_headers(pub.context)
+        with bound(req.request_id, span.context.trace_id if span is not None else None):
+            # the bus's and placement's log lines name the request (JSON logs)
             try:
                 topic = self.config.layout.request_topic(req.model, req.tier)
+                if pub is not None:
+                    pub.set("messaging.destination.name", topic)
                 async with asyncio.timeout(timeout):
                     key, partition = await self.placement.place(topic, req)
-                    await self.bus.send(topic, encode(req), key=key, partition=partition)
-                return True
+                    await self.bus.send(topic, encode(req), key=key, headers=headers, partition=partition)
             except Exception as exc:  # the bus is down or unreachable: tell the client, keep the connection
                 why = f"no answer within {timeout:g} s (publish_timeout_s)" if isinstance(exc, TimeoutError) else str(exc)
                 log.warning("publishing %s failed: %s", req.request_id, why)
+                if pub is not None:
+                    pub.fail(f"publish failed: {why}"[:300])
+                    pub.end()
+                if span is not None:
+                    span.fail(f"overloaded: the request was not queued: {why}"[:300])
                 if not a.stream.ended:
                     a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.OVERLOADED,
                                                            f"the bus is unreachable, the request was not queued: "
                                                            f"{why}"[:300], retry_after=1.0))
                 self.publish_cancel(req.request_id, "unqueued")
                 return False
+            if pub is not None:
+                pub.end()
+            return True
 
     # --- streams ------------------------------------------------------------------------------
     def count_tokens(self, s: Stream, n: int, now: float) -> None:
@@ -185,6 +223,8 @@ class Admission:
             if s.first_at is not None and s.next_seq > 1:
                 tpot.observe((now - s.first_at) / (s.next_seq - 1))
         m.success.labels(*s.labels, finish_reason).inc()
+        if s.span is not None:
+            s.span.set("gen_ai.response.finish_reasons", finish_reason)
 
     def completion_tokens(self, s: Stream, msg: Finished) -> int:
         return max(msg.num_tokens, s.next_seq)
@@ -200,6 +240,10 @@ class Admission:
         self.limiter.release(s.principal.entry, max(0, s.max_tokens - used), time.monotonic())
         if cancel_reason is not None:
             self.publish_cancel(s.request_id, cancel_reason)
+        if s.span is not None:
+            s.span.set("gen_ai.usage.output_tokens", used)
+            s.span.set("lockgate.cancel_reason", cancel_reason)
+            s.span.end()
         return True
 
     def expire(self, now: float) -> None:
@@ -207,6 +251,8 @@ class Admission:
         for st in list(self.router.streams.values()):
             if now > st.deadline and not st.ended:
                 self.publish_cancel(st.request_id, "expired")
+                if st.span is not None:
+                    st.span.fail("expired: no reply before the request deadline")
                 st.sink.on_error(st, Error(st.request_id, ErrorCode.EXPIRED, "no reply before the request deadline"))
 
     # --- cancels ------------------------------------------------------------------------------

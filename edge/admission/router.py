@@ -42,6 +42,7 @@ from bus import (
 )
 from edge.admission.auth import Principal
 from edge.metrics import EdgeMetrics
+from tracing import Span
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Stream:
 
     __slots__ = ("request_id", "client_id", "sink", "principal", "labels", "prompt_tokens", "max_tokens",
                  "charged", "next_seq", "chars", "admitted_at", "first_at", "deadline", "token_ids", "ended",
-                 "delivered")
+                 "delivered", "span")
 
     def __init__(self, request_id: str, client_id: str, sink: StreamSink, principal: Principal,
                  labels: tuple[str, str, str], prompt_tokens: int, max_tokens: int, admitted_at: float,
@@ -96,6 +97,7 @@ class Stream:
         self.token_ids = token_ids
         self.ended = False
         self.delivered: list[int] = []  # output token ids handed to the sink, by seq
+        self.span: Span | None = None  # the request's edge span, only when tracing is on (Admission)
 
 
 _CHUNK_KEYS = frozenset(("request_id", "attempt", "seq", "token_ids", "text", "text_offset", "logprobs", "worker_id"))
@@ -247,6 +249,8 @@ class ReplyRouter:
         elif isinstance(msg, Finished):
             stream.sink.on_finished(stream, msg)
         elif isinstance(msg, Error):
+            if stream.span is not None:
+                stream.span.fail(f"{msg.code}: {msg.message}")
             stream.sink.on_error(stream, msg)
         else:
             log.warning("unexpected %s on reply topic %s", type(msg).__name__, rec.topic)

@@ -164,12 +164,13 @@ class EmbeddingsRoutes:
             return error_response(exc.code, exc.message, exc.field)
         wake = asyncio.Event()
         sinks: list[EmbeddingSink] = []
+        parent = adm.trace_parent(request.headers)  # every input's span joins the client's trace
         admitted: list[Admitted] = []
         try:
             for i, g in enumerate(inputs):
                 sink = EmbeddingSink(adm, wake)
                 try:
-                    a = await adm.admit(g, who, sink, API, client_id="")
+                    a = await adm.admit(g, who, sink, API, client_id="", trace_parent=parent)
                 except ProtocolError as exc:
                     adm.reject(exc.code, API)
                     if exc.field not in ("prompt", "messages"):

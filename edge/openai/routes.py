@@ -187,6 +187,7 @@ class OpenAIServer:
         wake = asyncio.Event()
         transport = request.transport
         sinks: list[OpenAIStream] = []
+        parent = adm.trace_parent(request.headers)  # every choice's span joins the client's trace
         admitted: list[Admitted] = []
         try:
             for p, i in ((p, i) for p in range(len(req.batch)) for i in range(req.n)):
@@ -196,7 +197,7 @@ class OpenAIServer:
                                     on_overflow=lambda: transport.abort() if transport is not None else None,
                                     wake=wake, index=p * req.n + i, echo=_echo(req, one, encoder))
                 try:
-                    a = await adm.admit(g, principal, sink, API, client_id="")
+                    a = await adm.admit(g, principal, sink, API, client_id="", trace_parent=parent)
                 except ProtocolError as exc:
                     adm.reject(exc.code, API)
                     field = exc.field

@@ -164,6 +164,10 @@ class Session:
         self._close_task: asyncio.Task | None = None
         self._pending: list | None = None  # frames of this tick, not yet flushed
         self._loop = asyncio.get_running_loop()
+        # The upgrade request's traceparent: every request of the connection joins that trace
+        # (None: tracing off, or no valid header; each request then starts its own trace).
+        request = getattr(ws, "request", None)
+        self.trace_parent = admission.trace_parent(request.headers) if request is not None else None
 
     # --- outbound -----------------------------------------------------------------------------
     def push(self, item: bytes | _Delta) -> bool:
@@ -347,7 +351,7 @@ class Session:
                                 f"{cfg.max_streams_per_connection}", "max_streams_per_connection", g.id,
                                 code=ErrorCode.RATE_LIMITED, retry_after=1.0)
         admitted = await self.adm.admit(g, self.principal, self, "ws", token_ids=g.token_ids,
-                                        gone=lambda: self.closing)
+                                        gone=lambda: self.closing, trace_parent=self.trace_parent)
         if admitted is None:
             return
         s = admitted.stream

@@ -59,6 +59,7 @@ from engine_workers.worker.intake.queue import (
 from engine_workers.worker.loops import heartbeat, read_cancels
 from engine_workers.worker.offsets.ledger import Job
 from engine_workers.worker.wiring import Hooks, wire
+from tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,13 @@ class Worker:
     ``before_step``: called on the engine's torch thread right before each engine step (the
     :class:`AsyncEngine` hook of that name; installed on a given AsyncEngine until :meth:`stop`).
     For tests that need the step loop paced or slowed (``lambda: time.sleep(0.02)``) without
-    replacing ``engine.step``; None (the default) in production."""
+    replacing ``engine.step``; None (the default) in production.
+
+    ``tracer``: spans per request, children of the edge's (``worker/spans.py``); None (the
+    default): tracing off, no span built."""
 
     def __init__(self, config: WorkerConfig, bus: Bus, engine: Engine | AsyncEngine, *,
-                 before_step: Callable[[], None] | None = None) -> None:
+                 before_step: Callable[[], None] | None = None, tracer: Tracer | None = None) -> None:
         self.config = config
         self.bus = bus
         if isinstance(engine, AsyncEngine):
@@ -90,7 +94,9 @@ class Worker:
         self._before_step = before_step
         self.engine = self.aengine.engine
         st = wire(config, bus, self.aengine, Hooks(accept=self._accept, send_failed=self._on_send_failed,
-                                                   rerun=self._rerun, serving=lambda: self.state == "started"))
+                                                   rerun=self._rerun, serving=lambda: self.state == "started"),
+                  tracer)
+        self._spans = st.spans  # None: tracing off (``tracer``; docs/observability.md, "Tracing")
         self.metrics, self.policy, self.intake, self.ledger = st.metrics, st.policy, st.intake, st.ledger
         self.offsets, self.replies, self.usage, self.answers = st.offsets, st.replies, st.usage, st.answers
         self.outputs, self.aborts, self.admission = st.outputs, st.aborts, st.admission
@@ -274,6 +280,8 @@ class Worker:
         job = Job(f"{msg.request_id}#{next(self._eids)}", msg, tp, rec.offset, arrival,
                   -(-(len(msg.prompt_token_ids) + 1) // bs),
                   aging_from=aging_start(arrival, now, self.policy.aging_period_s, self.config.age_credit_periods))
+        if self._spans is not None:
+            self._spans.begin(job, rec)
         self.ledger.add(job)
         self._gate.submit(job)  # -> _accept once its reply topic is known to exist
 

@@ -37,6 +37,8 @@ from engine_workers.worker.replies.failures import SendFailures
 from engine_workers.worker.replies.gate import ReplyGate
 from engine_workers.worker.replies.outputs import StepOutputs
 from engine_workers.worker.replies.sender import ReplySender
+from engine_workers.worker.spans import WorkerSpans
+from tracing import Tracer
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +67,12 @@ class Stages:
     resume: ResumeFinder
     gate: ReplyGate
     send_failures: SendFailures
+    spans: WorkerSpans | None
 
 
-def wire(config: WorkerConfig, bus: Bus, aengine: AsyncEngine, hooks: Hooks) -> Stages:
-    """Build every stage of one worker from its config (see the module docstring for who feeds whom)."""
+def wire(config: WorkerConfig, bus: Bus, aengine: AsyncEngine, hooks: Hooks, tracer: Tracer | None = None) -> Stages:
+    """Build every stage of one worker from its config (see the module docstring for who feeds whom);
+    ``tracer``: spans per request (``spans``), None when tracing is off."""
     metrics = WorkerMetrics(config.model)
     aengine.on_step = metrics.observe_step
     policy = IntakePolicy(parse_intake_mode(config.intake_mode), config.aging_period_s, reference_time=time.time())
@@ -79,7 +83,8 @@ def wire(config: WorkerConfig, bus: Bus, aengine: AsyncEngine, hooks: Hooks) -> 
     replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=hooks.send_failed,
                           max_record_bytes=config.max_reply_record_bytes)
     usage = UsageLog(bus, config.layout.usage_topic, metrics.registry, config.model, config.worker_id)
-    answers = Answers(replies, ledger, metrics, config.worker_id, usage)
+    spans = WorkerSpans(tracer, config.worker_id) if tracer is not None else None
+    answers = Answers(replies, ledger, metrics, config.worker_id, usage, spans)
     outputs = StepOutputs(aengine, ledger, replies, answers, metrics)
     aborts.append(Aborts(aengine, ledger, intake, answers, replies))
     admission = EngineAdmission(config.worker_id, aengine, ledger, intake, policy, answers,
@@ -90,4 +95,4 @@ def wire(config: WorkerConfig, bus: Bus, aengine: AsyncEngine, hooks: Hooks) -> 
     send_failures = SendFailures(config.worker_id, ledger, gate.dead_letters, hooks.rerun, answers.error,
                                  reruns=config.send_failure_reruns)
     return Stages(metrics, policy, intake, ledger, ledger.offsets, replies, usage, answers, outputs, aborts[0],
-                  admission, resume, gate, send_failures)
+                  admission, resume, gate, send_failures, spans)

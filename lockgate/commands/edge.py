@@ -95,12 +95,14 @@ def _edge(args: argparse.Namespace) -> int:
     async def main() -> None:
         import bus as busmod
         from edge.server import Edge
+        from lockgate.telemetry import expose_metrics, tracer_for
 
         raise_nofile()
         b = busmod.connect(args.bus)
         await b.start()
         try:
-            async with Edge(config, b) as edge:
+            async with tracer_for(args, "edge") as tracer, Edge(config, b, tracer=tracer) as edge:
+                expose_metrics(tracer, edge.metrics.registry)
                 freeze_heap()
                 stop = asyncio.Event()
                 loop = asyncio.get_running_loop()

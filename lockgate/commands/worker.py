@@ -36,14 +36,16 @@ async def _serve(args: argparse.Namespace) -> int:
     from bus import connect
     from engine_workers.engine.core import Engine
     from engine_workers.worker.actor import Worker
+    from lockgate.telemetry import expose_metrics, tracer_for
 
     cfg = worker_config_from_args(args)
     loop = asyncio.get_running_loop()
     # The bus first: a wrong or unreachable broker is reported in seconds, not after a model load
     # that takes minutes on a GPU host. The group is joined only once the engine is ready.
-    async with connect(args.bus) as bus:
+    async with tracer_for(args, "worker") as tracer, connect(args.bus) as bus:
         engine = await asyncio.to_thread(Engine, engine_config_from_args(args))
-        worker = Worker(cfg, bus, engine)
+        worker = Worker(cfg, bus, engine, tracer=tracer)
+        expose_metrics(tracer, worker.metrics.registry)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, worker.request_drain)
         async with worker:

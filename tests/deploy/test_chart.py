@@ -172,3 +172,12 @@ def test_no_secret_material_in_default_values(tmp_path: Path) -> None:
     assert not [d for d in docs if d["kind"] == "Secret"], "the chart must not create Secrets"
     text = (CHART / "values.yaml").read_text().lower()
     assert "sk-" not in text and "password:" not in text
+
+
+def test_tracing_otlp_endpoint_reaches_edge_and_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = "http://otel-collector.observability:4318"
+    for kind, suffix in (("Deployment", "-edge"), ("Deployment", "-worker")):
+        env, args = container_env(render(tmp_path, {"tracing": {"otlpEndpoint": url}}), kind, suffix)
+        assert parse_as_pod(monkeypatch, env, args).otlp_endpoint == url, suffix
+        env, args = container_env(render(tmp_path), kind, suffix)  # default: off
+        assert "LOCKGATE_OTLP_ENDPOINT" not in env and parse_as_pod(monkeypatch, env, args).otlp_endpoint == ""

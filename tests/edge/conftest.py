@@ -46,7 +46,7 @@ def keys(**limits) -> dict[str, KeyEntry]:
 
 
 @contextlib.asynccontextmanager
-async def running_edge(encoder, *, worker: bool = True, worker_kw: dict | None = None,
+async def running_edge(encoder, *, worker: bool = True, worker_kw: dict | None = None, tracer=None,
                        **cfg) -> AsyncIterator[tuple[Edge, FakeWorker | None]]:
     bus = MemoryBus()
     await bus.start()
@@ -57,7 +57,7 @@ async def running_edge(encoder, *, worker: bool = True, worker_kw: dict | None =
     try:
         if fw is not None:
             await fw.start()
-        async with Edge(config, bus, encoder) as edge:
+        async with Edge(config, bus, encoder, tracer=tracer) as edge:
             if fw is not None:
                 await wait_for(lambda: edge.readiness()[0])
             yield edge, fw

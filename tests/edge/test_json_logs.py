@@ -1,4 +1,5 @@
-"""The edge's log lines about a request carry its request id in ``--log-format json``."""
+"""The edge's log lines about a request carry its request id in ``--log-format json`` (and, with
+tracing on, its trace id)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import io
 import json
 import logging
 
+from websockets.asyncio.client import connect
+
 from lockgate.logformat import JsonFormatter
-from tests.edge.conftest import client, recv, running_edge, send, wait_for
+from tests.edge.conftest import KEY, client, recv, running_edge, send, url, wait_for
+from tracing import SpanKind, SpanRecord, Tracer
 
 
 async def test_a_failed_publish_logs_the_request_id(encoder):
@@ -25,7 +29,7 @@ async def test_a_failed_publish_logs_the_request_id(encoder):
                 while not frames or frames[-1].get("type") != "error":
                     frames.append(await recv(ws))
                 rid = frames[-1]["request_id"]
-                assert rid and frames[-1]["code"] == "overloaded"  # the bus down is a 503 (docs/protocol.md)
+                assert rid and frames[-1]["code"] == "overloaded"
                 await wait_for(lambda: "publishing" in out.getvalue())
     finally:
         logger.removeHandler(handler)
@@ -33,3 +37,35 @@ async def test_a_failed_publish_logs_the_request_id(encoder):
     failed = [r for r in rows if r["message"].startswith("publishing")]
     assert failed and failed[0]["request_id"] == rid and failed[0]["level"] == "WARNING"
     assert failed[0]["logger"] == "edge.admission.gate"
+
+
+async def test_with_tracing_on_the_line_carries_the_trace_id_and_the_spans_say_why(encoder):
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("edge")
+    logger.addHandler(handler)
+    spans: list[SpanRecord] = []
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    try:
+        async with running_edge(encoder, tracer=Tracer(spans.append)) as (edge, _fw):
+            headers = {"Authorization": f"Bearer {KEY}", "traceparent": f"00-{trace}-00f067aa0ba902b7-01"}
+            async with connect(url(edge), additional_headers=headers) as ws:
+                await edge.bus.stop()
+                await send(ws, {"type": "generate", "id": "c1", "prompt": "hello", "max_tokens": 2})
+                frames = []
+                while not frames or frames[-1].get("type") != "error":
+                    frames.append(await recv(ws))
+                assert frames[-1]["code"] == "overloaded"
+                await wait_for(lambda: "publishing" in out.getvalue() and len(spans) == 2)
+    finally:
+        logger.removeHandler(handler)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    failed = [r for r in rows if r["message"].startswith("publishing")]
+    assert failed and failed[0]["trace_id"] == trace and failed[0]["request_id"] == frames[-1]["request_id"]
+    by = {s.name: s for s in spans}
+    req, pub = by["lockgate.request"], by["lockgate.publish"]
+    assert req.trace_id == pub.trace_id == trace and pub.parent_id == req.span_id and req.parent_id == "00f067aa0ba902b7"
+    assert (req.kind, pub.kind) == (SpanKind.SERVER, SpanKind.PRODUCER)
+    assert pub.error is not None and pub.error.startswith("publish failed:")
+    assert req.error is not None and req.error.startswith("overloaded: the request was not queued")

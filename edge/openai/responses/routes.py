@@ -144,7 +144,8 @@ class ResponsesRoutes:
         sink = ResponsesSink(adm, req, adm.config.send_queue_frames,
                              on_overflow=lambda: transport.abort() if transport is not None else None)
         try:
-            admitted = await adm.admit(req.chat.generate, who, sink, API, client_id="")
+            admitted = await adm.admit(req.chat.generate, who, sink, API, client_id="",
+                                       trace_parent=adm.trace_parent(request.headers))
         except ProtocolError as exc:
             adm.reject(exc.code, API)
             field = exc.field

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from bus import BusError, Consumer, InferenceRequest, TopicPartition
 from engine_workers.worker.intake.queue import NUM_TIERS, Pending
 from engine_workers.worker.offsets.watermark import OffsetTracker
+from tracing import Span
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class Job:
     expiring: bool = False  # aborted in the engine at its deadline: its final reply is Error(expired)
     send_failures: int = 0  # earlier runs of this record whose replies could not be sent (send_failures.py)
     resume: tuple[int, ...] = ()
+    span: Span | None = None  # the worker span, only when tracing is on (worker/spans.py)
+    reply_queued_ns: int = 0  # when its final reply was queued (the reply send span's start)
 
     @property
     def order_time(self) -> float:

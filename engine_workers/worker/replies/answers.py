@@ -16,13 +16,15 @@ from engine_workers.worker.health.metrics import WorkerMetrics
 from engine_workers.worker.health.usage import UsageLog
 from engine_workers.worker.offsets.ledger import Job, RequestLedger
 from engine_workers.worker.replies.sender import ReplySender
+from engine_workers.worker.spans import WorkerSpans
 
 log = logging.getLogger(__name__)
 
 
 class Answers:
     def __init__(self, replies: ReplySender, ledger: RequestLedger, metrics: WorkerMetrics, worker_id: str,
-                 usage: UsageLog | None = None) -> None:
+                 usage: UsageLog | None = None, spans: WorkerSpans | None = None) -> None:
+        self.spans = spans  # None: tracing off (worker/spans.py)
         self.usage = usage  # per-tenant usage of every request the engine finished (usage.py)
         self.replies = replies
         self.ledger = ledger
@@ -45,13 +47,19 @@ class Answers:
         usage = Usage(out.num_prompt_tokens, n, out.num_cached_tokens)
         fin = Finished(job.req.request_id, job.req.attempt, out.finish_reason, n, usage, timings, self.worker_id,
                        out.embedding)
+        if self.spans is not None:
+            self.spans.engine_done(job, out)
         if self.usage is None:
             self.close(job, fin)
             return
         job.closing = True
-        log_usage = self.usage
+        log_usage, spans = self.usage, self.spans
+        if spans is not None:
+            spans.closing(job, fin)
 
         def acked() -> None:
+            if spans is not None:
+                spans.acked(job)
             self.ledger.answered(job)
             log_usage.record(job.req, fin)  # after the reply: the billing log never delays it
 
@@ -70,7 +78,17 @@ class Answers:
 
     def close(self, job: Job, msg: Finished | Error) -> None:
         job.closing = True
-        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, lambda: self.ledger.answered(job))
+        spans = self.spans
+        if spans is None:
+            self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, lambda: self.ledger.answered(job))
+            return
+        spans.closing(job, msg)
+
+        def acked() -> None:
+            spans.acked(job)
+            self.ledger.answered(job)
+
+        self.replies.final(job.eid, job.req.reply_to, job.req.request_id, msg, acked)
 
     def answered_before(self, job: Job, final: Finished | Error) -> None:
         """The request's final reply is already on its reply topic (its worker died before the

@@ -1,0 +1,28 @@
+"""Distributed tracing for lockgate: W3C ``traceparent`` propagation, a sans-I/O span recorder and a
+bounded OTLP/HTTP (JSON) exporter. Imports nothing of ours (an import-linter contract); the edge
+and the worker both use it, the bus only carries its header as bytes.
+
+Off by default: with no OTLP endpoint configured nothing here is constructed and callers hold
+``tracer = None`` (docs/observability.md, "Tracing").
+"""
+
+from tracing.context import HEADER, SpanContext, from_headers, parse_traceparent, to_headers
+from tracing.exporter import OtlpExporter, traces_url
+from tracing.otlp import encode
+from tracing.span import AttrValue, Span, SpanKind, SpanRecord, Tracer
+
+__all__ = [
+    "HEADER",
+    "AttrValue",
+    "OtlpExporter",
+    "Span",
+    "SpanContext",
+    "SpanKind",
+    "SpanRecord",
+    "Tracer",
+    "encode",
+    "from_headers",
+    "parse_traceparent",
+    "to_headers",
+    "traces_url",
+]
