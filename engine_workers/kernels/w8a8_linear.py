@@ -64,9 +64,11 @@ def w8a8_ops() -> W8A8Ops | None:
 def w8a8_problem() -> str | None:
     """Why ``--quantization w8a8`` cannot run here, or ``None`` (``--no-cpu-kernels`` is checked by
     the caller, :func:`engine_workers.kernels.cpu_linear.lowp_problem`)."""
-    flags = kernels.cpu_flags()
-    if flags and "avx512_vnni" not in flags and "avx_vnni" not in flags:
-        return "this CPU lacks VNNI (avx512_vnni / avx_vnni): int8 GEMMs would be slower than float32"
+    # oneDNN's int8 GEMM (torch._int_mm) has AVX2 code (vpmaddubsw + vpmaddwd) besides VNNI's, and
+    # the elementwise kernels have avx2 forms: at the avx2 level w8a8 runs (docs/design.md, ISA levels)
+    slow = kernels.fast_isa_problem("w8a8")
+    if slow is not None:
+        return slow
     return w8a8_kernel_problem()
 
 
