@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
-           CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp", CSRC / "block_linear.cpp"]
+           CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp", CSRC / "block_linear.cpp",
+           CSRC / "int8_gemm.cpp"]
 HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h", CSRC / "silu_mul.h", CSRC / "prefill_f16.h", CSRC / "cpu_check.h",
            CSRC / "paged_decode_avx512.h", CSRC / "softmax_row.h", CSRC / "avx2_tile.h"]  # included by the sources: part of the build key, not compiled alone
 # Built for one ISA level at a time, chosen at run time (:func:`isa_level`): the best level the
@@ -445,8 +446,8 @@ def isa_level() -> str:
         level = parse_isa(forced) if forced else host_isa()
         _isa.append(level)
         _states.setdefault(level, _state)  # the first level decided owns the dict resolved so far
-        log.info("CPU kernels: ISA level %s (%s; CPU best %s)", level,
-                 f"forced by {ISA_ENV}" if forced else "the best this CPU supports", host_isa())
+        log.info("CPU kernels: ISA level %s (%s)", level,
+                 f"forced by {ISA_ENV}; the CPU's best is {host_isa()}" if forced else "the best this CPU supports")
     return _isa[0]
 
 
