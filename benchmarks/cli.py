@@ -10,24 +10,24 @@ from pathlib import Path
 
 from lockgate.options import add_engine_args, env_default
 
-# `lockgate bench accuracy`'s default modes (benchmarks/accuracy.py, MODES): add a name when its mode merges
+# `lockgate bench accuracy`'s default modes (benchmarks/engine/accuracy.py, MODES): add a name when its mode merges
 ACCURACY_MODES = "fp32,bf16,int8,q4_1,bf16-kv,w8a8,w8a8-bf16kv"
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
-    from benchmarks.engine import run
+    from benchmarks.engine.bench import run
 
     return run(args)
 
 
 def _bench_accuracy(args: argparse.Namespace) -> int:
-    from benchmarks.accuracy import run
+    from benchmarks.engine.accuracy import run
 
     return run(args)
 
 
 def _accuracy_modes(text: str) -> list[str]:
-    from benchmarks.accuracy import parse_modes
+    from benchmarks.engine.accuracy import parse_modes
 
     try:
         return parse_modes(text)
@@ -36,31 +36,31 @@ def _accuracy_modes(text: str) -> list[str]:
 
 
 def _bench_e2e(args: argparse.Namespace) -> int:
-    from benchmarks.e2e import run
+    from benchmarks.serving.e2e import run
 
     return run(args)
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
-    from benchmarks.decode_attention import run
+    from benchmarks.engine.decode_attention import run
 
     return run(args)
 
 
 def _bench_moe(args: argparse.Namespace) -> int:
-    from benchmarks.moe import run
+    from benchmarks.engine.moe import run
 
     return run(args)
 
 
 def _bench_recovery(args: argparse.Namespace) -> int:
-    from benchmarks.recovery import run
+    from benchmarks.serving.recovery import run
 
     return run(args)
 
 
 def _bench_priority(args: argparse.Namespace) -> int:
-    from benchmarks.priority import run
+    from benchmarks.serving.priority import run
 
     return run(args)
 
@@ -96,7 +96,7 @@ def _bench_bus(args: argparse.Namespace) -> int:
 
 
 def _bench_edge(args: argparse.Namespace) -> int:
-    from benchmarks.edge import run_bench
+    from benchmarks.edge.bench import run_bench
 
     return run_bench(args)
 
@@ -122,8 +122,8 @@ def parse_keys(values: list[str]) -> dict[int, str | None]:
 def _bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from benchmarks.loadgen import LengthMix, parse_rates
-    from benchmarks.serve import BenchConfig, bench, format_table
+    from benchmarks.serving.loadgen import LengthMix, parse_rates
+    from benchmarks.serving.serve import BenchConfig, bench, format_table
     from benchmarks.stats import parse_slo
     from lockgate.options import engine_config_from_args
 
@@ -171,7 +171,7 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     b = bench.add_parser("accuracy", help="each precision mode vs float32: greedy agreement, logits error, perplexity")
     add_engine_args(b)
     b.add_argument("--modes", type=_accuracy_modes, default=ACCURACY_MODES,
-                   help="comma-separated modes, each measured against a float32 reference (benchmarks/accuracy.py, "
+                   help="comma-separated modes, each measured against a float32 reference (benchmarks/engine/accuracy.py, "
                         "MODES: fp32, bf16, int8, q4_1, bf16-kv, w8a8, w8a8-bf16kv; a mode this build lacks is refused)")
     b.add_argument("--prompts", type=int, default=64, help="chat prompts (of the 64 in benchmarks/data/accuracy_prompts.json)")
     b.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -182,21 +182,21 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     b.add_argument("--out", type=Path, default=None, help="also write the figures to this JSON file")
     b.set_defaults(func=_bench_accuracy)
 
-    from benchmarks.decode_attention import add_args as add_decode_args
+    from benchmarks.engine.decode_attention import add_args as add_decode_args
 
     b = bench.add_parser("decode", help="paged decode attention kernel: split path vs per-sequence loop vs gather + "
                                         "SDPA, per layer, on serving-shaped batches")
     add_decode_args(b)
     b.set_defaults(func=_bench_decode)
 
-    from benchmarks.moe import add_args as add_moe_args
+    from benchmarks.engine.moe import add_args as add_moe_args
 
     b = bench.add_parser("moe", help="grouped MoE layer vs transformers' MoE block and a dense MLP of equal active "
                                      "parameters; a small random MoE through the engine vs transformers generate")
     add_moe_args(b)
     b.set_defaults(func=_bench_moe)
 
-    from benchmarks.priority import add_args as add_priority_args
+    from benchmarks.serving.priority import add_args as add_priority_args
 
     b = bench.add_parser("e2e", help="engine workload through bus + worker vs the engine in-process")
     add_engine_args(b)
@@ -209,7 +209,7 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     b.add_argument("--json", action="store_true", help="print one JSON object")
     b.set_defaults(func=_bench_e2e)
 
-    from benchmarks.recovery import add_args as add_recovery_args
+    from benchmarks.serving.recovery import add_args as add_recovery_args
 
     rc = bench.add_parser("recovery", help="kill -9 a worker mid-stream, repeatedly: time to the next token, re-run steps")
     add_recovery_args(rc)
@@ -240,13 +240,13 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
                         "token of a step leaves in one burst; N: the streams split over N workers stepping "
                         "at evenly spread phases, as a fleet whose steps are not synchronised")
     b.add_argument("--client", choices=("raw", "websockets"), default="raw",
-                   help="load generator: a lean frame parser (benchmarks/edge_client.py), or the websockets "
+                   help="load generator: a lean frame parser (benchmarks/edge/client.py), or the websockets "
                         "library's client (~15 us/frame more CPU, taken from the edge on a small machine)")
     b.add_argument("--edge-procs", type=int, default=1,
                    help="edge processes sharing the port (SO_REUSEPORT), each with its own memory bus and fake worker")
     b.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the kernel floor: the CPU of one bare loopback-TCP send per stream, "
-                        "measured after the run (benchmarks/edge_floor.py)")
+                        "measured after the run (benchmarks/edge/floor.py)")
     b.add_argument("--json", default=None, help="also write the figures to this JSON file")
     b.set_defaults(func=_bench_edge)
 

@@ -9,11 +9,15 @@
 Options come from the query string or keyword arguments (keywords win), e.g.
 ``kafka://127.0.0.1:9092?client_id=edge-1&connect_timeout_s=5`` or
 ``memory://demo?default_partitions=6``. Unknown options raise ``ValueError``.
+Kafka TLS/SASL (``security_protocol``, ``sasl_mechanism``, ``sasl_username``, ``ssl_cafile``, ...)
+come from the same query, keywords, or ``LOCKGATE_KAFKA_*`` environment variables; the password
+only from the environment or a file (:mod:`bus.kafka.security`).
 aiokafka is imported only when a Kafka bus is created.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -169,6 +173,11 @@ def kafka_bootstrap(url: str) -> list[tuple[str, int]]:
     return out
 
 
+def _redacted(url: str) -> str:
+    """``url`` with its query cut off (it may hold a password that must not be echoed)."""
+    return url.split("?", 1)[0] + "?..." if "?" in url else url
+
+
 def connect(url: str, **kwargs: Any) -> Bus:
     """A bus for ``url`` (see the module docstring). Call ``start()`` or use ``async with``."""
     parts = urlsplit(url)
@@ -179,9 +188,15 @@ def connect(url: str, **kwargs: Any) -> Bus:
         broker = named_broker(name, **opts) if name else MemoryBroker(**opts)
         return MemoryBus(url, broker)
     if scheme == "kafka":
-        opts = _options(url, parts.query, _KAFKA_OPTIONS, kwargs)
-        hosts = kafka_bootstrap(url)
         from bus.kafka import KafkaBus  # aiokafka is heavy: import only when used
+        from bus.kafka.security import SECRET_OPTIONS, URL_OPTIONS, security_from
 
-        return KafkaBus(",".join(f"{h}:{p}" for h, p in hosts), url=url, **opts)
+        if any(name in SECRET_OPTIONS for name, _ in parse_qsl(parts.query, keep_blank_values=True)):
+            raise ValueError(f"{_redacted(url)}: sasl_password is not accepted in the bus URL (URLs show in "
+                             "process lists and logs); set LOCKGATE_KAFKA_SASL_PASSWORD or sasl_password_file")
+        secret = {k: kwargs.pop(k) for k in SECRET_OPTIONS if k in kwargs}
+        opts = _options(url, parts.query, {**_KAFKA_OPTIONS, **URL_OPTIONS}, kwargs)
+        hosts = kafka_bootstrap(url)
+        security = security_from({**{k: opts.pop(k) for k in list(opts) if k in URL_OPTIONS}, **secret}, os.environ)
+        return KafkaBus(",".join(f"{h}:{p}" for h, p in hosts), url=url, security=security, **opts)
     raise ValueError(f"unsupported bus URL {url!r}: use memory://[name] or kafka://host:port[,host:port]")

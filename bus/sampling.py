@@ -72,8 +72,9 @@ class SamplingParams:
     guided_choice: tuple[str, ...] | None = None
     guided_grammar: str | None = None
     # An embedding request: no token is sampled; the prompt's prefill ends the request and its
-    # Finished carries the pooled, L2-normalised final hidden state. "last" (the last prompt
-    # token's) is the one pooling a causal decoder offers; see docs/design.md, "Embeddings".
+    # Finished carries the pooled, L2-normalised final hidden state: "last" (the last prompt
+    # token's) or "mean" (the mean over every prompt token's; such a request skips the prefix-cache
+    # lookup, each row being summed); see docs/design.md, "Embeddings".
     pooling: str | None = None
 
     MAX_LOGPROBS = 20
@@ -83,6 +84,7 @@ class SamplingParams:
     MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|, as OpenAI
     MAX_GUIDED_CHARS = 65536  # a guided_* text (schema, regex, grammar; choices together)
     MAX_GUIDED_CHOICES = 256
+    POOLINGS = ("last", "mean")
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, lo=1)
@@ -123,8 +125,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{self.MAX_PENALTY:g}, {self.MAX_PENALTY:g}], got {value}")
         logit_bias = self._checked_bias()
         check_int("min_tokens", self.min_tokens, lo=0)
-        if self.pooling is not None and self.pooling != "last":
-            raise ValueError(f"pooling must be 'last' (or None), got {self.pooling!r}")
+        if self.pooling is not None and self.pooling not in self.POOLINGS:
+            raise ValueError(f"pooling must be 'last' or 'mean' (or None), got {self.pooling!r}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         # Normalise lists (from JSON) to tuples so the value stays hashable and frozen.

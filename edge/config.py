@@ -174,6 +174,10 @@ class EdgeConfig:
     # the reasoning format of the OpenAI API (edge.reasoning: deepseek_r1, qwen3): <think>...</think>
     # becomes reasoning_content (chat) and reasoning items (Responses); None = off
     reasoning_parser: str | None = None
+    # /v1/embeddings' pooling when a request names none: "last" (the last prompt token's final
+    # state) or "mean" (every prompt token's); the edge stamps it on each request, so every worker
+    # computes the same kind of vector for the model
+    embedding_pooling: str = "last"
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None
@@ -182,7 +186,16 @@ class EdgeConfig:
     max_frame_bytes: int = 1 << 20
     max_streams_per_connection: int = 64
     max_connections: int = 100_000
+    # open WebSocket connections one API key may hold (idle or not); 0 = unlimited. Dev mode has
+    # one shared principal, so the limit applies only with a key file
+    max_connections_per_key: int = 256
+    # the longest a structured-output constraint may take to compile at admission; longer is a 400
+    # (the compile finishes in the background and is cached, so the limit is not a retry loop)
+    grammar_compile_timeout_s: float = 5.0
     default_max_tokens: int = 256
+    # the longest the edge waits for the bus to acknowledge a request's write; past it (the broker
+    # down or unreachable) the client gets a 503 naming the bus, not a hang
+    publish_timeout_s: float = 5.0
     request_timeout_s: float = 300.0  # deadline on the bus; the edge gives up (error expired) after it
     # prefix-affine partitioning (edge/admission/affinity.py; docs/design.md): same tenant + same prompt prefix
     # -> same partition (worker, prefix cache), hot prefixes spread; False: by request id
@@ -211,6 +224,8 @@ class EdgeConfig:
             raise ConfigError(f"tool_call_parser must be hermes, llama3_json or mistral, got {self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
             raise ConfigError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
+        if self.embedding_pooling not in ("last", "mean"):
+            raise ConfigError(f"embedding_pooling must be last or mean, got {self.embedding_pooling!r}")
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",
@@ -221,6 +236,12 @@ class EdgeConfig:
             raise ConfigError(f"slo_wait_s needs {len(Tier)} positive values (one per tier)")
         if len(self.max_queue_depth) != len(Tier) or any(d < 0 for d in self.max_queue_depth):
             raise ConfigError(f"max_queue_depth needs {len(Tier)} values >= 0 (one per tier)")
+        if self.max_connections_per_key < 0:
+            raise ConfigError(f"max_connections_per_key must be >= 0, got {self.max_connections_per_key}")
+        if not self.publish_timeout_s > 0:
+            raise ConfigError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.heartbeat_stale_s <= 0 or self.request_timeout_s <= 0 or self.slow_client_grace_s < 0:
             raise ConfigError("heartbeat_stale_s and request_timeout_s must be > 0, slow_client_grace_s >= 0")
 

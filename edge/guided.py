@@ -23,6 +23,7 @@ from bus import SamplingParams
 from tokenization.grammars import GrammarCache, guided_spec
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
+MAX_SCHEMA_DEPTH = 64  # JSON nesting of a schema: deeper is refused before the compiler recurses into it
 KIND_FIELDS = {"json": "guided_json", "json_object": "guided_json_object", "regex": "guided_regex",
                "choice": "guided_choice", "grammar": "guided_grammar"}
 
@@ -39,6 +40,34 @@ class FieldError(ValueError):
 def _tname(v: object) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
             float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def schema_depth(v: object) -> int:
+    """How deeply ``v`` nests arrays and objects (iterative: a hostile schema cannot exhaust the stack)."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            x = list(x.values())
+        if isinstance(x, list):
+            deepest = max(deepest, d)
+            if d <= MAX_SCHEMA_DEPTH:  # one level past the limit is enough to refuse
+                stack.extend((y, d + 1) for y in x)
+    return deepest
+
+
+def schema_text(schema: object, field: str) -> str:
+    """A JSON schema (an object, or its JSON text) as the wire's ``guided_json`` text, refused when
+    it nests deeper than ``MAX_SCHEMA_DEPTH``."""
+    parsed = schema
+    if isinstance(schema, str):
+        try:
+            parsed = orjson.loads(schema)
+        except orjson.JSONDecodeError:
+            return schema  # not JSON: the compile check names the problem
+    if schema_depth(parsed) > MAX_SCHEMA_DEPTH:
+        raise FieldError(f"{field} nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays", field)
+    return schema if isinstance(schema, str) else orjson.dumps(schema).decode()
 
 
 def response_format(v: object) -> dict[str, Any]:
@@ -64,7 +93,7 @@ def response_format(v: object) -> dict[str, Any]:
         if not isinstance(schema, dict):
             raise FieldError("response_format.json_schema.schema must be a JSON schema object",
                              "response_format.json_schema.schema")
-        return {"guided_json": orjson.dumps(schema).decode()}
+        return {"guided_json": schema_text(schema, "response_format.json_schema.schema")}
     raise FieldError("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format.type")
 
 
@@ -74,10 +103,8 @@ def guided_fields(obj: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     gj = obj.get("guided_json")
     if gj is not None:
-        if isinstance(gj, dict):
-            out["guided_json"] = orjson.dumps(gj).decode()
-        elif isinstance(gj, str):
-            out["guided_json"] = gj
+        if isinstance(gj, (dict, str)):
+            out["guided_json"] = schema_text(gj, "guided_json")
         else:
             raise FieldError(f"guided_json must be a JSON schema object (or its JSON text), got {_tname(gj)}",
                              "guided_json")
@@ -125,8 +152,9 @@ class GrammarChecker:
     """Compiles each request's constraint once against the served tokenizer (the xgrammar
     tokenizer info is built on first use, off the event loop). Thread-safe; cached per spec."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, timeout_s: float = 5.0) -> None:
         self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
         self._cache: GrammarCache | None = None
         self._lock = threading.Lock()
 
@@ -144,7 +172,12 @@ class GrammarChecker:
             return None
         cache = self._cache if self._cache is not None else await asyncio.to_thread(self._grammars)
         try:
-            await asyncio.wrap_future(cache.compile_async(spec))
+            # shielded: a timed-out compile runs on and stays cached (cancelling the pool's future
+            # would leave a cancelled entry in the cache)
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(cache.compile_async(spec))), self.timeout_s)
         except ValueError as exc:
             return str(exc)
+        except TimeoutError:
+            return (f"guided_{spec[0]}: the constraint did not compile within {self.timeout_s:g} s "
+                    "(grammar_compile_timeout_s); simplify the schema or pattern")
         return None

@@ -68,6 +68,8 @@ class Edge:
         self.flusher = TickFlusher()  # flushes the sessions' frames once per loop tick
         # set by process_request, taken by the handler; weak so failed handshakes leave nothing behind
         self._principals: weakref.WeakKeyDictionary[ServerConnection, Principal] = weakref.WeakKeyDictionary()
+        # open sessions per API key hash (max_connections_per_key); an entry goes when its count is 0
+        self._per_key: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._server: Any = None
         self._state = "new"  # new -> starting -> started -> stopped
@@ -237,6 +239,14 @@ class Edge:
         if len(self.sessions) + len(self._principals) >= self.config.max_connections:
             self.metrics.rejections.labels("overloaded", "ws").inc()
             return _text(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n", retry_after=1.0)
+        per_key = self.config.max_connections_per_key
+        if per_key and not self.config.dev_mode:
+            h = principal.entry.key_hash
+            held = self._per_key.get(h, 0) + sum(1 for p in self._principals.values() if p.entry.key_hash == h)
+            if held >= per_key:
+                self.metrics.rejections.labels("rate_limited", "ws").inc()
+                return _text(HTTPStatus.TOO_MANY_REQUESTS, f"this API key holds {held} open connections, "
+                             f"max_connections_per_key is {per_key}\n", retry_after=1.0)
         shed = self.shedder.check(principal.tier, time.monotonic())
         if shed is not None:
             self.metrics.rejections.labels("overloaded", "ws").inc()
@@ -260,12 +270,18 @@ class Edge:
         # reads ``request is None`` as "handshake not done yet".
         ws.response = None
         session = Session(self.admission, self.flusher, ws, principal)
+        h = principal.entry.key_hash
         self.sessions.add(session)
+        self._per_key[h] = self._per_key.get(h, 0) + 1
         self.metrics.connections.inc()
         try:
             await session.run()
         finally:
             self.sessions.discard(session)
+            if self._per_key[h] <= 1:
+                del self._per_key[h]
+            else:
+                self._per_key[h] -= 1
             self.metrics.connections.dec()
 
 

@@ -66,12 +66,15 @@ class KVCacheManager:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
+    def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], extra: bytes = b"",
+                           lookup: bool = True) -> CachedPrefix:
         """The longest run of cached full blocks that prefixes ``token_ids``. At least one token
-        is always left to compute (the model must produce logits for the last position)."""
+        is always left to compute (the model must produce logits for the last position).
+        ``lookup=False``: none (the sequence must compute every row), though its hashes are kept,
+        so the blocks it fills are still registered for others."""
         hashes = block_hashes(token_ids, self.block_size, extra, self._hashes.get(seq_id, ()))
         self._hashes[seq_id] = hashes
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not lookup:
             return CachedPrefix((), 0)
         max_blocks = (len(token_ids) - 1) // self.block_size
         found: list[Block] = []

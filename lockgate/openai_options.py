@@ -21,6 +21,10 @@ def add_openai_port(p: argparse.ArgumentParser) -> None:
                    default=env_default("reasoning-parser", None),
                    help="split a reasoning model's <think>...</think> into reasoning_content (chat) and "
                         "reasoning items (Responses); default: off [LOCKGATE_REASONING_PARSER]")
+    p.add_argument("--embedding-pooling", choices=("last", "mean"), default=env_default("embedding-pooling", "last"),
+                   help="/v1/embeddings' pooling of the final hidden states: the last prompt token's or the mean "
+                        "of every prompt token's (mean pooling skips the prefix cache), L2-normalised; a request's "
+                        "extension field 'pooling' overrides it; default: last [LOCKGATE_EMBEDDING_POOLING]")
 
 
 def openai_port(args: argparse.Namespace) -> int | None:

@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU float32: none of the engine's C++ kernels (paged decode and causal prefill "
                         "attention, fused add + RMSNorm and SiLU gating, the small-batch linear): torch ops and "
                         "oneDNN instead [LOCKGATE_NO_CPU_KERNELS]")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=env_default("tensor-parallel-size", 1),
+                   help="ranks of one tensor-parallel group (CPU, gloo over 127.0.0.1): this process is rank 0 and "
+                        "starts the others itself, one torch thread each; attention split by whole GQA groups, "
+                        "MLP and MoE experts by tensor, vocabulary in equal slices; 1 = off [LOCKGATE_TENSOR_PARALLEL_SIZE]")
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
                    help="a waiting request at least this much more urgent than the worst running one preempts it "
                         "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
@@ -93,4 +97,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
         weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,
         priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "none")),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
+from lockgate.edge_options import add_edge_limits, edge_limits
 from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
 from lockgate.options import add_engine_args, engine_config_from_args, env_default
 from lockgate.runtime import freeze_heap, run_loop
@@ -29,6 +31,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     p.add_argument("--host", default=env_default("host", "127.0.0.1"), help="edge listen address [LOCKGATE_HOST]")
     p.add_argument("--port", type=int, default=env_default("port", 8765), help="edge port [LOCKGATE_PORT]")
     add_openai_port(p)
+    add_edge_limits(p)
     p.add_argument("--keys", default=env_default("keys", None), help="API key file; none = dev mode [LOCKGATE_KEYS]")
     p.add_argument("--bus", default=env_default("serve-bus", "memory://lockgate"),
                    help="bus URL; memory:// keeps everything in-process [LOCKGATE_SERVE_BUS]")
@@ -54,7 +57,8 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     engine = await asyncio.to_thread(Engine, engine_config_from_args(args))
     edge_cfg = EdgeConfig(model=name, model_path=str(engine.loaded.path), host=args.host, port=args.port, keys=keys, layout=layout,
                           openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          embedding_pooling=args.embedding_pooling, **edge_limits(args))
     if edge_cfg.dev_mode:
         print(DEV_BANNER.format(tier=edge_cfg.dev_tier), file=sys.stderr, flush=True)
     raise_nofile()
@@ -76,7 +80,19 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
                       flush=True)
             if ready is not None and not ready.done():
                 ready.set_result(edge.port)
-            await stop.wait()
+            # until a stop, or the engine's step loop crashes (a tensor-parallel rank died): then
+            # exit non-zero at once, as the worker command does
+            stopped, crash = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.aengine.crashed())
+            await asyncio.wait([stopped, crash], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if crash.done():
+                # Exit at once, as a killed worker would: the edge's open requests wait for replies
+                # no engine will send, and a graceful stop would hold the exit for aiohttp's
+                # shutdown timeout (60 s). The other ranks are already stopped (TpGroup.fail).
+                print(f"lockgate: engine failed, exiting: {crash.result()}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)
+            crash.cancel()
             print("lockgate: shutting down (draining running requests)", file=sys.stderr, flush=True)
             await edge.stop()
             await worker.drain()

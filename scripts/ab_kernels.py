@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true")
     a = ap.parse_args()
 
-    from benchmarks.engine import make_workload
+    from benchmarks.engine.bench import make_workload
     from bus import SamplingParams
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine

@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
 
-    from benchmarks.engine import machine_info
+    from benchmarks.engine.bench import machine_info
     from engine_workers.kernels import cpu_kernels
     from engine_workers.kernels.cpu_blocks import BlockLinear, block_ops
     from engine_workers.kernels.cpu_linear import PackedLinear

@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoConfig
 
-    from benchmarks.engine import machine_info
+    from benchmarks.engine.bench import machine_info
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from engine_workers.model.llama import ModelSpec

@@ -37,7 +37,7 @@ def main() -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from benchmarks.engine import machine_info
+    from benchmarks.engine.bench import machine_info
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from engine_workers.engine.params import SamplingParams

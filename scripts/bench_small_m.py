@@ -58,7 +58,7 @@ def layer_shapes(rows: list[int], rounds: int) -> None:
 
 
 def decode_steps(batches: list[int], steps: int, rounds: int) -> None:
-    from benchmarks.engine import make_workload
+    from benchmarks.engine.bench import make_workload
     from bus import SamplingParams
     from engine_workers.engine import torch_thread
     from engine_workers.engine.config import EngineConfig

@@ -60,6 +60,7 @@ from bus.kafka.consumer import KafkaConsumer
 from bus.kafka.metadata import TopicNotReady, led_partitions
 from bus.kafka.outage import limit_repeated_logs, throttle_metadata_refresh
 from bus.kafka.reader import read_kafka_partition
+from bus.kafka.security import KafkaSecurity
 from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class KafkaBus(Bus):
         assignment_timeout_s: float = 60.0,
         default_partitions: int = 1,
         max_request_size: int = 1 << 20,
+        security: KafkaSecurity | None = None,
     ) -> None:
         if connect_timeout_s <= 0:
             raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
@@ -100,6 +102,10 @@ class KafkaBus(Bus):
         self.assignment_timeout_s = assignment_timeout_s
         self.default_partitions = default_partitions
         self.max_request_size = max_request_size  # the producer's max.request.size: larger records are refused
+        self.security = security or KafkaSecurity()
+        # Built once (the TLS context reads its files here, so a bad CA file fails at connect) and
+        # passed to every client this bus creates: producer, admin, consumers, partition reader.
+        self.client_kwargs: dict[str, Any] = self.security.client_kwargs()
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._consumers: list[KafkaConsumer] = []
@@ -118,6 +124,7 @@ class KafkaBus(Bus):
                 linger_ms=self.linger_ms,
                 request_timeout_ms=self.request_timeout_ms,
                 max_request_size=self.max_request_size,
+                **self.client_kwargs,
             )
             throttle_metadata_refresh(p.client)  # its sender spun on refreshes while no broker answered
             try:
@@ -129,7 +136,7 @@ class KafkaBus(Bus):
 
         async def start_admin() -> AIOKafkaAdminClient:
             a = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=self.client_id,
-                                    request_timeout_ms=self.request_timeout_ms)
+                                    request_timeout_ms=self.request_timeout_ms, **self.client_kwargs)
             throttle_metadata_refresh(a._client)
             try:
                 await a.start()
@@ -360,7 +367,7 @@ class KafkaBus(Bus):
         if partition not in parts:
             raise ValueError(f"topic {topic!r} has no partition {partition}")
         return await read_kafka_partition(self.bootstrap, self.client_id, self.request_timeout_ms, topic, partition,
-                                          since_ms, limit, timeout_s)
+                                          since_ms, limit, timeout_s, self.client_kwargs)
 
     def consumer(
         self,

@@ -3,7 +3,8 @@ exponential backoff (0.1 s doubling to 2 s) until it succeeds or the time allowe
 raises one :class:`~bus.base.BusError` naming the bootstrap address (used by
 :meth:`bus.kafka.KafkaBus.start` for its producer and admin client). While any start is retrying,
 aiokafka's ERROR line for each failed bootstrap connect is dropped (:data:`BOOTSTRAP_FILTER`): the
-retries log at DEBUG instead.
+retries log at DEBUG instead, and the last dropped line (the only place aiokafka says why: a
+refused SASL login, a TLS handshake error) ends the ``BusError``'s text.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ class _BootstrapErrors(logging.Filter):
     while at least one start is retrying (counted), so errors after start-up are logged as ever."""
 
     active = 0
+    # The last line dropped: the only place aiokafka names why a bootstrap connect failed (a
+    # refused SASL login, a TLS handshake error), so the final BusError can carry it.
+    last_dropped: str | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Unable connect to \"")
+        message = record.getMessage()
+        if message.startswith("Unable connect to \""):
+            _BootstrapErrors.last_dropped = message
+            return False
+        return True
 
 
 BOOTSTRAP_FILTER = _BootstrapErrors()
@@ -47,7 +55,9 @@ async def retrying(what: str, bootstrap: str, timeout_s: float, attempt: Callabl
     backoff = BACKOFF_START_S
     last: BaseException | None = None
     if _BootstrapErrors.active == 0:
-        logging.getLogger("aiokafka").addFilter(BOOTSTRAP_FILTER)
+        # first in line, before outage.py's repeat limiter, which would hide a repeated line from it
+        logging.getLogger("aiokafka").filters.insert(0, BOOTSTRAP_FILTER)
+        _BootstrapErrors.last_dropped = None
     _BootstrapErrors.active += 1
     try:
         while True:
@@ -57,7 +67,8 @@ async def retrying(what: str, bootstrap: str, timeout_s: float, attempt: Callabl
             try:
                 return await asyncio.wait_for(attempt(), left)
             except (KafkaError, OSError, TimeoutError) as exc:
-                last = exc
+                if last is None or not isinstance(exc, TimeoutError):  # the attempt cut short says least
+                    last = exc
                 log.debug("%s: %s unreachable (%s); retrying", what, bootstrap, exc)
             await asyncio.sleep(min(backoff, max(deadline - time.monotonic(), 0)))
             backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -65,4 +76,5 @@ async def retrying(what: str, bootstrap: str, timeout_s: float, attempt: Callabl
         _BootstrapErrors.active -= 1
         if _BootstrapErrors.active == 0:
             logging.getLogger("aiokafka").removeFilter(BOOTSTRAP_FILTER)
-    raise BusError(f"{what}: Kafka broker at {bootstrap} unreachable after {timeout_s:g}s ({last!r})")
+    why = f"; last connect error: {_BootstrapErrors.last_dropped}" if _BootstrapErrors.last_dropped else ""
+    raise BusError(f"{what}: Kafka broker at {bootstrap} unreachable after {timeout_s:g}s ({last!r}){why}")

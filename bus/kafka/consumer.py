@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka import TopicPartition as KTP
@@ -46,6 +46,7 @@ class KafkaBus(Protocol):
     heartbeat_interval_ms: int
     fetch_max_wait_ms: int
     assignment_timeout_s: float
+    client_kwargs: dict[str, Any]  # TLS/SASL options (bus.kafka.security), for every client
 
     async def _ensure_exists(self, topic: str) -> list[int]: ...
 
@@ -140,6 +141,7 @@ class KafkaConsumer(Consumer):
             heartbeat_interval_ms=b.heartbeat_interval_ms,
             fetch_max_wait_ms=b.fetch_max_wait_ms,
             retry_backoff_ms=100,
+            **b.client_kwargs,
         )
         throttle_metadata_refresh(consumer._client)
         self._consumer = consumer

@@ -10,6 +10,8 @@ and never joins a group or commits.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
@@ -20,13 +22,14 @@ from bus.kafka.outage import throttle_metadata_refresh
 
 
 async def read_kafka_partition(bootstrap: str, client_id: str, request_timeout_ms: int, topic: str, partition: int,
-                               since_ms: int, limit: int, timeout_s: float) -> list[Record]:
+                               since_ms: int, limit: int, timeout_s: float,
+                               client_kwargs: Mapping[str, Any] | None = None) -> list[Record]:
     """The records of ``topic[partition]`` with offsets from the first at/after ``since_ms`` up to the
     partition's end at the call, at most ``limit`` (the oldest first). Raises :class:`BusError` when
     the broker cannot be read within ``timeout_s``."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id=f"{client_id}-reader", group_id=None,
                                 enable_auto_commit=False, request_timeout_ms=request_timeout_ms,
-                                fetch_max_wait_ms=100, retry_backoff_ms=100)
+                                fetch_max_wait_ms=100, retry_backoff_ms=100, **(client_kwargs or {}))
     throttle_metadata_refresh(consumer._client)
     ktp = KTP(topic, partition)
     out: list[Record] = []

@@ -99,7 +99,7 @@ class Admission:
             raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
         if g.sampling.guided:  # a constraint the grammar engine cannot compile never reaches the bus
             if self._grammars is None or self._grammars.tokenizer is not encoder.tokenizer:
-                self._grammars = GrammarChecker(encoder.tokenizer)
+                self._grammars = GrammarChecker(encoder.tokenizer, self.config.grammar_compile_timeout_s)
             problem = await self._grammars.check(g.sampling)
             if problem is not None:
                 raise ProtocolError(f"cannot compile the output constraint: {problem}", problem.split(":", 1)[0], g.id)
@@ -142,21 +142,30 @@ class Admission:
             weight=principal.entry.weight)
         return Admitted(s, req)
 
-    async def publish(self, a: Admitted) -> None:
-        """Publish an admitted request on its tier's topic. If the bus refuses it the stream's sink
-        gets an ``internal`` error (``retry_after`` 1 s), as if a worker had sent it."""
+    async def publish(self, a: Admitted) -> bool:
+        """Publish an admitted request on its tier's topic, waiting at most ``publish_timeout_s``.
+        ``True`` once the bus acknowledged the write. Otherwise the stream's sink gets an
+        ``overloaded`` error (HTTP 503, ``retry_after`` 1 s) naming the bus, as if a worker had sent
+        it, and a Cancel is queued: a write that timed out here may still land when the bus
+        returns, and the worker then drops it instead of running a request nobody waits for."""
         req = a.request
+        timeout = self.config.publish_timeout_s
         with bound(req.request_id):  # the bus's and placement's log lines name the request (JSON logs)
             try:
                 topic = self.config.layout.request_topic(req.model, req.tier)
-                key, partition = await self.placement.place(topic, req)
-                await self.bus.send(topic, encode(req), key=key, partition=partition)
-            except Exception as exc:  # the bus is down: tell the client, keep the connection
-                log.warning("publishing %s failed: %s", req.request_id, exc)
+                async with asyncio.timeout(timeout):
+                    key, partition = await self.placement.place(topic, req)
+                    await self.bus.send(topic, encode(req), key=key, partition=partition)
+                return True
+            except Exception as exc:  # the bus is down or unreachable: tell the client, keep the connection
+                why = f"no answer within {timeout:g} s (publish_timeout_s)" if isinstance(exc, TimeoutError) else str(exc)
+                log.warning("publishing %s failed: %s", req.request_id, why)
                 if not a.stream.ended:
-                    a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.INTERNAL,
-                                                           f"could not queue the request: {exc}"[:300],
-                                                           retry_after=1.0))
+                    a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.OVERLOADED,
+                                                           f"the bus is unreachable, the request was not queued: "
+                                                           f"{why}"[:300], retry_after=1.0))
+                self.publish_cancel(req.request_id, "unqueued")
+                return False
 
     # --- streams ------------------------------------------------------------------------------
     def count_tokens(self, s: Stream, n: int, now: float) -> None:

@@ -1,10 +1,13 @@
 """``POST /v1/embeddings`` from the served model.
 
-Each input is one request on the bus with ``SamplingParams(max_tokens=1, pooling="last")``: the
-worker runs its prefill only and ends it with the last prompt token's final hidden state,
-L2-normalised (``Finished.embedding``; docs/design.md, "Embeddings"). Last-token pooling is the
-pooling a causal decoder's states support (the last row is the only one that has read the whole
-input; embedding models built on decoders, e5-mistral and Qwen3-Embedding, pool it the same way).
+Each input is one request on the bus with ``SamplingParams(max_tokens=1, pooling=...)``: the
+worker runs its prefill only and ends it with the last prompt token's final hidden state, or the
+mean of every prompt token's, L2-normalised (``Finished.embedding``; docs/design.md, "Embeddings").
+Which: ``--embedding-pooling`` (``EdgeConfig.embedding_pooling``, default ``last``), or the
+request's extension field ``pooling``. Last-token pooling is the default because it is what a
+causal decoder's states support best (the last row is the only one that has read the whole input;
+embedding models built on decoders, e5-mistral and Qwen3-Embedding, pool it the same way); mean
+pooling is for checkpoints trained for it, and computes every row (no prefix-cache hits).
 A chat model not trained for embeddings gives vectors of limited quality; the route is for the
 served model, whatever it is.
 
@@ -33,13 +36,19 @@ from edge.openai.schema import MAX_PROMPT_IDS, error_body
 from edge.request import Generate, ProtocolError
 
 MAX_INPUTS = 256
-POOLING = SamplingParams(max_tokens=1, pooling="last", temperature=0.0)
+POOLINGS = {name: SamplingParams(max_tokens=1, pooling=name, temperature=0.0) for name in ("last", "mean")}
 
 
-def parse_inputs(body: Any) -> tuple[list[Generate], str]:
-    """The body's inputs as Generates, and the encoding format. Raises :class:`ProtocolError`."""
+def parse_inputs(body: Any, default_pooling: str = "last") -> tuple[list[Generate], str]:
+    """The body's inputs as Generates, and the encoding format. ``pooling`` (an extension field,
+    as vLLM's pooling parameters) overrides the server's ``default_pooling``. Raises
+    :class:`ProtocolError`."""
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    pooling = body.get("pooling", default_pooling)
+    if not isinstance(pooling, str) or pooling not in POOLINGS:
+        raise ProtocolError(f"pooling must be 'last' or 'mean', got {pooling!r}", "pooling")
+    params = POOLINGS[pooling]
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise ProtocolError("encoding_format must be 'float' or 'base64'", "encoding_format")
@@ -62,16 +71,21 @@ def parse_inputs(body: Any) -> tuple[list[Generate], str]:
                             "array of token-id arrays", "input")
     if len(items) > MAX_INPUTS:
         raise ProtocolError(f"input has {len(items)} entries, at most {MAX_INPUTS}", "input")
+    if any(isinstance(i, str) for i in items) and any(isinstance(i, list) for i in items):  # OpenAI's types
+        raise ProtocolError("input mixes strings and token-id arrays: an array is all strings or all token-id "
+                            "arrays", "input")
     out = []
     for item, w in zip(items, where, strict=True):
         if isinstance(item, str):
             if not item:
                 raise ProtocolError(f"{w} must not be empty", w)
-            out.append(Generate("", POOLING, prompt=item))
+            out.append(Generate("", params, prompt=item))
         elif ids_ok(item):
-            if len(item) > MAX_PROMPT_IDS or any(t < 0 for t in item):
+            if len(item) > MAX_PROMPT_IDS:
+                raise ProtocolError(f"{w} has {len(item)} token ids, at most {MAX_PROMPT_IDS}", w)
+            if any(t < 0 for t in item):
                 raise ProtocolError(f"{w} token ids must be non-negative", w)
-            out.append(Generate("", POOLING, prompt_token_ids=tuple(item)))
+            out.append(Generate("", params, prompt_token_ids=tuple(item)))
         else:
             raise ProtocolError(f"{w} must be a non-empty string or an array of token ids", w)
     return out, fmt
@@ -114,6 +128,13 @@ class EmbeddingSink:
         self.wake.set()
 
 
+def _as_input(message: str, field: str) -> str:
+    """Admission's prompt message, in this route's words (an input has no output tokens)."""
+    message = message.replace("(prompt must leave room for at least one output token)",
+                              "(an input must be shorter than the context)")
+    return field + message[len("prompt"):] if message.startswith("prompt") else message
+
+
 def encode(vector: tuple[float, ...], fmt: str) -> list[float] | str:
     if fmt == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
@@ -136,7 +157,7 @@ class EmbeddingsRoutes:
             return error_response("unauthorized", str(exc))
         try:
             body = await read_json(adm, request)
-            inputs, fmt = parse_inputs(body)
+            inputs, fmt = parse_inputs(body, adm.config.embedding_pooling)
             check_model(adm, body)
         except ProtocolError as exc:
             adm.reject(exc.code, API)
@@ -151,9 +172,10 @@ class EmbeddingsRoutes:
                     a = await adm.admit(g, who, sink, API, client_id="")
                 except ProtocolError as exc:
                     adm.reject(exc.code, API)
-                    field = exc.field if len(inputs) == 1 or exc.field not in ("prompt", "messages") else f"input[{i}]"
-                    return error_response(exc.code, exc.message, "input" if field == "prompt" else field,
-                                          exc.retry_after)
+                    if exc.field not in ("prompt", "messages"):
+                        return error_response(exc.code, exc.message, exc.field, exc.retry_after)
+                    field = "input" if len(inputs) == 1 else f"input[{i}]"
+                    return error_response(exc.code, _as_input(exc.message, field), field, exc.retry_after)
                 assert a is not None
                 sinks.append(sink)
                 admitted.append(a)

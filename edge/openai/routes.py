@@ -203,6 +203,8 @@ class OpenAIServer:
                     if field is not None and field.startswith("guided_") and field not in body:
                         # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai.tools)
                         field = "response_format" if body.get("response_format") is not None else "tools"
+                    elif field == "prompt" and len(req.batch) > 1:  # which prompt of the batch
+                        field = f"prompt[{p}]"
                     return _error(exc.code, exc.message, field, exc.retry_after)
                 assert a is not None
                 sink.bind(a.stream, base)
@@ -229,14 +231,20 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, sinks: list[OpenAIStream], admitted: list[Admitted],
                               wake: asyncio.Event) -> web.StreamResponse:
+        # written to the bus before the 200 goes out: a request the bus did not take is a plain
+        # error status (503 with the bus down), never a 200 stream that ends in an error event
+        for a in admitted:
+            if not await self.adm.publish(a):
+                failed_sink = next(s for s in sinks if s.error is not None)
+                assert failed_sink.error is not None
+                status, err, retry_after = failed_sink.error
+                return _json(status, err, retry_after)
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
         req = sinks[0].req
         try:
             if req.chat:
                 await resp.write(b"".join(s.role_event() for s in sinks))
-            for a in admitted:
-                await self.adm.publish(a)
             while True:
                 data = b"".join(s.take() for s in sinks)
                 if data:

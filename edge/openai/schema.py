@@ -286,6 +286,9 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         raw = prompt  # a batch (an array of strings, or of token-id arrays)
         if len(raw) > MAX_PROMPTS:
             raise ProtocolError(f"prompt has {len(raw)} prompts, at most {MAX_PROMPTS}", "prompt")
+        if len({isinstance(p, str) for p in raw}) > 1:  # OpenAI's and vLLM's types: one kind per batch
+            raise ProtocolError("prompt mixes strings and token-id arrays: a batch is all strings or all "
+                                "token-id arrays", "prompt")
         parsed = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(raw)]
     else:
         parsed = [_one_prompt(prompt, "prompt")]

@@ -44,6 +44,8 @@ def tokenize(encoder: PromptEncoder, body: Any) -> dict[str, Any]:
     if has_prompt == has_msgs:
         raise ProtocolError("give exactly one of prompt (a string) or messages (a chat)",
                             "messages" if has_msgs else "prompt")
+    gen = _flag(body, "add_generation_prompt", True)  # chat-only flags, checked either way
+    cont = _flag(body, "continue_final_message", False)
     if has_prompt:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
@@ -53,8 +55,6 @@ def tokenize(encoder: PromptEncoder, body: Any) -> dict[str, Any]:
         # parse_chat checks the messages as chat does (roles, text parts: 400s naming messages[i])
         g = parse_chat({"model": "-", "messages": body["messages"]}, 1).generate
         msgs = [{"role": m.role, "content": m.content} for m in g.messages or ()]
-        gen = _flag(body, "add_generation_prompt", True)
-        cont = _flag(body, "continue_final_message", False)
         if gen and cont:
             raise ProtocolError("add_generation_prompt and continue_final_message cannot both be true",
                                 "continue_final_message")

@@ -14,6 +14,7 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
+from edge.guided import MAX_SCHEMA_DEPTH, schema_depth
 from edge.openai.tool_parsers import HERMES_HEAD, ToolCall, ToolParser
 from edge.request import Generate, PromptEncoder, ProtocolError
 
@@ -63,6 +64,9 @@ def parse_tools(obj: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str]:
             params = fn.get("parameters")
             if params is not None and not isinstance(params, dict):
                 raise _err(f"{where}.function.parameters must be a JSON schema object", f"{where}.function.parameters")
+            if params is not None and schema_depth(params) > MAX_SCHEMA_DEPTH:
+                raise _err(f"{where}.function.parameters nests more than {MAX_SCHEMA_DEPTH} levels of objects and "
+                           "arrays", f"{where}.function.parameters")
             desc = fn.get("description")
             if desc is not None and not isinstance(desc, str):
                 raise _err(f"{where}.function.description must be a string", f"{where}.function.description")

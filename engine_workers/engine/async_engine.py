@@ -95,6 +95,7 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(max_num_seqs=engine.config.max_num_seqs,
                                        kv_blocks_total=engine.kv.num_blocks, kv_blocks_free=engine.kv.num_free_blocks)
         self.error: BaseException | None = None
+        self._crash: asyncio.Future | None = None  # resolves to the step loop's crash (start() makes it)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -102,6 +103,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._crash = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="lockgate-engine", daemon=True)
         self._thread.start()
 
@@ -112,6 +114,12 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+
+    async def crashed(self) -> BaseException:
+        """Wait until the step loop crashes (a tensor-parallel rank died, a kernel failed); returns
+        the exception. The worker watches this to stop and exit non-zero."""
+        assert self._crash is not None, "start() first"
+        return await asyncio.shield(self._crash)
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -283,5 +291,7 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         """Every open stream ends with the crash, after the outputs it already holds. Never raises
         (the streams are unbounded), so no stream is left waiting for an output that never comes."""
+        if self._crash is not None and not self._crash.done():
+            self._crash.set_result(exc)
         for stream in self._streams.values():
             stream.put_nowait(RuntimeError(f"engine crashed: {exc!r}"))

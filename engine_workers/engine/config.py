@@ -39,9 +39,12 @@ class EngineConfig:
     # tier step of the worker's priorities); None = never, the default (scheduler.py, "Priority
     # preemption"; off by default: under a saturating load it trades throughput for tier latency).
     priority_preemption_margin: float | None = None
+    # ranks of one tensor-parallel group (CPU, gloo; engine_workers/model/parallel): rank 0 is this
+    # process, the others are child processes it starts; 1 = no group, nothing distributed
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

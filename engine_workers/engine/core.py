@@ -30,7 +30,9 @@ from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
-from engine_workers.model.loader import load_model
+from engine_workers.model.loader import LoadedModel, load_model
+from engine_workers.model.parallel.group import TpGroup
+from engine_workers.model.parallel.runner import ParallelRunner, load_group
 from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
 from kv_store import KVCacheManager
 from tokenization.prompts import PromptTokenizer
@@ -84,22 +86,29 @@ class EngineStats:
 
 
 class _Req:
-    __slots__ = ("seq", "detok", "pending_logprobs", "guide")
+    __slots__ = ("seq", "detok", "pending_logprobs", "guide", "pool_sum", "pool_rows")
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, guide: Guide | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.pending_logprobs: list[TokenLogprobs] = []
         self.guide = guide  # the structured-output matcher of a guided_* request
+        # mean pooling: the sum of the final-norm states of prompt rows [0, pool_rows), chunk by chunk
+        self.pool_sum: torch.Tensor | None = None
+        self.pool_rows = 0
 
 
 class Engine:
     """Not thread-safe: one thread calls every method (``AsyncEngine`` ensures this)."""
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        torch_thread.call(self._init, config or EngineConfig())
+    def __init__(self, config: EngineConfig | None = None, tp_group: TpGroup | None = None) -> None:
+        """``tp_group``: a tensor-parallel group already started, of ``config.tensor_parallel_size``
+        ranks, to load into instead of starting one (its ranks load the new model; the caller closes
+        it, not :meth:`close`). Tests use it to spare a process start per model."""
+        self._own_group = tp_group is None
+        torch_thread.call(self._init, config or EngineConfig(), tp_group)
 
-    def _init(self, config: EngineConfig) -> None:
+    def _init(self, config: EngineConfig, tp_group: TpGroup | None = None) -> None:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -114,13 +123,20 @@ class Engine:
         # K/V storage (auto = the compute dtype); checked before the model loads, so a refused
         # combination costs nothing
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
-        loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
-                            config.cpu_kernels, lowp)
+        tp = config.tensor_parallel_size
+        self.tp_group: TpGroup | None = None
+        if tp > 1:
+            loaded = self._load_parallel(config, lowp, tp_group)
+        else:
+            loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
+                                config.cpu_kernels, lowp)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptTokenizer(loaded.tokenizer, loaded.spec.max_position_embeddings)
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
-        num_blocks = kv_budget_blocks(loaded.spec, config.block_size, self.kv_dtype, self.device,
+        # the budget is per rank: under tensor parallelism a block holds only the rank's KV heads
+        # (model.spec is rank 0's local spec, the largest share of an uneven head split)
+        num_blocks = kv_budget_blocks(loaded.model.spec, config.block_size, self.kv_dtype, self.device,
                                       config.kv_cache_bytes, config.kv_cache_memory_fraction)
         self.max_model_len = min(config.max_model_len or loaded.spec.max_position_embeddings,
                                  loaded.spec.max_position_embeddings, num_blocks * config.block_size)
@@ -130,8 +146,18 @@ class Engine:
                             config.long_prefill_token_threshold, config.priority_preemption_margin),
             self.kv,
         )
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype, config.cpu_kernels,
-                                  self.kv_dtype)
+        self.runner: ModelRunner | ParallelRunner
+        if self.tp_group is not None:
+            try:
+                self.runner = ParallelRunner(self.tp_group, loaded, num_blocks, config.block_size, self.device,
+                                             self.dtype, config.cpu_kernels, self.kv_dtype)
+            except BaseException:
+                if self._own_group:
+                    self.tp_group.close()
+                raise
+        else:
+            self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype,
+                                      config.cpu_kernels, self.kv_dtype)
         self.sampler = Sampler(self.device, sorted(self.eos_token_ids))
         # Seeds for requests without one: every request's draws are counter-based on a seed (see
         # engine.sampler), so an unseeded request is reproducible too once its seed is known.
@@ -148,6 +174,34 @@ class Engine:
         log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens, %s)",
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
                  num_blocks * config.block_size, str(self.kv_dtype).removeprefix("torch."))
+
+    def _load_parallel(self, config: EngineConfig, lowp: str | None, given: TpGroup | None) -> LoadedModel:
+        """Start the tensor-parallel group (``self.tp_group``) and load every rank's shard."""
+        tp = config.tensor_parallel_size
+        if self.device.type == "cuda":
+            have = torch.cuda.device_count()
+            if have < tp:
+                raise ValueError(f"--tensor-parallel-size {tp} on CUDA needs {tp} devices; torch sees {have}")
+            raise ValueError(f"--tensor-parallel-size {tp} on CUDA (NCCL) is not implemented yet; tensor "
+                             "parallelism runs on CPU (gloo): --device cpu")
+        if not config.num_threads:  # one torch thread per rank: the ranks share the host's cores
+            torch.set_num_threads(1)
+        if given is not None and given.world != tp:
+            raise ValueError(f"tp_group has {given.world} ranks, tensor_parallel_size is {tp}")
+        group = self.tp_group = given or TpGroup(tp)
+        try:
+            return load_group(group, dict(spec=config.model, dtype=self.dtype, device=self.device,
+                                                  max_len=config.max_model_len, weight_prepack=config.weight_prepack,
+                                                  cpu_kernels=config.cpu_kernels, lowp=lowp))
+        except BaseException:
+            if self._own_group:
+                group.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do without a group). The engine is unusable after."""
+        if self.tp_group is not None and self._own_group:
+            self.tp_group.close()
 
     # -- input ------------------------------------------------------------------------------------
 
@@ -286,7 +340,12 @@ class Engine:
             chunks.append((s.all_token_ids[start : start + item.num_new_tokens], start, self.kv.block_ids(s.seq_id), item.samples))
         pooled = [item.seq for item in sched.scheduled if item.samples and item.seq.params.pooling]
         hidden: list[torch.Tensor] | None = [] if pooled else None
-        logits = self.runner.execute(chunks, hidden_out=hidden)
+        means = [i for i, item in enumerate(sched.scheduled) if item.seq.params.pooling == "mean"]
+        sums: list[torch.Tensor] | None = [] if means else None
+        logits = self.runner.execute(chunks, hidden_out=hidden, sum_chunks=means, sums_out=sums)
+        if sums:
+            for j, i in enumerate(means):
+                self._add_rows(sched.scheduled[i].seq, chunks[i][1], len(chunks[i][0]), sums[0][j])
         self.scheduler.on_step_done(sched)
         self.stats.steps += 1
         self.stats.last_batch_tokens = sched.num_batched_tokens
@@ -297,7 +356,8 @@ class Engine:
         if hidden:  # embedding requests end at their prefill: their rows are pooled, not sampled
             keep = [i for i, s in enumerate(sampling) if not s.params.pooling]
             states = hidden[0]
-            vectors = torch.nn.functional.normalize(states[[i for i, s in enumerate(sampling) if s.params.pooling]], dim=-1)
+            picked = [self._pool_state(s, states[i]) for i, s in enumerate(sampling) if s.params.pooling]
+            vectors = torch.nn.functional.normalize(torch.stack(picked), dim=-1)
             logits = logits[keep] if len(keep) < len(sampling) else logits
             sampling = [sampling[i] for i in keep]
             done = time.monotonic()
@@ -352,6 +412,26 @@ class Engine:
             self._take_logprobs(req), False, None, seq.num_prompt_tokens, seq.num_cached_tokens, len(seq.output_token_ids),
             seed=seq.seed,
         ))
+
+    def _add_rows(self, seq: Sequence, start: int, n: int, row_sum: torch.Tensor) -> None:
+        """A mean-pooled request's chunk of prompt rows ``[start, start + n)`` was computed: add its
+        sum. Its chunks are contiguous from row 0 (it never adopts a cached prefix); a preempted
+        request recomputes from row 0, which starts the sum afresh."""
+        req = self._reqs[seq.seq_id]
+        if start == 0:
+            req.pool_sum, req.pool_rows = row_sum.clone(), n
+            return
+        assert req.pool_sum is not None and start == req.pool_rows, "mean pooling missed prompt rows"
+        req.pool_sum += row_sum
+        req.pool_rows += n
+
+    def _pool_state(self, seq: Sequence, last: torch.Tensor) -> torch.Tensor:
+        """The state a pooling request's vector normalises: its last row's, or its rows' mean."""
+        if seq.params.pooling != "mean":
+            return last
+        req = self._reqs[seq.seq_id]
+        assert req.pool_sum is not None and req.pool_rows == seq.num_prompt_tokens, "mean pooling missed prompt rows"
+        return req.pool_sum / req.pool_rows
 
     def _pooled(self, seq: Sequence, vector: tuple[float, ...], now: float, outputs: list) -> None:
         """An embedding request's prefill is done: it ends (``stop``, no output token) with its vector."""

@@ -63,13 +63,15 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: tuple[str, ...] | None = None
     guided_grammar: str | None = None
-    # embedding: the prefill ends the request with its last prompt row's normalised final hidden
-    # state (RequestOutput.embedding) instead of a sampled token
+    # embedding: the prefill ends the request with a normalised final hidden state
+    # (RequestOutput.embedding) instead of a sampled token: "last", the last prompt row's, or
+    # "mean", the mean of every prompt row's (so the request never adopts a cached prefix: rows it
+    # did not compute could not be summed; see uses_prefix_cache)
     pooling: str | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling is not None and self.pooling != "last":
-            raise ValueError(f"pooling must be 'last' (or None), got {self.pooling!r}")
+        if self.pooling is not None and self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean' (or None), got {self.pooling!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -102,6 +104,12 @@ class SamplingParams:
         if self.guided_choice is not None:
             object.__setattr__(self, "guided_choice", tuple(self.guided_choice))
         _check_guided(self)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether the request may start from cached prefix blocks: not a mean-pooled one, whose
+        vector sums the final states of every prompt row, cached or not."""
+        return self.pooling != "mean"
 
     @property
     def guided(self) -> tuple[str, str] | None:

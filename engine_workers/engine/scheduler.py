@@ -177,7 +177,8 @@ class Scheduler:
                 if head is None:
                     break
                 seq = head
-                prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra)
+                prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra,
+                                                    lookup=seq.params.uses_prefix_cache)
                 n = self._chunk(seq, prefix.num_tokens, budget)
                 if not self.kv.allocate(seq.seq_id, prefix.num_tokens + n, prefix):
                     break  # head of line waits for blocks; no lower-priority request jumps it

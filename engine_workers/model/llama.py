@@ -223,6 +223,8 @@ class LlamaForPagedLM(nn.Module):
         meta: AttnMetadata,
         logit_rows: torch.Tensor,  # [S] rows whose next-token logits are needed
         hidden_out: list[torch.Tensor] | None = None,  # given: the rows' final-norm states [S, hidden] appended
+        sum_spans: list[tuple[int, int]] | None = None,  # (first row, rows) whose final-norm states are summed
+        sums_out: list[torch.Tensor] | None = None,  # given with sum_spans: those sums [len(spans), hidden] appended
     ) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
         if self.spec.embed_scale is not None:
@@ -235,6 +237,8 @@ class LlamaForPagedLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             delta = layer(residual, delta, rots[layer.rope_key], k_cache, v_cache, meta)
         assert delta is not None  # a model has layers
+        if sum_spans is not None and sums_out is not None:
+            sums_out.append(self._span_sums(residual, delta, sum_spans))
         x = self.norm.add_forward(residual.index_select(0, logit_rows), delta.index_select(0, logit_rows))
         if hidden_out is not None:
             hidden_out.append(x.float())
@@ -243,3 +247,15 @@ class LlamaForPagedLM(nn.Module):
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _span_sums(self, residual: torch.Tensor, delta: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Per span, the sum of its rows' final-norm states (float32). The norm runs on copies
+        (index_select), so the residual stream the logit rows read is left as it is."""
+        out = torch.zeros((len(spans), residual.shape[-1]), dtype=torch.float32, device=residual.device)
+        if not spans:
+            return out
+        rows = torch.cat([torch.arange(a, a + n, device=residual.device) for a, n in spans])
+        which = torch.repeat_interleave(torch.arange(len(spans), device=residual.device),
+                                        torch.tensor([n for _, n in spans], device=residual.device))
+        states = self.norm.add_forward(residual.index_select(0, rows), delta.index_select(0, rows))
+        return out.index_add_(0, which, states.float())

@@ -87,7 +87,8 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device, max_len: int | None = None,
-               weight_prepack: bool = True, cpu_kernels: bool = True, lowp: str | None = None) -> LoadedModel:
+               weight_prepack: bool = True, cpu_kernels: bool = True, lowp: str | None = None,
+               tp_rank: tuple[int, int] | None = None) -> LoadedModel:
     """Load ``spec`` (a folder, ``default`` or a hub id). ``weight_prepack``: on CPU in float32,
     run the linear layers on oneDNN with weights packed once (:mod:`engine_workers.kernels.cpu_linear`);
     with ``cpu_kernels`` too, decode-sized batches on the engine's own kernel where it builds.
@@ -95,7 +96,10 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     :func:`engine_workers.kernels.cpu_linear.cpu_weight_plan`, CPU, ``dtype`` float32): the linear
     layers keep only that copy of their weights, on the engine's low-precision kernel; everything
     else stays ``dtype``. ``q4_1``: Q4_1 layers and a Q8_0 head, read from the GGUF the folder was
-    converted from where there is one (:func:`_blocks`), else quantized at load."""
+    converted from where there is one (:func:`_blocks`), else quantized at load.
+    ``tp_rank``: ``(rank, world)`` of a tensor-parallel group of two or more: the model is that
+    rank's shard (:mod:`engine_workers.model.parallel`), the returned ``spec`` the local one (its
+    heads, rows and vocabulary slice), and its forward communicates with the other ranks."""
     from transformers import AutoConfig, AutoTokenizer
 
     resolved = resolve_model(spec)
@@ -113,10 +117,24 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     except Exception as exc:
         raise ModelError(f"cannot load tokenizer of {path}: {exc}") from None
 
+    layout = None
+    if tp_rank is not None and tp_rank[1] > 1:
+        from engine_workers.model.sharding.layout import TensorParallelError, rank_layout
+
+        try:
+            layout = rank_layout(mspec, *tp_rank)
+        except TensorParallelError as exc:
+            raise ModelError(f"model {path}: {exc}") from None
     tensors = _read_weights(_weight_files(path))
+    state = _map_state(tensors, mspec, path)
+    full_spec = mspec
+    if layout is not None:
+        from engine_workers.model.sharding.shard import local_spec, shard_state
+
+        del tensors  # the full tensors go once the rank has copied its slices
+        state, mspec = shard_state(state, mspec, layout), local_spec(mspec, layout)
     with torch.device("meta"):
         model = LlamaForPagedLM(mspec)
-    state = _map_state(tensors, mspec, path)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     for name, shape in expected.items():
         if name not in state:
@@ -134,6 +152,10 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
         _lowp(model, lowp)
     elif weight_prepack:
         _prepack(model, device, dtype, cpu_kernels)
+    if layout is not None:
+        from engine_workers.model.sharding.layers import parallelize
+
+        parallelize(model, layout, full_spec.vocab_size)
     length = max_len or mspec.max_position_embeddings
     rope_type = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type")
     if rope_type in ("longrope", "dynamic"):
@@ -144,7 +166,8 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
         model.set_ropes(hf_config, max(length, 1), device)
     except ValueError as exc:
         raise ModelError(f"model {path}: {exc}") from None
-    return LoadedModel(path, model, mspec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
+    # the whole model's spec; under tensor parallelism ``model.spec`` is the rank's local one
+    return LoadedModel(path, model, full_spec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
 
 
 def _keep_fp32(name: str, spec: ModelSpec) -> bool:

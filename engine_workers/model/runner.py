@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence as Seq
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -87,7 +88,8 @@ class ModelRunner:
                  cpu_kernels: bool = True, kv_dtype: torch.dtype | None = None) -> None:
         """``dtype``: the compute dtype; ``kv_dtype``: the K/V cache's storage dtype (None = ``dtype``)."""
         self.model = loaded.model
-        self.spec = loaded.spec
+        # the modules' own spec: under tensor parallelism the rank's heads only (its cache's shape)
+        self.spec = loaded.model.spec
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype = kv_dtype or dtype
@@ -127,18 +129,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[tuple[list[int], int, list[int], bool]], every_row: bool = False,
-                hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                hidden_out: list[torch.Tensor] | None = None, sum_chunks: Seq[int] = (),
+                sums_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``chunks``: per sequence ``(token_ids_to_compute, num_computed_before, block_ids, samples)``.
 
         Returns float32 logits ``[S, vocab]`` for the chunks with ``samples=True``, in order; with
         ``every_row``, ``[T, vocab]`` for every token of the batch (next-token logits at each
-        position: what perplexity needs, benchmarks/accuracy.py). ``hidden_out``: when given, the
+        position: what perplexity needs, benchmarks/engine/accuracy.py). ``hidden_out``: when given, the
         same rows' final-norm hidden states ``[S, hidden]`` (float32) are appended to it (embeddings).
+        ``sum_chunks``: indices into ``chunks`` whose every row's final-norm state is summed;
+        ``sums_out`` receives those sums ``[len(sum_chunks), hidden]`` (float32; mean pooling).
         """
         ids: list[int] = []
         meta_in = []
         logit_rows = []
+        firsts = []
         for tokens, start, blocks, samples in chunks:
+            firsts.append(len(ids))
             ids.extend(tokens)
             meta_in.append((start, len(tokens), blocks))
             if samples:
@@ -149,5 +156,6 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = (torch.arange(len(ids), device=self.device) if every_row
                 else torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+        spans = [(firsts[i], len(chunks[i][0])) for i in sum_chunks] if sums_out is not None else None
         with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
-            return self.model(input_ids, positions, self.kv_caches, meta, rows, hidden_out)
+            return self.model(input_ids, positions, self.kv_caches, meta, rows, hidden_out, spans, sums_out)

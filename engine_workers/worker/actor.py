@@ -1,6 +1,7 @@
 """The worker actor: one per engine. Bus records in, engine work, reply streams out.
 
-A thin asyncio shell; each stage is a module of its own (``docs/worker.md`` walks through them):
+A thin asyncio shell; each stage is a module of its own, built and connected by ``wiring.wire``
+from the one :class:`WorkerConfig` (``docs/worker.md`` walks through them):
 
 * **intake** — a consumer in group ``<ns>.workers.<model>`` reads the model's three priority topics.
   Records are decoded (undecodable -> dead letter, ``dead_letters``), wait for their reply topic's
@@ -43,34 +44,21 @@ from bus import (
     ErrorCode,
     FinishReason,
     InferenceRequest,
-    TopicPartition,
     WorkerStatus,
     decode,
     safe_name,
 )
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.core import Engine, RequestOutput
-from engine_workers.worker.aborts import Aborts
-from engine_workers.worker.admission import EngineAdmission
 from engine_workers.worker.config import WorkerConfig
-from engine_workers.worker.health.metrics import CONTENT_TYPE, WorkerMetrics
+from engine_workers.worker.health.metrics import CONTENT_TYPE
 from engine_workers.worker.health.server import HealthServer
-from engine_workers.worker.health.usage import UsageLog
 from engine_workers.worker.intake.queue import (
-    IntakePolicy,
-    IntakeQueue,
     aging_start,
-    parse_intake_mode,
 )
 from engine_workers.worker.loops import heartbeat, read_cancels
-from engine_workers.worker.offsets.ledger import Job, RequestLedger
-from engine_workers.worker.offsets.resume import ResumeFinder
-from engine_workers.worker.offsets.watermark import OffsetTracker
-from engine_workers.worker.replies.answers import Answers
-from engine_workers.worker.replies.failures import SendFailures
-from engine_workers.worker.replies.gate import ReplyGate
-from engine_workers.worker.replies.outputs import StepOutputs
-from engine_workers.worker.replies.sender import ReplySender
+from engine_workers.worker.offsets.ledger import Job
+from engine_workers.worker.wiring import Hooks, wire
 
 log = logging.getLogger(__name__)
 
@@ -101,32 +89,17 @@ class Worker:
                                                           before_step=before_step), True
         self._before_step = before_step
         self.engine = self.aengine.engine
-        self.metrics = WorkerMetrics(config.model)
-        self.aengine.on_step = self.metrics.observe_step
-        self.policy = IntakePolicy(parse_intake_mode(config.intake_mode), config.aging_period_s, reference_time=time.time())
-        self.intake: IntakeQueue[Job] = IntakeQueue(self.policy, fair_share=config.fair_share)
-        self.ledger = RequestLedger(config.worker_id, config.revoke_flush_s, on_lost=lambda lost: self.aborts.release(lost))
-        self.offsets: OffsetTracker[TopicPartition] = self.ledger.offsets
-        self.replies = ReplySender(bus, config.worker_id, config.send_retries, on_failed=self._on_send_failed,
-                                   max_record_bytes=config.max_reply_record_bytes)
-        self.usage = UsageLog(bus, config.layout.usage_topic, self.metrics.registry, config.model, config.worker_id)
-        self.answers = Answers(self.replies, self.ledger, self.metrics, config.worker_id, self.usage)
-        self.outputs = StepOutputs(self.aengine, self.ledger, self.replies, self.answers, self.metrics)
-        self.aborts = Aborts(self.aengine, self.ledger, self.intake, self.answers, self.replies)
-        self.admission = EngineAdmission(config.worker_id, self.aengine, self.ledger, self.intake, self.policy,
-                                         self.answers, config.prefetch_per_tier, lambda: self.state == "started")
+        st = wire(config, bus, self.aengine, Hooks(accept=self._accept, send_failed=self._on_send_failed,
+                                                   rerun=self._rerun, serving=lambda: self.state == "started"))
+        self.metrics, self.policy, self.intake, self.ledger = st.metrics, st.policy, st.intake, st.ledger
+        self.offsets, self.replies, self.usage, self.answers = st.offsets, st.replies, st.usage, st.answers
+        self.outputs, self.aborts, self.admission = st.outputs, st.aborts, st.admission
+        self._resume, self._gate, self._send_failures = st.resume, st.gate, st.send_failures
         self._topics = config.layout.request_topics(config.model)
         self._eids = itertools.count()
         self._consumer: Consumer | None = None
         self._control: Consumer | None = None
         self._tasks: list[asyncio.Task] = []
-        self._resume = ResumeFinder(bus, config.worker_id, self._accept, self.answers.answered_before,
-                                    lambda tp: self.ledger.assigned_at.get(tp), self.replies.partition_count,
-                                    self.metrics.resumed)
-        self._gate = ReplyGate(bus, config.layout, config.worker_id, self.replies, self.ledger, self._resume.submit,
-                               self.metrics.dead_letters.inc)
-        self._send_failures = SendFailures(config.worker_id, self.ledger, self._gate.dead_letters, self._rerun,
-                                           self.answers.error, reruns=config.send_failure_reruns)
         self._lag: tuple[int, ...] = (0, 0, 0)
         self._health: HealthServer | None = None
         self._drain_requested = asyncio.Event()
@@ -159,7 +132,10 @@ class Worker:
         for name, coro in (("intake", self._intake_loop()),
                            ("control", read_cancels(self._control, self.cancel, cfg.worker_id)),
                            ("heartbeat", heartbeat(self.bus, cfg.layout.status_topic, cfg.worker_id, self.status,
-                                                   cfg.heartbeat_s, before=self._observe, refresh=self._refresh_lag))):
+                                                   cfg.heartbeat_s, before=self._observe, refresh=self._refresh_lag)),
+                           # a crashed step loop (say a tensor-parallel rank died) ends run(): the
+                           # worker stops uncommitted and exits non-zero, its requests resume elsewhere
+                           ("engine", self.aengine.crashed())):
             self._tasks.append(asyncio.create_task(coro, name=f"{self.config.worker_id}-{name}"))
         log.info("worker %s serving %s (group %s, intake %s, aging period %gs)", self.config.worker_id,
                  self.config.model, self.config.group, self.policy.mode.value, self.policy.aging_period_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lockgate.edge_options import add_edge_limits, edge_limits
 from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
 from lockgate.options import env_default
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
                    help="max estimated queue wait per tier p0,p1,p2 in seconds before shedding (env LOCKGATE_SLO_WAIT)")
     p.add_argument("--max-frame-bytes", type=int, default=env_default("max-frame-bytes", 1 << 20))
     p.add_argument("--request-timeout", type=float, default=env_default("request-timeout", 300.0))
+    add_edge_limits(p)
     p.set_defaults(func=_edge)
 
     k = sub.add_parser("keys", help="API keys for the edge")
@@ -77,8 +79,9 @@ def _edge(args: argparse.Namespace) -> int:
     config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
                         keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
+                        **edge_limits(args),
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, **kw)
+                        reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling, **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
     if config.reuse_port and not config.dev_mode:

@@ -22,7 +22,7 @@ import uuid
 
 import torch
 
-from benchmarks.engine import make_workload, sync_device
+from benchmarks.engine.bench import make_workload, sync_device
 from bus import SamplingParams
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks import accuracy as acc
+from benchmarks.engine import accuracy as acc
 from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine

@@ -1,4 +1,4 @@
-"""``lockgate bench decode`` (benchmarks/decode_attention.py): every peer timed on the same inputs,
+"""``lockgate bench decode`` (benchmarks/engine/decode_attention.py): every peer timed on the same inputs,
 each checked against gather + SDPA first, so a wrong kernel cannot produce a figure."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.decode_attention import Shape, format_table, measure
+from benchmarks.engine.decode_attention import Shape, format_table, measure
 from engine_workers.kernels import cpu_kernels
 
 SMALL = Shape(heads=4, kv_heads=2, head_size=64, layers=2, block_size=16)

@@ -1,4 +1,4 @@
-"""The benchmark's lean WebSocket client (benchmarks/edge_client.py) against the websockets server."""
+"""The benchmark's lean WebSocket client (benchmarks/edge/client.py) against the websockets server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from websockets.asyncio.server import serve
 
-from benchmarks.edge_client import WsClientError, connect_raw, mask_frame
+from benchmarks.edge.client import WsClientError, connect_raw, mask_frame
 from tests.waiting import wait_until
 
 

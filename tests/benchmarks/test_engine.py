@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.engine import Workload, capacity, make_workload, model_flops
-from benchmarks.hf_baselines import hf_precision, load_model
+from benchmarks.engine.bench import Workload, capacity, make_workload, model_flops
+from benchmarks.engine.hf_baselines import hf_precision, load_model
 from benchmarks.machine import MACHINE_FLAGS, machine_info
 from engine_workers.engine.config import EngineConfig
 from lockgate.cli import build_parser

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from benchmarks.loadgen import (
+from benchmarks.serving.loadgen import (
     LengthMix,
     arrival_times,
     parse_rates,

@@ -3,7 +3,7 @@ layer checked against transformers' block on the same weights before it is timed
 
 from __future__ import annotations
 
-from benchmarks.moe import MoeShape, bench_block
+from benchmarks.engine.moe import MoeShape, bench_block
 
 
 def test_bench_block_measures_every_peer():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from benchmarks.cli import parse_keys
-from benchmarks.loadgen import LengthMix
-from benchmarks.serve import BenchConfig, bench, format_table
+from benchmarks.serving.loadgen import LengthMix
+from benchmarks.serving.serve import BenchConfig, bench, format_table
 from benchmarks.stats import parse_slo
 from engine_workers.engine.config import EngineConfig
 from tests.producers.conftest import fake_worker_mode

@@ -87,7 +87,7 @@ def test_websockets_connection_lines_only_at_debug(capsys):
 
 
 def test_send_floor_measures_and_checks_its_arguments():
-    from benchmarks.edge_floor import send_floor_us
+    from benchmarks.edge.floor import send_floor_us
 
     assert 0 < send_floor_us(20, rounds=3) < 10_000
     for bad in ({"n_sockets": 0}, {"n_sockets": 1, "rounds": 0}, {"n_sockets": 1, "payload": 1}):
@@ -113,7 +113,7 @@ def test_freeze_heap_moves_startup_objects_out_of_collections_and_slows_the_coll
 
 
 def test_window_p99s_separate_a_stall_from_steady_windows():
-    from benchmarks.edge import window_p99s
+    from benchmarks.edge.bench import window_p99s
 
     # three half-second windows of 1,000 latencies: 1 ms, then a stall (50 ms), then 2 ms
     published = [i * 0.0005 for i in range(3000)]

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import bus as busmod
-from benchmarks.targets import Prompt, WsTarget
+from benchmarks.serving.targets import Prompt, WsTarget
 from edge.config import EdgeConfig, KeyEntry, hash_key
 from edge.server import Edge
 from tests.producers.conftest import fake_worker_mode, serving

@@ -177,10 +177,15 @@ class ResponsesRoutes:
 
     async def _stream(self, request: web.Request, sink: ResponsesSink, admitted: Any, who: Principal,
                       req: ResponsesRequest) -> web.StreamResponse:
+        # written to the bus before the 200 goes out (as on chat): a request the bus did not take
+        # is a plain error status, never a 200 stream
+        if not await self.adm.publish(admitted):
+            assert sink.error is not None
+            status, err, retry_after = sink.error
+            return json_response(status, err, retry_after)
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
         try:
-            await self.adm.publish(admitted)
             while True:
                 if not sink.pending and not sink.closed:
                     await sink.wait()

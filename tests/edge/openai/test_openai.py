@@ -231,8 +231,8 @@ async def test_bench_serve_openai_target(encoder, tmp_path):
     request its exact output length (ignore_eos + max_tokens), counted from the usage chunk."""
     import math
 
-    from benchmarks.loadgen import LengthMix
-    from benchmarks.serve import BenchConfig, bench
+    from benchmarks.serving.loadgen import LengthMix
+    from benchmarks.serving.serve import BenchConfig, bench
 
     async with running_edge(encoder, openai_port=0, keys=None) as (edge, fw):
         cfg = BenchConfig(target="openai", url=base_url(edge), rates=(math.inf,), num_prompts=6, out_dir=tmp_path,

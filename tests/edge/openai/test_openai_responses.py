@@ -72,6 +72,14 @@ async def test_store_previous_response_id_get_delete_and_store_false(encoder):
             await client.responses.cancel(follow.id)
 
 
+async def test_sampling_fields_reach_the_bus(encoder):
+    """``temperature``, ``top_p`` and ``max_output_tokens`` are the bus request's sampling, as chat's are."""
+    async with api(encoder) as (_, fw, client):
+        await client.responses.create(model=MODEL, input="x", temperature=0.3, top_p=0.7, max_output_tokens=5)
+        s = fw.seen[-1].sampling
+        assert (s.temperature, s.top_p, s.max_tokens) == (0.3, 0.7, 5)
+
+
 async def test_function_call_items_become_tool_turns(encoder):
     async with api(encoder) as (_, fw, client):
         tools = [{"type": "function", "name": "add", "description": "Add", "parameters": {"type": "object"}}]

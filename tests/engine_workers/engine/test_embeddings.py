@@ -1,24 +1,28 @@
-"""Embedding requests in the engine (``SamplingParams.pooling="last"``): the prefill ends the
-request with the last prompt row's L2-normalised final hidden state, checked against transformers'
-own forward on the same tiny checkpoint; batched with generating requests, which are unaffected."""
+"""Embedding requests in the engine (``SamplingParams.pooling``): the prefill ends the request with
+the last prompt row's (``"last"``) or the mean of every prompt row's (``"mean"``) L2-normalised
+final hidden state, checked against transformers' own forward on the same tiny checkpoint; batched
+with generating requests, which are unaffected."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from bus import SamplingParams as WireParams
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.engine.params import SamplingParams
+from engine_workers.model.runner import kv_block_bytes
 
 
-def reference(model_dir: str, ids: list[int]) -> torch.Tensor:
+def reference(model_dir: str, ids: list[int], pooling: str = "last") -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     with torch.no_grad():
         out = m(torch.tensor([ids]), output_hidden_states=True)
-    return torch.nn.functional.normalize(out.hidden_states[-1][0, -1], dim=-1)  # after the final norm
+    states = out.hidden_states[-1][0]  # after the final norm, [T, hidden]
+    return torch.nn.functional.normalize(states[-1] if pooling == "last" else states.mean(0), dim=-1)
 
 
 def run(engine: Engine) -> dict:
@@ -56,7 +60,58 @@ def test_last_token_pooling_matches_transformers_and_leaves_generation_alone(tin
 
 def test_pooling_is_checked():
     with pytest.raises(ValueError, match="pooling"):
-        SamplingParams(pooling="mean")
+        SamplingParams(pooling="max")
+    with pytest.raises(ValueError, match="pooling"):
+        WireParams(pooling="cls")
+    assert WireParams(pooling="mean").pooling == SamplingParams(pooling="mean").pooling == "mean"
+
+
+def test_mean_pooling_sums_every_chunk_and_skips_the_prefix_cache(tiny_model_dir: str) -> None:
+    """Mean pooling over chunked prefill: with at most 16 prompt tokens per step a 57-token prompt
+    takes four steps and the mean still equals transformers' over all its rows. The same prompt
+    again finds its blocks cached (a last-pooled twin hits them) but the mean-pooled request
+    computes every row (no cached tokens) and gives the same vector; generation alongside is as alone."""
+    engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=8 << 20, max_num_seqs=8,
+                                 long_prefill_token_threshold=16))
+    a, b = [5, 9, 33, 41, 7, 100], list(range(3, 60))
+    gen = SamplingParams(max_tokens=6, temperature=0)
+    alone = engine.generate([[1, 2, 3]], gen)[0].token_ids
+    engine.add_request("m1", b, SamplingParams(max_tokens=1, pooling="mean"))
+    engine.add_request("g", [1, 2, 3], gen)
+    engine.add_request("m2", a, SamplingParams(max_tokens=1, pooling="mean"))
+    outs = run(engine)
+    assert engine.stats.steps >= 4  # b was prefilled in chunks
+    for rid, ids in (("m1", b), ("m2", a)):
+        (final,) = outs[rid]
+        assert final.finished and final.finish_reason == "stop" and final.token_ids == ()
+        vec = torch.tensor(final.embedding)
+        assert torch.allclose(vec, reference(tiny_model_dir, ids, "mean"), atol=1e-4), rid
+        assert abs(float(vec.norm()) - 1.0) < 1e-5
+        assert not torch.allclose(vec, reference(tiny_model_dir, ids, "last"), atol=1e-2)  # a different pooling
+    assert tuple(t for o in outs["g"] for t in o.token_ids) == alone
+    engine.add_request("last", b, SamplingParams(max_tokens=1, pooling="last"))
+    engine.add_request("again", b, SamplingParams(max_tokens=1, pooling="mean"))
+    again = run(engine)
+    assert again["last"][0].num_cached_tokens > 0  # m1's blocks were registered: a would-be hit
+    assert again["again"][0].num_cached_tokens == 0
+    assert torch.allclose(torch.tensor(again["again"][0].embedding), torch.tensor(outs["m1"][0].embedding), atol=1e-5)
+
+
+def test_a_preempted_mean_pooled_request_restarts_its_sum(tiny_model_dir: str) -> None:
+    """Preempted by recompute mid-prefill (KV for only one of two long prompts), a mean-pooled
+    request recomputes from row 0 and its vector is still the mean over its rows, once each."""
+    block = kv_block_bytes(Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=8 << 20)).runner.spec, 16,
+                           torch.float32)
+    engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=6 * block, max_num_seqs=4,
+                                 long_prefill_token_threshold=16))  # 6 blocks: one 57-token prompt's 4 fit, not two
+    b, c = list(range(3, 60)), list(range(100, 157))
+    engine.add_request("x", b, SamplingParams(max_tokens=1, pooling="mean"))
+    engine.add_request("y", c, SamplingParams(max_tokens=1, pooling="mean"))
+    outs = run(engine)
+    assert engine.stats.preemptions >= 1
+    for rid, ids in (("x", b), ("y", c)):
+        assert torch.allclose(torch.tensor(outs[rid][-1].embedding), reference(tiny_model_dir, ids, "mean"),
+                              atol=1e-4), rid
 
 
 def test_an_embedding_request_is_prefill_only_and_holds_no_decode_slot(tiny_model_dir: str) -> None:

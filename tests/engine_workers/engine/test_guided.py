@@ -166,12 +166,14 @@ def test_wire_fields_validate_and_convert() -> None:
 
 
 @contextlib.asynccontextmanager
-async def platform(model_dir: str | Path, max_num_seqs: int = 16, kv_cache_mib: int = 16) -> AsyncIterator[tuple[Edge, list[str]]]:
+async def platform(model_dir: str | Path, max_num_seqs: int = 16, kv_cache_mib: int = 16,
+                   engine_kw: dict | None = None, edge_kw: dict | None = None) -> AsyncIterator[tuple[Edge, list[str]]]:
     """Edge (WebSocket + OpenAI port) and a real worker on ``model_dir``; yields the edge and the
-    topics of everything the edge published."""
+    topics of everything the edge published. ``engine_kw`` / ``edge_kw``: more EngineConfig / EdgeConfig fields."""
     layout = TopicLayout(namespace="guided", partitions=1)
     encoder = PromptEncoder.from_path(str(model_dir))
-    engine = Engine(EngineConfig(model=str(model_dir), kv_cache_bytes=kv_cache_mib << 20, max_num_seqs=max_num_seqs))
+    engine = Engine(EngineConfig(model=str(model_dir), kv_cache_bytes=kv_cache_mib << 20, max_num_seqs=max_num_seqs,
+                                 **(engine_kw or {})))
     bus = MemoryBus()
     await bus.start()
     sent: list[str] = []
@@ -185,7 +187,8 @@ async def platform(model_dir: str | Path, max_num_seqs: int = 16, kv_cache_mib: 
     try:
         await bus.ensure_topics(layout.model_specs(MODEL))
         async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine), \
-                Edge(EdgeConfig(model=MODEL, port=0, openai_port=0, layout=layout, ping_interval_s=None),
+                Edge(EdgeConfig(model=MODEL, port=0, openai_port=0, layout=layout, ping_interval_s=None,
+                                **(edge_kw or {})),
                      bus, encoder) as edge:
             await wait_until(lambda: edge.readiness()[0], timeout=30)
             yield edge, sent

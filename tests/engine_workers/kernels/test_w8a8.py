@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from benchmarks.accuracy import decode
+from benchmarks.engine.accuracy import decode
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels import cpu_kernels as kernels

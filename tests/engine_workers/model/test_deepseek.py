@@ -19,6 +19,7 @@ from engine_workers.engine.params import SamplingParams
 from engine_workers.model.loader import load_model
 from engine_workers.model.runner import ModelRunner, kv_block_bytes
 from lockgate.testing.tiny_model import build_tokenizer
+from tests.engine_workers.model.test_moe_families import assert_paths_match, hf_greedy
 from tokenization.model_store import ModelError
 
 CPU = torch.device("cpu")
@@ -66,30 +67,15 @@ def hf_model(path):
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_deepseek_matches_hf_generate(name, tmp_path):
-    from transformers import GenerationConfig
-
     path = save(name, tmp_path / name)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 40, 70)]
-    hf = hf_model(path)
-    gen = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ref = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            ref.append(hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)[0, len(p):].tolist())
+    ref = hf_greedy(path, prompts, 12)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine = Engine(EngineConfig(model=str(path), kv_cache_bytes=2 << 20, block_size=8))
     spec = engine.loaded.spec
     assert spec.mla is not None and spec.moe is not None and spec.moe.sparse_layers == (False, True, True)
-    got = [list(o.token_ids) for o in engine.generate(prompts, params)]
-    assert got == ref, f"{name}: differs from transformers"
-    hits = engine.generate(prompts, params)
-    assert min(o.num_cached_tokens for o in hits[1:]) > 0
-    assert [list(o.token_ids) for o in hits] == ref, f"{name}: prefix-cache hits changed the tokens"
-    chunked = Engine(EngineConfig(model=str(path), kv_cache_bytes=2 << 20, block_size=8,
-                                  long_prefill_token_threshold=16, enable_prefix_caching=False))
-    assert [list(o.token_ids) for o in chunked.generate(prompts, params)] == ref, f"{name}: chunked prefill differs"
+    assert_paths_match(engine, path, prompts, params, ref, name, 2 << 20)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -41,12 +41,13 @@ FAMILIES = {
 CHUNKING_CHANGES_ROPE = {"phi3-longrope"}
 
 
-def save(name: str, out):
+def save(name: str, out, families=None, small=None):
+    """A tiny random checkpoint of ``families[name]`` (default: this file's tables) saved by transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, extra = FAMILIES[name]
+    model_type, extra = (families or FAMILIES)[name]
     tok = build_tokenizer()
-    kwargs = {**SMALL, **extra}
+    kwargs = {**(small or SMALL), **extra}
     if model_type == "phi3":
         kwargs.pop("head_dim")
     config = AutoConfig.for_model(model_type, **kwargs)

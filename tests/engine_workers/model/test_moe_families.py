@@ -73,12 +73,18 @@ def test_moe_family_matches_hf_generate(name, tmp_path):
     assert moe is not None and any(moe.sparse_layers)
     if "mlp_only_layers" in FAMILIES[name][1] or "decoder_sparse_step" in FAMILIES[name][1]:
         assert not all(moe.sparse_layers)  # a dense layer among the sparse ones
+    assert_paths_match(engine, path, prompts, params, ref, name, 8 << 20)
+
+
+def assert_paths_match(engine, path, prompts, params, ref, name, kv_bytes):
+    """``engine``'s greedy tokens equal ``ref`` (transformers'), again from prefix-cache hits, and
+    from a second engine that prefills in chunks of 16 with the prefix cache off."""
     got = [list(o.token_ids) for o in engine.generate(prompts, params)]
     assert got == ref, f"{name}: differs from transformers"
     hits = engine.generate(prompts, params)
     assert min(o.num_cached_tokens for o in hits[1:]) > 0
     assert [list(o.token_ids) for o in hits] == ref, f"{name}: prefix-cache hits changed the tokens"
-    chunked = Engine(EngineConfig(model=str(path), kv_cache_bytes=8 << 20, block_size=8,
+    chunked = Engine(EngineConfig(model=str(path), kv_cache_bytes=kv_bytes, block_size=8,
                                   long_prefill_token_threshold=16, enable_prefix_caching=False))
     assert [list(o.token_ids) for o in chunked.generate(prompts, params)] == ref, f"{name}: chunked prefill differs"
 

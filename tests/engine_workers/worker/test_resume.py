@@ -110,3 +110,41 @@ async def test_a_request_sent_after_the_assignment_is_not_looked_up(tiny_dir: Pa
             await replies.wait(["late"])
             assert min(c.seq for c in replies.chunks if c.worker_id == w.config.worker_id) == 0
             assert "lockgate:resumed_requests_total 0.0" in w.render_metrics().decode()
+
+
+async def test_taken_over_embedding_requests_run_again_or_are_answered(tiny_dir: Path, layout: TopicLayout) -> None:
+    """An embedding request a dead worker never answered (it publishes no chunks, so there is nothing
+    to resume after) runs from its prompt on the worker that takes it over, its vector the engine's
+    own, for both poolings; one it had answered is committed without running again."""
+    engine = make_engine(tiny_dir)
+    prompt = tuple(range(3, 40))
+
+    def embedding(rid: str, pooling: str):
+        r = req(rid, layout, prompt=prompt, max_tokens=1)
+        return type(r)(r.request_id, r.model, r.prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0,
+                       pooling=pooling), r.reply_to, enqueued_at=time.time() - 5)
+
+    wanted = {}
+    for pooling in ("last", "mean"):
+        engine.add_request(f"ref-{pooling}", list(prompt), engine_params(embedding("x", pooling).sampling))
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    wanted[pooling] = o.embedding
+    async with MemoryBus() as bus:
+        await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test")])
+        replies = Replies(bus, layout.reply_topic("test"))
+        await replies.consumer.start()
+        await _history(bus, layout, "answered", [], Finished("answered", 0, "stop", 0, Usage(len(prompt), 0),
+                                                             embedding=wanted["mean"]))
+        for rid, pooling in (("e-last", "last"), ("e-mean", "mean"), ("answered", "mean")):
+            await publish(bus, layout, embedding(rid, pooling))
+        async with Worker(WorkerConfig(MODEL, layout=layout, heartbeat_s=0.1), bus, engine) as w:
+            await replies.wait(["e-last", "e-mean"])
+            for rid, pooling in (("e-last", "last"), ("e-mean", "mean")):
+                fin = replies.final[rid]
+                assert isinstance(fin, Finished) and fin.embedding is not None, fin
+                assert max(abs(a - b) for a, b in zip(fin.embedding, wanted[pooling], strict=True)) < 1e-5
+            await wait_until(lambda: "lockgate:answered_before_takeover_total 1.0" in w.render_metrics().decode())
+            await replies.poll(100)
+            assert [f.request_id for f in replies.finals].count("answered") == 1  # only the dead worker's

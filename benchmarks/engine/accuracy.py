@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from engine_workers.engine.config import EngineConfig
 
-DATA = Path(__file__).with_name("data")
+DATA = Path(__file__).parent.parent / "data"
 PROMPTS_FILE = DATA / "accuracy_prompts.json"
 TEXT_FILE = DATA / "shakespeare.txt"
 
@@ -339,7 +339,7 @@ def format_table(report: Report) -> str:
 def run(args) -> int:
     import sys
 
-    from benchmarks.engine import machine_info
+    from benchmarks.engine.bench import machine_info
     from lockgate.options import engine_config_from_args
 
     if args.dtype not in ("auto", "float32", "fp32") or args.quantization != "none":

@@ -3,8 +3,8 @@
 Engines (rows): lockgate; lockgate's ablation (``--no-weight-prepack --no-cpu-kernels``: the
 engine's design, continuous batching over a paged KV cache with chunked prefill, without its CPU
 kernels; CPU only, ``--no-ablation`` skips it); HF ``generate()`` in padded static batches of 8; and
-transformers' own continuous batching (benchmarks/hf_baselines.py). Each engine lives in a process
-of its own and the engines run one at a time (benchmarks/engine_procs.py says why), every one with
+transformers' own continuous batching (benchmarks/engine/hf_baselines.py). Each engine lives in a process
+of its own and the engines run one at a time (benchmarks/engine/procs.py says why), every one with
 the same torch thread count (lockgate's: ``--threads`` or torch's default) and the same untimed
 warm-up (4 short requests) after its set-up. EOS is ignored so every engine makes exactly the
 requested tokens. ``--dtype`` / ``--quantization`` and every other engine flag reach lockgate and
@@ -34,9 +34,9 @@ from types import SimpleNamespace
 
 import torch
 
-from benchmarks.engine_workload import ANCHOR_WORKLOAD_SHA256_16, Workload, capacity, make_workload
+from benchmarks.engine.roofline import measure_gemm_flops, model_flops
+from benchmarks.engine.workload import ANCHOR_WORKLOAD_SHA256_16, Workload, capacity, make_workload
 from benchmarks.machine import loadavg, machine_info
-from benchmarks.roofline import measure_gemm_flops, model_flops
 
 __all__ = ["Workload", "make_workload", "machine_info", "measure_gemm_flops", "model_flops", "capacity", "run"]
 
@@ -60,9 +60,9 @@ def ablation_skip_reason(config, device_type: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from benchmarks.engine_procs import EngineProc, EngineProcError, ProcSpec, timed_run
-    from benchmarks.engine_report import print_report, table
-    from benchmarks.hf_baselines import hf_precision
+    from benchmarks.engine.hf_baselines import hf_precision
+    from benchmarks.engine.procs import EngineProc, EngineProcError, ProcSpec, timed_run
+    from benchmarks.engine.report import print_report, table
     from lockgate.options import engine_config_from_args
 
     if args.repeat < 1:

@@ -1,7 +1,7 @@
 """Decode throughput with and without structured output: the same batch of chat requests, sampled,
 unconstrained vs constrained by a JSON schema (xgrammar masks, engine.guided).
 
-    python -m benchmarks.guided [--model M] [--batch 16] [--max-tokens 128] [--repeat 3]
+    python -m benchmarks.engine.guided [--model M] [--batch 16] [--max-tokens 128] [--repeat 3]
 
 Prints one JSON line per mode: generated tokens, seconds, tokens/s (best of ``--repeat``), and the
 mask stage's share. The schema's grammar is compiled before timing (as the worker's cache would).

@@ -1,12 +1,12 @@
 """``lockgate bench serve``: a serving benchmark with vLLM ``bench serve`` semantics.
 
-For each offered rate: build the seeded workload (:mod:`benchmarks.loadgen`: lognormal chat-like
+For each offered rate: build the seeded workload (:mod:`benchmarks.serving.loadgen`: lognormal chat-like
 lengths, tiers, Poisson or bursty arrivals), send each request at its arrival time (open loop; an
 optional ``max_concurrency`` caps requests in flight), wait for all, and aggregate
 (:mod:`benchmarks.stats`): TTFT, TPOT, ITL, E2E (mean, median, p99), request / output-token
-throughput, goodput under the SLOs. Writes ``results.json`` and PNGs (:mod:`benchmarks.plots`).
+throughput, goodput under the SLOs. Writes ``results.json`` and PNGs (:mod:`benchmarks.serving.plots`).
 
-Targets (:mod:`benchmarks.targets`): a running edge (``--url ws://...``, one API key per tier),
+Targets (:mod:`benchmarks.serving.targets`): a running edge (``--url ws://...``, one API key per tier),
 the bus directly (``--bus URL``: no edge in the path), or ``--embedded``: a memory bus, an
 in-process edge on a free port with one unlimited key per tier, and an in-process worker
 (:func:`embedded`). Every request is greedy with ``ignore_eos`` so it produces exactly its sampled
@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.loadgen import LengthMix, SyntheticRequest, synthetic_text, workload
+from benchmarks.serving.loadgen import LengthMix, SyntheticRequest, synthetic_text, workload
+from benchmarks.serving.targets import BusTarget, OpenAITarget, Prompt, WsTarget
 from benchmarks.stats import run_stats
-from benchmarks.targets import BusTarget, OpenAITarget, Prompt, WsTarget
 from producers.timing import RequestTiming
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ async def bench(cfg: BenchConfig) -> dict:
     (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
     if cfg.plots:
         try:
-            from benchmarks.plots import write_plots
+            from benchmarks.serving.plots import write_plots
 
             result["plots"] = [p.name for p in write_plots(result, cfg.out_dir)]
         except ImportError as exc:  # matplotlib is the optional `plots` extra

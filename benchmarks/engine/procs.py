@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from benchmarks.machine import process_cpu_seconds
 
 if TYPE_CHECKING:
-    from benchmarks.engine_workload import Workload
+    from benchmarks.engine.workload import Workload
     from engine_workers.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class _Lockgate:
         return {"seconds": elapsed, "computed_tokens": self.engine.stats.computed_tokens - computed0}
 
     def gemm(self) -> dict[str, float]:
-        from benchmarks.roofline import measure_gemm_flops
+        from benchmarks.engine.roofline import measure_gemm_flops
 
         return measure_gemm_flops() if self.engine.device.type == "cpu" else {}
 
@@ -99,7 +99,7 @@ class _HF:
     def __init__(self, spec: ProcSpec) -> None:
         import torch
 
-        from benchmarks.hf_baselines import HFContinuous, HFStatic, load_model
+        from benchmarks.engine.hf_baselines import HFContinuous, HFStatic, load_model
 
         if spec.threads:
             torch.set_num_threads(spec.threads)

@@ -25,8 +25,8 @@ import os
 import statistics
 import time
 
-from benchmarks.edge_floor import send_floor_us
-from benchmarks.edge_load import GcPauses, client_proc
+from benchmarks.edge.floor import send_floor_us
+from benchmarks.edge.load import GcPauses, client_proc
 from bus import TopicLayout
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
 

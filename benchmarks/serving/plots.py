@@ -5,7 +5,7 @@
 * ``throughput_vs_rate.png``: request throughput and goodput (req/s) and output tokens/s against
   the offered rate.
 
-Input is the ``results.json`` dict written by :mod:`benchmarks.serve` (``runs[*].requests``
+Input is the ``results.json`` dict written by :mod:`benchmarks.serving.serve` (``runs[*].requests``
 holds the per-request samples). Returns the paths written.
 """
 

@@ -1,7 +1,7 @@
 """The client side of ``lockgate bench edge``: processes that open and hold WebSocket connections,
 start the streams together, and tally per-token latency from the stamps the fake worker puts in
 each token's text (``"<unix time>;"``). Two clients: a lean frame parser
-(:mod:`benchmarks.edge_client`) and the websockets library's, which costs more CPU per frame.
+(:mod:`benchmarks.edge.client`) and the websockets library's, which costs more CPU per frame.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ class _Tally:
 
 
 async def _raw_clients(pipe, port: int, n_conns: int, stream_idx: list[int], tokens: int) -> None:
-    """The lean client (benchmarks/edge_client.py): frames are handled inside ``data_received``."""
+    """The lean client (benchmarks/edge/client.py): frames are handled inside ``data_received``."""
     import orjson
 
-    from benchmarks.edge_client import connect_raw
+    from benchmarks.edge.client import connect_raw
 
     sem = asyncio.Semaphore(200)
     conns: dict = {}

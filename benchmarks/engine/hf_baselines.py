@@ -1,6 +1,6 @@
 """The HF baselines of ``lockgate bench engine``: HF ``generate()`` in padded static batches of 8,
 and transformers' own continuous batching (``ContinuousBatchingManager``). Each runs in a process of
-its own (benchmarks/engine_procs.py), on the engine's device, with lockgate's torch thread count.
+its own (benchmarks/engine/procs.py), on the engine's device, with lockgate's torch thread count.
 
 Precision (:func:`hf_precision`): HF loads the model in the dtype lockgate was asked for, where
 plain transformers has that mode. ``--dtype bfloat16`` makes HF's whole model bf16 (weights,
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from benchmarks.engine_workload import Workload
+    from benchmarks.engine.workload import Workload
     from engine_workers.engine.config import EngineConfig
 
 

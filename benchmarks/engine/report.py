@@ -1,5 +1,5 @@
 """The printout of ``lockgate bench engine`` and its Markdown table row for docs/benchmarks.md,
-both from the results dict benchmarks/engine.py builds (the JSON the command prints with --json)."""
+both from the results dict benchmarks/engine/bench.py builds (the JSON the command prints with --json)."""
 
 from __future__ import annotations
 

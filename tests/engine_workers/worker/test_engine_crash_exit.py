@@ -1,0 +1,45 @@
+"""A crash of the engine's step loop (a tensor-parallel rank that died, a failing kernel) ends
+``Worker.run`` with 1 at once: the worker stops without committing the crashed work, so the
+process exits non-zero and its partitions' requests resume on another worker, as after kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+
+from bus import MemoryBus, TopicLayout
+from engine_workers.engine.async_engine import AsyncEngine
+from engine_workers.engine.params import SamplingParams
+from engine_workers.worker.actor import Worker, WorkerConfig
+from tests.engine_workers.worker.test_worker_memory import MODEL, make_engine
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lockgate.testing.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+
+
+async def test_worker_run_returns_1_when_the_step_loop_crashes(tiny_dir: Path) -> None:
+    layout = TopicLayout(namespace=f"t{uuid.uuid4().hex[:8]}", partitions=1)
+
+    def crash() -> None:
+        raise RuntimeError("injected step crash")
+
+    aengine = AsyncEngine(make_engine(tiny_dir), before_step=crash)
+    async with MemoryBus() as bus:
+        w = Worker(WorkerConfig(MODEL, layout=layout, commit_interval_s=0), bus, aengine)
+        try:
+            await w.start()
+            run = asyncio.ensure_future(w.run())
+            # straight into the engine: the point is the worker's reaction to its engine's crash
+            aengine.submit("r0", [5, 6, 7], SamplingParams(max_tokens=4))
+            assert await asyncio.wait_for(run, 30) == 1
+            assert not w.live() and isinstance(aengine.error, RuntimeError)
+        finally:
+            await w.stop()
+            await aengine.stop()
