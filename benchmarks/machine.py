@@ -57,17 +57,23 @@ def machine_info() -> dict:
     clock over the cores as /proc/cpuinfo reports it (on a VM: the host's nominal clock)."""
     import torch
 
+    from engine_workers.kernels.cpu_kernels import isa_level
+
     model, flags, mhz = _cpuinfo()
     dnn = re.search(r"MKL-DNN (v[\d.]+)|oneDNN (v[\d.]+)", torch.__config__.show())
     affinity = getattr(os, "sched_getaffinity", None)
     return {"cpu_model": model or platform.processor() or "unknown",
+            # the level the engine's kernels are built for (LOCKGATE_CPU_ISA or the CPU's best),
+            # and oneDNN's / ATen's own caps where set (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
+            "kernel_isa": isa_level(),
             "cpu_flags": {f: f in flags for f in MACHINE_FLAGS} if flags else None,
             "cpu_count": os.cpu_count(), "usable_cores": len(affinity(0)) if affinity else os.cpu_count(),
             "clock_mhz_at_start": round(sum(mhz) / len(mhz), 1) if mhz else None, "max_clock_mhz": _max_clock_mhz(),
             "torch": torch.__version__, "onednn": (dnn.group(1) or dnn.group(2)) if dnn else None,
             "torch_threads_default": torch.get_num_threads(),
             "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY",
-                                                      "GOMP_SPINCOUNT", "LOCKGATE_THREADS") if k in os.environ},
+                                                      "GOMP_SPINCOUNT", "LOCKGATE_THREADS", "LOCKGATE_CPU_ISA",
+                                                      "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ},
             "loadavg_1_5_15_at_start": loadavg()}
 
 
@@ -91,6 +97,7 @@ def describe(m: dict) -> str:
     clock = f"{m['clock_mhz_at_start']:.0f} MHz" if m.get("clock_mhz_at_start") else "clock unknown"
     if m.get("max_clock_mhz"):
         clock += f" (max {m['max_clock_mhz']:.0f})"
-    return (f"machine: {m['cpu_model']}, {m['usable_cores']} of {m['cpu_count']} cores, {clock}; flags {have}"
+    isa = f", kernels {m['kernel_isa']}" if m.get("kernel_isa") else ""
+    return (f"machine: {m['cpu_model']}{isa}, {m['usable_cores']} of {m['cpu_count']} cores, {clock}; flags {have}"
             f"{'; lacks ' + lacks if lacks else ''}; torch {m['torch']}, oneDNN {m['onednn']}; "
             f"load average at start {load_s} (1/5/15 min)")

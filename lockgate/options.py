@@ -32,13 +32,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=env_default("device", "auto"), help="auto|cpu|cuda[:N] [LOCKGATE_DEVICE]")
     g.add_argument("--dtype", default=env_default("dtype", "auto"),
                    help="auto (bf16 on CUDA, fp32 on CPU)|float32|bfloat16|float16; bfloat16 on a CPU: bf16 weights "
-                        "in the linear layers (needs AVX-512), float32 everything else [LOCKGATE_DTYPE]")
+                        "in the linear layers (needs AVX2 + FMA), float32 everything else [LOCKGATE_DTYPE]")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=env_default("quantization", "none"),
                    help="int8: weight-only int8 linear weights (per output row scales); q4_1: 4-bit weights in "
                         "ggml Q4_1 blocks of 32 (head Q8_0), read from the GGUF the model was converted from "
                         "(the default model: its exact weights), else quantized at load; both with float32 "
-                        "activations. w8a8: int8 weights and int8 activations (per row, dynamic), int32 sums on "
-                        "VNNI: the fastest CPU mode. CPU with AVX-512 only [LOCKGATE_QUANTIZATION]")
+                        "activations. w8a8: int8 weights and int8 activations (per row, dynamic), int32 sums "
+                        "(VNNI where the CPU has it): the fastest CPU mode. CPU with AVX2 + FMA or AVX-512 "
+                        "(LOCKGATE_CPU_ISA: the kernels' ISA level) [LOCKGATE_QUANTIZATION]")
     g.add_argument("--block-size", type=int, default=env_default("block-size", 16), help="tokens per KV block [LOCKGATE_BLOCK_SIZE]")
     g.add_argument("--kv-cache-bytes", type=_bytes, default=env_default("kv-cache-bytes", None), help="KV budget, e.g. 512M, 4G; default: a fraction of free memory [LOCKGATE_KV_CACHE_BYTES]")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,

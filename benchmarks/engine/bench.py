@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         procs = [EngineProc(s) for s in specs]
         infos = {p.name: p.ready() for p in procs}
         lg = infos["lockgate"]
+        machine["kernel_isa"] = lg.get("kernel_isa")  # as the engine's own process chose it
         wl = make_workload(lg["spec"].vocab_size, args.num_requests, args.seed)
         hf_dtype, hf_note = hf_precision(config, device_type)
         if not args.skip_hf:

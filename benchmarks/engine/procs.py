@@ -60,10 +60,13 @@ class _Lockgate:
     def info(self) -> dict:
         import torch
 
+        from engine_workers.kernels.cpu_kernels import isa_level
+
         e = self.engine
         return {"model": str(e.loaded.path), "device": str(e.device), "dtype": str(e.dtype).removeprefix("torch."),
                 "weights": e.weight_format, "kv_cache_dtype": str(e.kv_dtype).removeprefix("torch."), "threads": torch.get_num_threads(), "spec": e.loaded.spec,
-                "kv_blocks": e.kv.num_blocks, "block_size": e.kv.block_size, "max_model_len": e.max_model_len}
+                "kv_blocks": e.kv.num_blocks, "block_size": e.kv.block_size, "max_model_len": e.max_model_len,
+                "kernel_isa": isa_level() if e.device.type == "cpu" else None}
 
     def run(self, wl: Workload) -> dict:
         from engine_workers.engine.params import SamplingParams

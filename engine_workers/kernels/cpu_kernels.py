@@ -28,13 +28,17 @@ docs/design.md. CUDA and other dtypes keep torch's ops.
 Built with ``torch.utils.cpp_extension`` (g++ and ninja, once; the kernel files include only ATen's
 tensor headers, which compile quickly, and only ``module.cpp``, which binds them to Python, pays
 for ``torch/extension.h``; build times in docs/design.md, Paged attention) into
-``$LOCKGATE_CACHE/ext/<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
+``$LOCKGATE_CACHE/ext/<ISA level>-<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
 cache ``~/.cache/lockgate``), so later processes load it in well under a second; a load also
 removes the builds beside it that nothing loaded for 14 days (one per source edit, venv or
 checkout). Each kernel is checked against its torch equivalent on random data before use; where
 the module cannot be built or a kernel disagrees, the engine logs why and keeps the torch path for
 that one.
 ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns them all off.
+
+ISA levels (:func:`isa_level`): the module is built for ``avx512`` or ``avx2`` (or ``generic``, plain
+loops), the best the CPU's flags allow, chosen and logged once per process; ``LOCKGATE_CPU_ISA``
+forces a lower level (docs/design.md, "ISA levels").
 """
 
 from __future__ import annotations
@@ -56,22 +60,40 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
-           CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp", CSRC / "block_linear.cpp"]
+           CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp", CSRC / "block_linear.cpp",
+           CSRC / "int8_gemm.cpp"]
 HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h", CSRC / "silu_mul.h", CSRC / "prefill_f16.h", CSRC / "cpu_check.h",
-           CSRC / "paged_decode_avx512.h", CSRC / "softmax_row.h"]  # included by the sources: part of the build key, not compiled alone
-# -march=native: the cache key includes the CPU, so a build never runs on another model of CPU.
+           CSRC / "paged_decode_avx512.h", CSRC / "softmax_row.h", CSRC / "avx2_tile.h"]  # included by the sources: part of the build key, not compiled alone
+# Built for one ISA level at a time, chosen at run time (:func:`isa_level`): the best level the
+# CPU's flags allow, or a lower one forced by LOCKGATE_CPU_ISA, so the AVX2 code is built, run and
+# tested on an AVX-512 host too. Each level is its own module and build directory (the flags are
+# in the key) and is built only when a process uses it. -mtune=native only tunes scheduling; the
+# cache key includes the CPU anyway, so a build never runs on another model of CPU.
 # -fopenmp: at::parallel_for is header code that is serial without it; the library then needs
 # libgomp.so.1, which resolves to the copy torch has already loaded (one OpenMP pool, torch's).
 # -ffast-math (finite math included) lets GCC vectorise the softmax's expf through glibc's vector
 # math library (libmvec); the kernel's scores are finite by construction.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-mtune=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
+ISA_ENV = "LOCKGATE_CPU_ISA"
+ISA_LEVELS = ("avx2", "avx512")  # the levels LOCKGATE_CPU_ISA accepts, lowest first
+# the CPU flags (/proc/cpuinfo names) each level needs, and its compiler flags
+ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")}
+ISA_CFLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
+              "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
+# extensions an avx512 build also enables where the CPU has them (the kernels test their macros:
+# AVX512-BF16 dot products, AVX512-FP16 prefill values; VNNI for oneDNN-style int8 code)
+ISA_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"),
+                           ("avx512_fp16", "-mavx512fp16"))}
 
 _lock = threading.Lock()
-# "module" and, per kernel key ("decode", "prefill", "small_m", "fused", and the other modules'
-# "lowp", "blocks", "w8a8"), the kernel (or None) and "<key>_problem" once resolved; values differ
-# by key, and the module has no static type
+# Per ISA level: "module" and, per kernel key ("decode", "prefill", "small_m", "fused", and the other
+# modules' "lowp", "blocks", "w8a8"), the kernel (or None) and "<key>_problem" once resolved; values
+# differ by key, and the module has no static type. ``_state`` is the current level's dict
+# (rebound by :func:`use_isa`; the other kernel modules read it as ``kernels._state``).
+_states: dict[str, dict[str, Any]] = {}
 _state: dict[str, Any] = {}
+_isa: list[str] = []  # the chosen level once decided (isa_level)
 
 T = TypeVar("T")
 
@@ -89,16 +111,16 @@ def _cpu_id() -> str:
 STALE_BUILD_S = 14 * 24 * 3600  # a build not loaded for this long is removed (see _prune_stale)
 
 
-def _build_dir() -> Path:
+def _build_dir(level: str) -> Path:
     # The source's path and the Python environment are in the key too: the build files name the
     # source by path, so two checkouts (or venvs) sharing one directory would rebuild each other.
-    parts = [*(f.read_text() for f in SOURCES + HEADERS), *map(str, SOURCES), sys.prefix, *CFLAGS, *LDFLAGS,
-             torch.__version__, _cpu_id()]
+    parts = [*(f.read_text() for f in SOURCES + HEADERS), *map(str, SOURCES), sys.prefix, *isa_cflags(level),
+             *LDFLAGS, torch.__version__, _cpu_id()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     from tokenization.model_store import cache_dir
 
     root = cache_dir() / "ext"
-    path = root / f"cpu_kernels-{key}"
+    path = root / f"cpu_kernels-{level}-{key}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -326,24 +348,29 @@ def small_m_problem() -> str | None:
 
 
 def _module() -> tuple[Any, str | None]:
-    """The built extension module, or ``(None, why not)``; built once per process (caller holds
-    ``_lock``)."""
+    """The built extension module of the current ISA level, or ``(None, why not)``; built once per
+    process and level (caller holds ``_lock``)."""
     if os.environ.get("LOCKGATE_NO_CPU_KERNELS", "") not in ("", "0"):  # read on every resolve
         return None, "off (LOCKGATE_NO_CPU_KERNELS)"
     if "module" not in _state:
+        level = isa_level()
         try:
             from torch.utils.cpp_extension import load
 
-            build = _build_dir()
-            _state["module"] = load(name="lockgate_cpu_kernels", sources=[str(f) for f in SOURCES],
-                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build),
+            build = _build_dir(level)
+            # one module name per level, so two levels can be loaded in one process (the tests);
+            # load() appends torch's libraries to the ldflags list it is given: a copy, or the next
+            # level's build key (which hashes LDFLAGS) would differ from every other process's
+            _state["module"] = load(name=f"lockgate_cpu_kernels_{level}", sources=[str(f) for f in SOURCES],
+                                    extra_cflags=isa_cflags(level), extra_ldflags=list(LDFLAGS),
+                                    build_directory=str(build),
                                     verbose=False)
             _state["module_problem"] = None
             _prune_stale(build)
         except Exception as exc:  # no compiler, no ninja, a failed build: all mean "use torch's"
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _state["module"] = None
-            _state["module_problem"] = f"cannot build {CSRC.name}/: {type(exc).__name__}: {first}"
+            _state["module_problem"] = f"cannot build {CSRC.name}/ for {level}: {type(exc).__name__}: {first}"
     return _state["module"], _state["module_problem"]
 
 
@@ -382,3 +409,77 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def host_isa(flags: set[str] | None = None) -> str:
+    """The best ISA level ``flags`` (default: this CPU's) support: ``"avx512"``, ``"avx2"`` or
+    ``"generic"`` (plain loops, every fast mode refused). Where /proc/cpuinfo is missing, the
+    compiler's own ``-march=native`` is not consulted: ``"generic"``."""
+    flags = cpu_flags() if flags is None else flags
+    for level in reversed(ISA_LEVELS):
+        if all(f in flags for f in ISA_NEEDS[level]):
+            return level
+    return "generic"
+
+
+def parse_isa(value: str, flags: set[str] | None = None) -> str:
+    """``value`` of ``LOCKGATE_CPU_ISA`` checked: one of :data:`ISA_LEVELS` the CPU can run. Raises
+    ``ValueError`` naming the choices (a bad value) or the CPU flags missing (a level above the
+    host's: its code would stop on an illegal instruction)."""
+    level = value.strip().lower()
+    if level not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}; got {value!r}")
+    flags = cpu_flags() if flags is None else flags
+    missing = [f for f in ISA_NEEDS[level] if f not in flags]
+    if missing:
+        raise ValueError(f"{ISA_ENV}={level}: this CPU lacks {', '.join(missing)} "
+                         f"(it can run {host_isa(flags)})")
+    return level
+
+
+def isa_level() -> str:
+    """The ISA level the kernels are built for in this process: ``LOCKGATE_CPU_ISA`` where set
+    (checked by :func:`parse_isa`; it may only lower the level), else :func:`host_isa`. Decided
+    once and logged once; :func:`use_isa` changes it (tests)."""
+    if not _isa:
+        forced = os.environ.get(ISA_ENV, "")
+        level = parse_isa(forced) if forced else host_isa()
+        _isa.append(level)
+        _states.setdefault(level, _state)  # the first level decided owns the dict resolved so far
+        log.info("CPU kernels: ISA level %s (%s)", level,
+                 f"forced by {ISA_ENV}; the CPU's best is {host_isa()}" if forced else "the best this CPU supports")
+    return _isa[0]
+
+
+def use_isa(level: str | None) -> str:
+    """Switch this process's kernels to ``level`` (``None``: back to the environment's or the
+    host's choice), checked as :func:`parse_isa`. Each level keeps its own built module and
+    resolved kernels, so switching back costs nothing; layers already built keep the kernels they
+    were built with. Returns the level now in use."""
+    global _state
+    with _lock:
+        chosen = parse_isa(level) if level is not None else None
+        _isa.clear()
+        if chosen is not None:
+            _isa.append(chosen)
+            log.info("CPU kernels: ISA level %s (set in process; CPU best %s)", chosen, host_isa())
+        chosen = isa_level()
+        _state = _states.setdefault(chosen, {})
+        return chosen
+
+
+def isa_cflags(level: str, flags: set[str] | None = None) -> list[str]:
+    """The compiler flags of a ``level`` build on a CPU with ``flags`` (default: this one's)."""
+    flags = cpu_flags() if flags is None else flags
+    extra = [opt for flag, opt in ISA_OPTIONAL.get(level, ()) if flag in flags]
+    return [*CFLAGS, *ISA_CFLAGS[level], *extra]
+
+
+def fast_isa_problem(what: str) -> str | None:
+    """Why the fast low-precision kernel ``what`` is not worth running at this ISA level (plain
+    loops, slower than float32), or ``None`` at ``avx2`` and above."""
+    level = isa_level()
+    if level in ISA_LEVELS:
+        return None
+    return (f"this CPU lacks AVX2 + FMA ({', '.join(f for f in ISA_NEEDS['avx2'] if f not in cpu_flags())}) "
+            f"that the {what} kernel needs")

@@ -200,7 +200,7 @@ def cpu_weight_plan(dtype: torch.dtype, quantization: str, device: torch.device,
     compute dtype is float32 and the kind ``"bfloat16"``; ``int8`` likewise (weight-only, per
     output row), ``q4_1`` (Q4_1 blocks of 32 weights, head Q8_0; :mod:`engine_workers.kernels.cpu_blocks`) and
     ``w8a8`` (int8 weights and int8 activations per row; :mod:`engine_workers.kernels.w8a8_linear`).
-    Where the kernels cannot serve that (no AVX512-BF16, no build, ``--no-cpu-kernels``)
+    Where the kernels cannot serve that (a CPU without AVX2 + FMA, no build, ``--no-cpu-kernels``)
     it logs a warning naming the reason and returns float32 weights. Raises ``ValueError`` for what
     is never supported: an unknown quantization, int8/q4_1/w8a8 on CUDA or with a non-float32 dtype."""
     if quantization not in QUANTIZATIONS:
@@ -230,13 +230,14 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
 
     if not cpu_kernels:
         return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
-    if kind == "w8a8":  # its own flag (VNNI, not AVX-512F) and kernels
+    if kind == "w8a8":  # its own kernels (and oneDNN's int8 GEMM)
         from engine_workers.kernels.w8a8_linear import w8a8_problem
 
         return w8a8_problem()
+    slow = kernels.fast_isa_problem(kind)  # below AVX2 + FMA: plain loops, far slower than float32
+    if slow is not None:
+        return slow
     flags = kernels.cpu_flags()
-    if flags and "avx512f" not in flags:  # the plain-loop build would run, far slower than float32
-        return f"this CPU lacks the avx512f flag (AVX-512) the {kind} kernel needs"
     if kind == "q4_1":
         from engine_workers.kernels.cpu_blocks import block_problem
 

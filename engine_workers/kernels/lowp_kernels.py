@@ -2,11 +2,12 @@
 ``--quantization int8`` on a CPU): their bindings, their check, and the int8 weight quantization
 they (and the w8a8 mode, :mod:`engine_workers.kernels.w8a8_linear`) use.
 
-Weights bf16 or int8 with one float32 scale per output row, activations float32. The kernels need
-AVX-512F; the bf16 variant on AVX512-BF16 dot products (``linear_bf16_dot``) needs ``avx512_bf16``.
-The extension module is built ``-march=native`` (:mod:`engine_workers.kernels.cpu_kernels` builds
-it), so on a CPU without a flag the file still compiles (plain loops instead) and passes its check;
-:func:`engine_workers.kernels.cpu_linear.lowp_problem` names the missing flag and the engine keeps
+Weights bf16 or int8 with one float32 scale per output row, activations float32. The kernels have
+AVX-512 and AVX2 + FMA forms, one per ISA level the module is built for
+(:mod:`engine_workers.kernels.cpu_kernels`, :func:`~engine_workers.kernels.cpu_kernels.isa_level`);
+the bf16 variant on AVX512-BF16 dot products (``linear_bf16_dot``) needs ``avx512_bf16``. Without
+a flag the file still compiles (plain loops instead) and passes its check;
+:func:`engine_workers.kernels.cpu_linear.lowp_problem` names what is missing and the engine keeps
 float32 weights there. :class:`engine_workers.kernels.cpu_linear.LowpLinear` is the layer.
 """
 
@@ -28,7 +29,7 @@ class LowpOps:
     """The low-precision-weight linear kernels (``csrc/small_m_lowp.cpp``); x and y float32."""
 
     pack_bf16: Callable  # (weight [N, K] any float dtype) -> bf16 panels
-    linear_bf16: Callable  # (x [M, K] contiguous f32, panels, N, bias or None) -> [M, N]; f32 FMAs, AVX-512F
+    linear_bf16: Callable  # (x [M, K] contiguous f32, panels, N, bias or None) -> [M, N]; f32 FMAs
     linear_bf16_dot: Callable  # the same through AVX512-BF16 dot products (x rounded to bf16)
     pack_i8: Callable  # (int8 weight [N, K]) -> int8 panels
     linear_i8: Callable  # (x [M, K] contiguous f32, panels, scales [P * 96] f32, N, bias or None) -> [M, N]

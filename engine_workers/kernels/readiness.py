@@ -7,10 +7,11 @@ builds the module, and :mod:`~engine_workers.kernels.lowp_kernels`,
 :mod:`~engine_workers.kernels.cpu_blocks`, :mod:`~engine_workers.kernels.w8a8_linear`, which
 import it); this module sits above them all, so none of them imports another to list the rest.
 
-A CPU that lacks a flag a kernel is fast with (avx512_bf16, avx512f, VNNI) is not a problem here:
-the build is ``-march=native``, so each kernel still compiles (plain loops) and must pass its
-check; whether a mode is worth running on this CPU is the engine's decision at load
-(:func:`engine_workers.kernels.cpu_linear.lowp_problem`), which names the missing flag.
+A CPU that lacks a flag a kernel is fast with (avx512_bf16, AVX-512, AVX2) is not a problem here:
+the module is built for the process's ISA level (:func:`engine_workers.kernels.cpu_kernels.isa_level`),
+so each kernel still compiles (AVX2 forms, or plain loops) and must pass its check; whether a mode
+is worth running on this CPU is the engine's decision at load
+(:func:`engine_workers.kernels.cpu_linear.lowp_problem`), which names the missing flags.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +34,17 @@ from engine_workers.kernels.lowp_kernels import quantize_int8
 
 @dataclass(frozen=True, slots=True)
 class W8A8Ops:
-    """The elementwise kernels of ``csrc/int8_act.cpp``."""
+    """The elementwise kernels of ``csrc/int8_act.cpp`` and the int8 GEMM: oneDNN's
+    (``torch._int_mm``) at the avx512 ISA level, ``csrc/int8_gemm.cpp``'s at avx2, where oneDNN's
+    AVX2 code (``vpmaddubsw``) saturates its int16 pair sums and so is not exact."""
 
     quantize_rows: Callable  # (x [M, K] contiguous f32) -> (int8 [M, K], scale [M] f32)
     dequant: Callable  # (acc [M, N] int32, xscale [M], wscale [N], bias [N] or None) -> [M, N] f32
     # (acc [M, 2I] int32, xscale [M], wscale [2I], bias [2I] or None) -> quantize_rows(silu(gate) * up)
     silu_mul_quant: Callable
+    pack_weight: Callable  # (int8 weight [N, K]) -> the GEMM's weight operand, made once per layer
+    int_mm: Callable  # (xq [M, K] int8 contiguous, operand, N) -> exact int32 sums [M, N]
+    gemm: str  # which GEMM: "oneDNN" or "int8_gemm (AVX2)"
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +70,11 @@ def w8a8_ops() -> W8A8Ops | None:
 def w8a8_problem() -> str | None:
     """Why ``--quantization w8a8`` cannot run here, or ``None`` (``--no-cpu-kernels`` is checked by
     the caller, :func:`engine_workers.kernels.cpu_linear.lowp_problem`)."""
-    flags = kernels.cpu_flags()
-    if flags and "avx512_vnni" not in flags and "avx_vnni" not in flags:
-        return "this CPU lacks VNNI (avx512_vnni / avx_vnni): int8 GEMMs would be slower than float32"
+    # no VNNI is no refusal: at the avx2 level the GEMM is csrc/int8_gemm.cpp's (vpmaddwd on int16,
+    # exact) and the elementwise kernels have avx2 forms (docs/design.md, ISA levels)
+    slow = kernels.fast_isa_problem("w8a8")
+    if slow is not None:
+        return slow
     return w8a8_kernel_problem()
 
 
@@ -92,15 +100,18 @@ def _check(ops: W8A8Ops) -> str | None:
         rq, rs = quantize_rows(x)
         if not torch.equal(xq, rq) or not torch.allclose(xs, rs, rtol=1e-6, atol=0):
             return f"row quantization kernel disagrees with torch at M={m} K={k}"
+        acc = ops.int_mm(xq, ops.pack_weight(q), n)
+        if not torch.equal(acc, xq.long().matmul(q.long().t()).int()):  # exact sums or nothing
+            return f"int8 GEMM ({ops.gemm}) is not exact at M={m} N={n} K={k}"
         for bias in (None, b):
-            got = ops.dequant(torch._int_mm(xq, q.t()), xs, s, bias)
+            got = ops.dequant(acc, xs, s, bias)
             if not torch.allclose(got, reference(x, q, s, bias), rtol=1e-5, atol=1e-5):
                 return f"W8A8 linear disagrees with its reference at M={m} N={n} K={k}"
     for m, i, k in ((1, 48, 64), (19, 50, 33)):
         w, b, x = torch.randn(2 * i, k, generator=gen), torch.randn(2 * i, generator=gen), torch.randn(m, k, generator=gen)
         q, s = quantize_int8(w)
         xq, xs = ops.quantize_rows(x)
-        acc = torch._int_mm(xq, q.t())
+        acc = ops.int_mm(xq, ops.pack_weight(q), 2 * i)
         for bias in (None, b):
             y = ops.dequant(acc, xs, s, bias)
             wq, ws = ops.quantize_rows(F.silu(y[:, :i]) * y[:, i:])
@@ -111,9 +122,20 @@ def _check(ops: W8A8Ops) -> str | None:
     return None
 
 
+def _onednn_mm(xq: torch.Tensor, qt: torch.Tensor, n: int) -> torch.Tensor:  # noqa: ARG001 (int8_mm's signature)
+    return torch._int_mm(xq, qt)
+
+
+def _ops_of(m: Any) -> W8A8Ops:
+    if kernels.isa_level() == "avx2":
+        return W8A8Ops(m.quantize_rows_i8, m.dequant_i32, m.silu_mul_quant_i32, m.pack_i8_pairs, m.int8_mm,
+                       "int8_gemm (AVX2)")
+    # the (K, N) operand torch._int_mm takes: a view, oneDNN reads it transposed
+    return W8A8Ops(m.quantize_rows_i8, m.dequant_i32, m.silu_mul_quant_i32, lambda q: q.t(), _onednn_mm, "oneDNN")
+
+
 def _resolve() -> tuple[W8A8Ops | None, str | None]:
-    return kernels._checked(lambda m: W8A8Ops(m.quantize_rows_i8, m.dequant_i32, m.silu_mul_quant_i32), _check,
-                            "W8A8 kernels")
+    return kernels._checked(_ops_of, _check, "W8A8 kernels")
 
 
 class W8A8Linear(nn.Module):
@@ -124,7 +146,7 @@ class W8A8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.q, self.scale, self.bias = q, scale, bias  # plain attributes: not parameters
-        self._qt = q.t()  # the (K, N) operand torch._int_mm takes; a view, oneDNN reads it transposed
+        self._qt = ops.pack_weight(q)  # the GEMM's weight operand (oneDNN: a transposed view of q)
         self._ops = ops
 
     @classmethod
@@ -145,11 +167,12 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, xs = self.quantized_input(x)
-        y = self._ops.dequant(torch._int_mm(xq, self._qt), xs, self.scale, self.bias)
+        y = self._ops.dequant(self._ops.int_mm(xq, self._qt, self.out_features), xs, self.scale, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
+        packed = 0 if self._qt.data_ptr() == self.q.data_ptr() else self._qt.numel()  # int8_gemm's own panels
+        return self.q.numel() + packed + self.scale.numel() * 4
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -173,6 +196,6 @@ class W8A8GatedMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gu, dn = self.gate_up, self.down
         xq, xs = gu.quantized_input(x)
-        hq, hs = self._ops.silu_mul_quant(torch._int_mm(xq, gu._qt), xs, gu.scale, gu.bias)
-        y = self._ops.dequant(torch._int_mm(hq, dn._qt), hs, dn.scale, dn.bias)
+        hq, hs = self._ops.silu_mul_quant(self._ops.int_mm(xq, gu._qt, gu.out_features), xs, gu.scale, gu.bias)
+        y = self._ops.dequant(self._ops.int_mm(hq, dn._qt, dn.out_features), hs, dn.scale, dn.bias)
         return y.view(*x.shape[:-1], dn.out_features)

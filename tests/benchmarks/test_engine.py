@@ -39,6 +39,9 @@ def test_bench_engine_names_the_machine_and_records_engine_flags(bench):
     for key in ("cpu_model", "cpu_flags", "cpu_count", "usable_cores", "clock_mhz_at_start", "max_clock_mhz", "torch",
                 "onednn", "loadavg_1_5_15_at_start", "loadavg_1_5_15_at_end"):
         assert key in m
+    from engine_workers.kernels.cpu_kernels import isa_level
+
+    assert m["kernel_isa"] == isa_level()  # the kernels' ISA level, next to the CPU model
     # every engine flag is recorded, and reached the engine (block size 8 in its KV cache)
     assert bench["engine_config"]["block_size"] == 8 == bench["capacity"]["block_size"]
     assert bench["engine_config"]["kv_cache_bytes"] == 16 << 20 and bench["engine_config"]["dtype"] == "bfloat16"

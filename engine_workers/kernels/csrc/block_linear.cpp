@@ -40,6 +40,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "avx2_tile.h"
 
 namespace {
 
@@ -169,10 +170,55 @@ void tile_buf(const float* __restrict x, int64_t ldx, const float* __restrict w,
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mk[v], _mm512_add_ps(acc[r][v], bv));
   }
 }
+#elif defined(LOCKGATE_AVX2)
+// The avx2 build: every row count takes the buffered loop (one group of KG records dequantized
+// into an L1 buffer, then R x 64 tiles in 24-column strips, csrc/avx2_tile.h), with the same
+// dequantization (F16C for the scales, one FMA q * d + m) and the same k order per row as
+// tile_buf above, so the sums equal the avx512 build's and a row's result does not depend on M.
+inline void dequant_record8(const uint8_t* __restrict rec, bool q4, float* __restrict out) {
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  for (int v = 0; v < NC / 8; ++v) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * v)));
+    if (q4) {
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * NC + 16 * v)));
+      for (int j = 0; j < 16; ++j) {
+        const __m256i raw = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 4 * NC + j * NC + 8 * v)));
+        _mm256_storeu_ps(out + j * NC + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(raw, low4)), d, m));
+        _mm256_storeu_ps(out + (j + 16) * NC + 8 * v,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 4)), d, m));
+      }
+    } else {
+      for (int j = 0; j < QK; ++j) {
+        const __m256i raw = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 2 * NC + j * NC + 8 * v)));
+        _mm256_storeu_ps(out + j * NC + 8 * v, _mm256_mul_ps(_mm256_cvtepi32_ps(raw), d));
+      }
+    }
+  }
+}
+
+template <int R, bool Q4>
+void tile_buf8(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t kn, float* __restrict y,
+               int64_t ldy, int64_t ncols, const float* __restrict bias, bool first) {
+  avx2::tile96<R>(kn, y, ldy, ncols, first, nullptr, bias, nullptr, 0,
+                  [&](__m256 (&acc)[R][3], int64_t i, int64_t c0) {
+                    const int64_t jj = i % QK;
+                    const int64_t k = Q4 ? i - jj + (jj >> 1) + (jj & 1) * (QK / 2) : i;
+                    const float* wk = w + k * NC + c0;  // the last strip reads 8 columns past 64: padding
+                    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8), w2 = _mm256_loadu_ps(wk + 16);
+                    for (int r = 0; r < R; ++r) {
+                      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+                      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+                      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+                      acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
+                    }
+                  });
+}
 #endif
 
 // Weight (column c, element k) of one panel, from its records: the plain-C definition the
-// vector code implements (also the fallback without AVX-512F).
+// vector code implements (also the fallback without AVX-512F or AVX2).
 inline float weight_at(const uint8_t* panel, bool q4, int64_t c, int64_t k) {
   const uint8_t* rec = panel + (k / QK) * record_bytes(q4);
   const int64_t j = k % QK;
@@ -223,6 +269,8 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t kind, int64_t n
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
 #ifdef __AVX512F__
     alignas(64) float buf[KG * QK * NC];
+#elif defined(LOCKGATE_AVX2)
+    alignas(64) float buf[KG * QK * NC + 8];  // + 8: the last 24-column strip's loads run past column 64
 #endif
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = wp + p * KB * S;
@@ -273,6 +321,27 @@ at::Tensor block_linear(at::Tensor x, at::Tensor packed, int64_t kind, int64_t n
               case 2: tile_buf<2, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
               default: tile_buf<1, false>(xr, K, buf, kn, yr, n, mk, bb, first); break;
             }
+          }
+        }
+      }
+#elif defined(LOCKGATE_AVX2)
+      for (int64_t b0 = 0; b0 < KB; b0 += KG) {
+        const int64_t nb = std::min<int64_t>(KG, KB - b0), kn = nb * QK;
+        for (int64_t i = 0; i < nb; ++i) dequant_record8(panel + (b0 + i) * S, q4, buf + i * QK * NC);
+        const bool first = b0 == 0, last = b0 + nb == KB;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+          const float* xr = xp + m0 * K + b0 * QK;
+          float* yr = yp + m0 * n + c0;
+          const float* bb = last ? pb : nullptr;
+          switch (std::min<int64_t>(MR, M - m0) * 2 + (q4 ? 1 : 0)) {
+            case 9: tile_buf8<4, true>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
+            case 8: tile_buf8<4, false>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
+            case 7: tile_buf8<3, true>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
+            case 6: tile_buf8<3, false>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
+            case 5: tile_buf8<2, true>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
+            case 4: tile_buf8<2, false>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
+            case 3: tile_buf8<1, true>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
+            default: tile_buf8<1, false>(xr, K, buf, kn, yr, n, ncols, bb, first); break;
           }
         }
       }

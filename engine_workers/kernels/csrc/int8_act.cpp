@@ -29,6 +29,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "avx2_tile.h"
 
 #include "silu_mul.h"
 #include "cpu_check.h"
@@ -44,6 +45,11 @@ float quantize_row(const float* __restrict row, int64_t k, int8_t* __restrict ou
   __m512 vmax = _mm512_setzero_ps();
   for (; j + 16 <= k; j += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + j)));
   amax = _mm512_reduce_max_ps(vmax);
+#elif defined(LOCKGATE_AVX2)
+  const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  for (; j + 8 <= k; j += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(row + j), nosign));
+  amax = avx2::hmax(vmax);  // max is exact in any order: the same scale as the AVX-512 loop
 #endif
   for (; j < k; ++j) amax = std::fmax(amax, std::fabs(row[j]));
   // at least FLT_MIN: a row whose largest magnitude is below 127 * FLT_MIN would otherwise get a
@@ -58,6 +64,15 @@ float quantize_row(const float* __restrict row, int64_t k, int8_t* __restrict ou
   for (; j + 16 <= k; j += 16) {
     const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_mul_ps(_mm512_loadu_ps(row + j), vinv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(x)));
+  }
+#elif defined(LOCKGATE_AVX2)
+  // the same rounding; the int32 lanes are within +-127, so the saturating packs change nothing
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  for (; j + 8 <= k; j += 8) {
+    const __m256 x = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(row + j), vinv)));
+    const __m256i i32 = _mm256_cvtps_epi32(x);
+    const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packs_epi16(i16, i16));
   }
 #endif
   // |row[j] * inv| <= 127 up to rounding of inv; the clamp keeps a 127.00001 from wrapping

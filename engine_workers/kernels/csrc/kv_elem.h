@@ -13,6 +13,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "avx2_tile.h"
 
 inline float widen(float x) { return x; }
 
@@ -36,6 +37,8 @@ inline void widen_row(float* __restrict dst, const uint16_t* __restrict src, int
   int64_t i = 0;
 #ifdef __AVX512F__
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen16(src + i));
+#elif defined(LOCKGATE_AVX2)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, avx2::widen8(src + i));
 #endif
   for (; i < n; ++i) dst[i] = widen(src[i]);
 }

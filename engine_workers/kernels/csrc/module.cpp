@@ -24,6 +24,9 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, 
                            c10::optional<torch::Tensor> bias);
 torch::Tensor block_dequant_t(torch::Tensor packed, int64_t kind, int64_t n, int64_t k);
 
+torch::Tensor pack_i8_pairs(torch::Tensor w);
+torch::Tensor int8_mm(torch::Tensor xq, torch::Tensor panels, int64_t n);
+bool int8_mm_vector();
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows_i8(torch::Tensor x);
 std::tuple<torch::Tensor, torch::Tensor> silu_mul_quant_i32(torch::Tensor acc, torch::Tensor xscale,
                                                             torch::Tensor wscale, c10::optional<torch::Tensor> bias);
@@ -69,6 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_quant_i32", &silu_mul_quant_i32,
         "int32 gate|up [M, 2I] -> quantize_rows_i8(silu(gate) * up) with dequant_i32's scaling, one pass",
         py::call_guard<py::gil_scoped_release>());
+  m.def("pack_i8_pairs", &pack_i8_pairs, "pack an int8 weight [N, K] into int8_mm's k-pair panels");
+  m.def("int8_mm", &int8_mm, "xq [M, K] int8 . W^T -> int32 [M, N], exact (the avx2 build's W8A8 GEMM)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int8_mm_vector", &int8_mm_vector, "whether int8_mm was built with its AVX2 form (else a plain loop)");
   m.def("block_linear", &block_linear, "x @ W^T (+ bias), float32 x and y, W in packed Q4_1 / Q8_0 blocks (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequant_t", &block_dequant_t, "the float32 W^T [K, N] of packed Q4_1 / Q8_0 blocks (CPU)",

@@ -14,9 +14,9 @@
 // over the tiles, so the DRAM stream never waits for the FMAs and vice versa.
 //
 // Panels are split over torch's intra-op pool (at::parallel_for: no second thread pool).
-// Without AVX-512F (built with -march=native, i.e. for the build machine's CPU) a plain loop nest
-// computes the same; GCC vectorises it for whatever the CPU has. Results differ from oneDNN's
-// only in fp32 summation order.
+// The avx2 build (ISA levels: engine_workers/kernels/cpu_kernels.py) runs the same tile as four
+// 24-column strips (csrc/avx2_tile.h: 16 registers); without either, a plain loop nest computes
+// the same. Results differ from oneDNN's only in fp32 summation order.
 // ATen's tensor and the few ops used, not <torch/extension.h>: that header (pybind11 and the
 // whole C++ frontend) makes each file that includes it several times slower to compile (build
 // times in docs/design.md, Paged attention). Only module.cpp binds.
@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include "tile.h"
+#include "avx2_tile.h"
 #include "cpu_check.h"
 
 namespace {
@@ -62,6 +63,23 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
     __m512 b = bias ? _mm512_maskz_loadu_ps(mask[v], bias + 16 * v) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask[v], _mm512_add_ps(acc[r][v], b));
   }
+}
+#elif defined(LOCKGATE_AVX2)
+template <int R>
+inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
+                 float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
+                 bool first, const char* pf, int64_t pf_lines) {
+  avx2::tile96<R>(K, y, ldy, ncols, first, nullptr, bias, pf, pf_lines,
+                  [&](__m256 (&acc)[R][3], int64_t k, int64_t c0) {
+                    const float* w = panel + k * NR + c0;
+                    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16);
+                    for (int r = 0; r < R; ++r) {
+                      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+                      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+                      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+                      acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
+                    }
+                  });
 }
 #else
 template <int R>

@@ -16,11 +16,13 @@
 //   (acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1], float32 accumulation; x rounded to bf16 once per
 //   call, each row's k pair broadcast as one 32-bit value): half the instructions, but on the
 //   benchmark Xeon no faster at 1-2 rows and 1.4-1.5x slower from 8 rows (cpu_linear.py,
-//   BF16_DOT_PRODUCTS). Both read half the bytes of the fp32 kernel. Without AVX512-BF16 (the build
-//   is -march=native) linear_bf16 is a plain loop, without AVX-512F both are.
+//   BF16_DOT_PRODUCTS). Both read half the bytes of the fp32 kernel. Without AVX512-BF16
+//   linear_bf16 is a plain loop; the avx2 build (csrc/avx2_tile.h) runs linear_bf16f's widening
+//   and FMAs 8 columns per vector in 24-column strips, with neither AVX2 nor AVX-512 both are loops.
 // * int8: panels[P][K][96] int8 and scales[P * 96]: each k loads 6 x 16 bytes, widens them to
 //   float32 in registers (vpmovsxbd + vcvtdq2ps) and does the same FMAs as the fp32 kernel with x
-//   kept in float32; the per-row scale multiplies the accumulators once, at the end.
+//   kept in float32; the per-row scale multiplies the accumulators once, at the end (the avx2
+//   build: 8 bytes per vector, the same sums).
 //
 // Results: bf16 x bf16 (and fp32 x bf16) products are exact in float32, so the only rounding beyond
 // fp32 summation order is that of W (and, in linear_bf16, x) to bf16, relative ~2^-9 each; int8 is
@@ -30,6 +32,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
+#include "avx2_tile.h"
 #include "cpu_check.h"
 
 #include <cstdint>
@@ -177,6 +180,27 @@ inline void tile_bf16f(const float* __restrict x, int64_t ldx, const uint16_t* _
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mk[v], _mm512_add_ps(acc[r][v], b));
   }
 }
+#elif defined(LOCKGATE_AVX2)
+// The avx2 build's form: the same widening (8 columns' pairs per 256-bit load), in 24-column strips.
+template <int R>
+inline void tile_bf16f(const float* __restrict x, int64_t ldx, const uint16_t* __restrict panel, int64_t K2,
+                       float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, bool first,
+                       const char* pf, int64_t pf_lines) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  avx2::tile96<R>(K2, y, ldy, ncols, first, nullptr, bias, pf, pf_lines,
+                  [&](__m256 (&acc)[R][3], int64_t k, int64_t c0) {
+                    const uint16_t* w = panel + k * NR * 2 + 2 * c0;
+                    for (int v = 0; v < 3; ++v) {
+                      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * v));
+                      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
+                      for (int r = 0; r < R; ++r) {
+                        acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + 2 * k]), we, acc[r][v]);
+                        acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + 2 * k + 1]), wo, acc[r][v]);
+                      }
+                    }
+                  });
+}
 #else
 template <int R>
 inline void tile_bf16f(const float* __restrict x, int64_t ldx, const uint16_t* __restrict panel, int64_t K2,
@@ -238,6 +262,25 @@ inline void tile_i8(const float* __restrict x, int64_t ldx, const int8_t* __rest
       for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mk[v], acc[r][v]);
     }
   }
+}
+#elif defined(LOCKGATE_AVX2)
+// The avx2 build's form: 8 int8 weights per vector widened (vpmovsxbd + vcvtdq2ps), 24-column strips.
+template <int R>
+inline void tile_i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict panel, int64_t K,
+                    float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict scale,
+                    const float* __restrict bias, bool first, const char* pf, int64_t pf_lines) {
+  avx2::tile96<R>(K, y, ldy, ncols, first, scale, scale ? bias : nullptr, pf, pf_lines,
+                  [&](__m256 (&acc)[R][3], int64_t k, int64_t c0) {
+                    const int8_t* w = panel + k * NR + c0;
+                    __m256 wv[3];
+                    for (int v = 0; v < 3; ++v)
+                      wv[v] = _mm256_cvtepi32_ps(
+                          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * v))));
+                    for (int r = 0; r < R; ++r) {
+                      const __m256 xv = _mm256_set1_ps(x[r * ldx + k]);
+                      for (int v = 0; v < 3; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+                    }
+                  });
 }
 #else
 template <int R>

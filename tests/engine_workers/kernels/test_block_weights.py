@@ -29,6 +29,9 @@ from engine_workers.kernels.block_quant import BlockWeight, quantize
 from engine_workers.kernels.cpu_blocks import REGISTER_ROWS, BlockLinear, block_ops
 from engine_workers.kernels.cpu_linear import cpu_weight_plan, lowp_problem
 
+# every test at each ISA level this host runs (tests/engine_workers/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 CPU = torch.device("cpu")
 needs_q4 = pytest.mark.skipif(lowp_problem("q4_1") is not None, reason=f"q4_1 kernel: {lowp_problem('q4_1')}")
 
@@ -282,7 +285,7 @@ def tiny_gguf_dirs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def tiny_engines(tiny_model_dir: str, tiny_gguf_dirs: dict[str, str]) -> dict[str, Engine]:
+def tiny_engines(tiny_model_dir: str, tiny_gguf_dirs: dict[str, str], isa: str) -> dict[str, Engine]:
     def engine(model: str, quantization: str = "none") -> Engine:
         return Engine(EngineConfig(model=model, device="cpu", quantization=quantization, max_num_seqs=8,
                                    kv_cache_bytes=16 << 20, enable_prefix_caching=False))

@@ -16,6 +16,9 @@ from engine_workers.kernels.cpu_linear import (
 )
 from tests.engine_workers.engine.test_engine_hf_parity import run_together, workload
 
+# every test at each ISA level this host runs (tests/engine_workers/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 needs_onednn = pytest.mark.skipif(packing_problem(torch.device("cpu"), torch.float32) is not None,
                                   reason="this torch build has no usable oneDNN linear")
 

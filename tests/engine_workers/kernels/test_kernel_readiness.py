@@ -1,6 +1,7 @@
 """``make model``'s kernel check (engine_workers/kernels/readiness.py): every kernel of the extension
 module is built and checked, the weight-format kernels included, a failing one is named, and a CPU
-without a speed flag (VNNI, avx512_bf16, AVX-512) is not a failure."""
+without a speed flag (VNNI, avx512_bf16, AVX-512) is not a failure. Run at every ISA level this host
+can (tests/conftest.py, ``isa``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import torch
 
 from engine_workers.kernels import cpu_blocks, cpu_kernels, lowp_kernels, readiness, w8a8_linear
 from engine_workers.kernels.cpu_linear import lowp_problem
+
+# every test at each ISA level this host runs (tests/engine_workers/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
 
 
 @pytest.fixture
@@ -37,18 +41,22 @@ def test_a_failing_kernel_is_reported_by_name(all_ready: None, monkeypatch: pyte
 
 
 def test_a_cpu_without_the_speed_flags_is_not_a_problem(all_ready: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the kernels still build and pass their checks there (plain loops); the engine refuses the
-    # modes at load, naming the flag
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    # the kernels still build and pass their checks there; only below AVX2 + FMA (plain loops)
+    # the engine refuses the modes at load, naming the flags
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     assert readiness.problems() is None
-    assert "VNNI" in (lowp_problem("w8a8") or "")
-    assert "avx512f" in (lowp_problem("int8") or "")
-    assert "avx512f" in (lowp_problem("q4_1") or "")
+    for kind in ("w8a8", "int8", "q4_1", "bfloat16"):
+        assert lowp_problem(kind) is None, kind
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(cpu_kernels, "isa_level", lambda: "generic")
+    assert readiness.problems() is None
+    for kind in ("w8a8", "int8", "q4_1"):
+        assert "avx2, fma, f16c" in (lowp_problem(kind) or ""), kind
 
 
 def test_w8a8_kernel_problem_is_the_build_and_check_only(all_ready: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f"})
-    assert "VNNI" in (w8a8_linear.w8a8_problem() or "")
+    monkeypatch.setattr(cpu_kernels, "isa_level", lambda: "generic")
+    assert "AVX2" in (w8a8_linear.w8a8_problem() or "")
     assert w8a8_linear.w8a8_kernel_problem() is None
     monkeypatch.delattr(torch, "_int_mm")
     assert "_int_mm" in (w8a8_linear.w8a8_kernel_problem() or "")

@@ -27,6 +27,9 @@ from engine_workers.kernels import cpu_kernels as kernels
 from engine_workers.kernels import lowp_kernels
 from engine_workers.kernels.cpu_linear import LowpLinear, cpu_weight_plan, lowp_problem
 
+# every test at each ISA level this host runs (tests/engine_workers/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 CPU = torch.device("cpu")
 needs_bf16 = pytest.mark.skipif(lowp_problem("bfloat16") is not None, reason=f"bf16 kernel: {lowp_problem('bfloat16')}")
 needs_int8 = pytest.mark.skipif(lowp_problem("int8") is not None, reason=f"int8 kernel: {lowp_problem('int8')}")
@@ -136,11 +139,14 @@ def test_missing_cpu_flags_fall_back_to_float32_with_the_flag_named(monkeypatch:
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     from engine_workers.kernels import cpu_linear
 
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    # a CPU without AVX2 + FMA: the build would be plain loops (the "generic" level)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(kernels, "isa_level", lambda: "generic")
     with caplog.at_level(logging.WARNING):
         assert cpu_weight_plan(torch.bfloat16, "none", CPU) == (torch.float32, None)
         assert cpu_weight_plan(torch.float32, "int8", CPU) == (torch.float32, None)
-    assert "avx512f" in caplog.text and "bfloat16 weights" in caplog.text and "int8 weights" in caplog.text
+    assert "avx2, fma, f16c" in caplog.text and "bfloat16 weights" in caplog.text and "int8 weights" in caplog.text
+    monkeypatch.undo()
     monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx512f", "avx2", "fma"})
     monkeypatch.setattr(cpu_linear, "BF16_DOT_PRODUCTS", True)  # the dot-product kernel needs avx512_bf16
     assert "avx512_bf16" in (lowp_problem("bfloat16") or "")
@@ -181,7 +187,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 @pytest.fixture(scope="module")
-def tiny_engines(tiny_model_dir: str) -> dict[str, Engine]:
+def tiny_engines(tiny_model_dir: str, isa: str) -> dict[str, Engine]:
     out = {"float32": Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=8))}
     if lowp_problem("bfloat16") is None:
         out["bfloat16"] = Engine(EngineConfig(model=tiny_model_dir, device="cpu", dtype="bfloat16", max_num_seqs=8))

@@ -25,6 +25,9 @@ from engine_workers.kernels.cpu_linear import cpu_weight_plan
 from engine_workers.kernels.w8a8_linear import W8A8GatedMLP, W8A8Linear, quantize_rows, reference, w8a8_ops, w8a8_problem
 from tests.engine_workers.kernels.test_lowp_weights import TINY_PROMPTS, agreement, greedy, next_logits, rel_l2
 
+# every test at each ISA level this host runs (tests/engine_workers/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 CPU = torch.device("cpu")
 needs_w8a8 = pytest.mark.skipif(w8a8_problem() is not None, reason=f"W8A8: {w8a8_problem()}")
 
@@ -86,7 +89,9 @@ def test_w8a8_linear_keeps_leading_dims_and_zero_rows() -> None:
     assert lin(x).shape == (2, 3, 40)
     assert lin(torch.randn(0, 24)).shape == (0, 40)
     torch.testing.assert_close(lin(x)[1], lin(x[1]))  # per-row quantization: a row's result is its own
-    assert lin.weight_bytes() == 40 * 24 + 40 * 4
+    # int8 weight + scales; at avx2 also int8_gemm's k-pair panels (40 columns padded to one panel of 96)
+    panels = 96 * 24 if kernels.isa_level() == "avx2" else 0
+    assert lin.weight_bytes() == 40 * 24 + 40 * 4 + panels
 
 
 @needs_w8a8
@@ -147,12 +152,15 @@ def test_plan_and_refusals() -> None:
         assert cpu_weight_plan(torch.float32, "w8a8", CPU) == (torch.float32, "w8a8")
 
 
-def test_cpu_without_vnni_or_kernels_falls_back_to_float32_naming_why(monkeypatch: pytest.MonkeyPatch,
+def test_cpu_without_avx2_or_kernels_falls_back_to_float32_naming_why(monkeypatch: pytest.MonkeyPatch,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx512f", "avx2", "fma"})
+    # no VNNI is no refusal (oneDNN's int8 GEMM has AVX2 code); below AVX2 + FMA it is
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(kernels, "isa_level", lambda: "generic")
     with caplog.at_level(logging.WARNING):
         assert cpu_weight_plan(torch.float32, "w8a8", CPU) == (torch.float32, None)
-    assert "avx512_vnni" in caplog.text
+    assert "avx2, fma, f16c" in caplog.text
+    monkeypatch.undo()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         assert cpu_weight_plan(torch.float32, "w8a8", CPU, cpu_kernels=False) == (torch.float32, None)

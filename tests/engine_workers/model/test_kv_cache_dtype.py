@@ -31,6 +31,9 @@ from engine_workers.model.runner import kv_block_bytes
 from tests.engine_workers.kernels.test_lowp_weights import agreement, next_logits, rel_l2
 from tests.engine_workers.model.test_attention import dense_reference
 
+# every test at each ISA level this host runs (tests/engine_workers/conftest.py)
+pytestmark = pytest.mark.usefixtures("isa")
+
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
 
@@ -237,7 +240,7 @@ def test_resolution():
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: str) -> dict[str, Engine]:
+def engines(tiny_model_dir: str, isa: str) -> dict[str, Engine]:
     cfg = dict(model=tiny_model_dir, device="cpu", max_num_seqs=8, kv_cache_bytes=8 << 20)
     return {"float32": Engine(EngineConfig(**cfg)), "bfloat16": Engine(EngineConfig(**cfg, kv_cache_dtype="bfloat16")),
             "bfloat16-torch": Engine(EngineConfig(**cfg, kv_cache_dtype="bfloat16", cpu_kernels=False))}

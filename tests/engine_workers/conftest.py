@@ -1,0 +1,31 @@
+"""The ``isa`` fixture: a test module that uses it (``pytestmark = pytest.mark.usefixtures("isa")``,
+and its module-scoped fixtures taking ``isa``) runs once per kernel ISA level this host can run
+(engine_workers/kernels/cpu_kernels.py, ISA levels): on an AVX-512 host both the avx512 build and
+the avx2 build, so the AVX2 code is run and checked here too, not only on AVX2-only hosts. The
+first use of a level in a process builds it (about 3 minutes on 2 cores, then cached)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine_workers.kernels import cpu_kernels
+
+
+def host_levels() -> list[str]:
+    best = cpu_kernels.host_isa()
+    return [lv for lv in cpu_kernels.ISA_LEVELS if best in cpu_kernels.ISA_LEVELS
+            and cpu_kernels.ISA_LEVELS.index(lv) <= cpu_kernels.ISA_LEVELS.index(best)] or [best]
+
+
+@pytest.fixture(scope="module", params=host_levels())
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param not in cpu_kernels.ISA_LEVELS:  # "generic": nothing to force
+        yield request.param
+        return
+    level = cpu_kernels.use_isa(request.param)
+    try:
+        yield level
+    finally:
+        cpu_kernels.use_isa(None)
