@@ -56,6 +56,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from engine_workers.kernels.isa import ISA_ENV, ISA_LEVELS, ISA_NEEDS, cpu_flags, host_isa, level_cflags, parse_isa
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -75,17 +77,6 @@ HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h", CSRC / "silu_mul.h", CSRC / "pre
 # math library (libmvec); the kernel's scores are finite by construction.
 CFLAGS = ["-O3", "-mtune=native", "-ffast-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp", "-lmvec"]
-ISA_ENV = "LOCKGATE_CPU_ISA"
-ISA_LEVELS = ("avx2", "avx512")  # the levels LOCKGATE_CPU_ISA accepts, lowest first
-# the CPU flags (/proc/cpuinfo names) each level needs, and its compiler flags
-ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")}
-ISA_CFLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
-              "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
-# extensions an avx512 build also enables where the CPU has them (the kernels test their macros:
-# AVX512-BF16 dot products, AVX512-FP16 prefill values; VNNI for oneDNN-style int8 code)
-ISA_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"),
-                           ("avx512_fp16", "-mavx512fp16"))}
-
 _lock = threading.Lock()
 # Per ISA level: "module" and, per kernel key ("decode", "prefill", "small_m", "fused", and the other
 # modules' "lowp", "blocks", "w8a8"), the kernel (or None) and "<key>_problem" once resolved; values
@@ -400,43 +391,6 @@ def _resolve_small_m() -> tuple[tuple[Callable, Callable] | None, str | None]:
                     "small-batch linear kernel")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def host_isa(flags: set[str] | None = None) -> str:
-    """The best ISA level ``flags`` (default: this CPU's) support: ``"avx512"``, ``"avx2"`` or
-    ``"generic"`` (plain loops, every fast mode refused). Where /proc/cpuinfo is missing, the
-    compiler's own ``-march=native`` is not consulted: ``"generic"``."""
-    flags = cpu_flags() if flags is None else flags
-    for level in reversed(ISA_LEVELS):
-        if all(f in flags for f in ISA_NEEDS[level]):
-            return level
-    return "generic"
-
-
-def parse_isa(value: str, flags: set[str] | None = None) -> str:
-    """``value`` of ``LOCKGATE_CPU_ISA`` checked: one of :data:`ISA_LEVELS` the CPU can run. Raises
-    ``ValueError`` naming the choices (a bad value) or the CPU flags missing (a level above the
-    host's: its code would stop on an illegal instruction)."""
-    level = value.strip().lower()
-    if level not in ISA_LEVELS:
-        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LEVELS)}; got {value!r}")
-    flags = cpu_flags() if flags is None else flags
-    missing = [f for f in ISA_NEEDS[level] if f not in flags]
-    if missing:
-        raise ValueError(f"{ISA_ENV}={level}: this CPU lacks {', '.join(missing)} "
-                         f"(it can run {host_isa(flags)})")
-    return level
-
-
 def isa_level() -> str:
     """The ISA level the kernels are built for in this process: ``LOCKGATE_CPU_ISA`` where set
     (checked by :func:`parse_isa`; it may only lower the level), else :func:`host_isa`. Decided
@@ -470,9 +424,7 @@ def use_isa(level: str | None) -> str:
 
 def isa_cflags(level: str, flags: set[str] | None = None) -> list[str]:
     """The compiler flags of a ``level`` build on a CPU with ``flags`` (default: this one's)."""
-    flags = cpu_flags() if flags is None else flags
-    extra = [opt for flag, opt in ISA_OPTIONAL.get(level, ()) if flag in flags]
-    return [*CFLAGS, *ISA_CFLAGS[level], *extra]
+    return [*CFLAGS, *level_cflags(level, cpu_flags() if flags is None else flags)]
 
 
 def fast_isa_problem(what: str) -> str | None:

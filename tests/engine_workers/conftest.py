@@ -11,17 +11,18 @@ from collections.abc import Iterator
 import pytest
 
 from engine_workers.kernels import cpu_kernels
+from engine_workers.kernels import isa as isa_levels
 
 
 def host_levels() -> list[str]:
-    best = cpu_kernels.host_isa()
-    return [lv for lv in cpu_kernels.ISA_LEVELS if best in cpu_kernels.ISA_LEVELS
-            and cpu_kernels.ISA_LEVELS.index(lv) <= cpu_kernels.ISA_LEVELS.index(best)] or [best]
+    best = isa_levels.host_isa()
+    return [lv for lv in isa_levels.ISA_LEVELS if best in isa_levels.ISA_LEVELS
+            and isa_levels.ISA_LEVELS.index(lv) <= isa_levels.ISA_LEVELS.index(best)] or [best]
 
 
 @pytest.fixture(scope="module", params=host_levels())
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param not in cpu_kernels.ISA_LEVELS:  # "generic": nothing to force
+    if request.param not in isa_levels.ISA_LEVELS:  # "generic": nothing to force
         yield request.param
         return
     level = cpu_kernels.use_isa(request.param)

@@ -1,4 +1,4 @@
-"""The kernels' ISA levels (engine_workers/kernels/cpu_kernels.py): the level chosen from the CPU's
+"""The kernels' ISA levels (engine_workers/kernels/isa.py, cpu_kernels.py): the level chosen from the CPU's
 flags, LOCKGATE_CPU_ISA checked (a bad value or a level above the CPU's refused, naming why), the
 compiler flags of each level, and two levels' modules loaded side by side in one process, each
 with its own code (the avx512 build's split decode path, the avx2 build's strips) and results
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine_workers.kernels import cpu_kernels, lowp_kernels
+from engine_workers.kernels import isa as isa_levels
 from engine_workers.kernels.lowp_kernels import quantize_int8
 
 AVX2_FLAGS = {"sse2", "avx", "avx2", "fma", "f16c"}
@@ -21,18 +22,18 @@ AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx
 
 
 def test_host_level_is_the_best_the_flags_allow() -> None:
-    assert cpu_kernels.host_isa(AVX512_FLAGS) == "avx512"
-    assert cpu_kernels.host_isa(AVX2_FLAGS) == "avx2"
-    assert cpu_kernels.host_isa(AVX2_FLAGS - {"fma"}) == "generic"
-    assert cpu_kernels.host_isa(AVX512_FLAGS - {"avx512bw"}) == "avx2"
+    assert isa_levels.host_isa(AVX512_FLAGS) == "avx512"
+    assert isa_levels.host_isa(AVX2_FLAGS) == "avx2"
+    assert isa_levels.host_isa(AVX2_FLAGS - {"fma"}) == "generic"
+    assert isa_levels.host_isa(AVX512_FLAGS - {"avx512bw"}) == "avx2"
 
 
 def test_forced_level_is_checked() -> None:
-    assert cpu_kernels.parse_isa(" AVX2 ", AVX512_FLAGS) == "avx2"
+    assert isa_levels.parse_isa(" AVX2 ", AVX512_FLAGS) == "avx2"
     with pytest.raises(ValueError, match="LOCKGATE_CPU_ISA must be one of avx2, avx512; got 'sse9'"):
-        cpu_kernels.parse_isa("sse9", AVX512_FLAGS)
+        isa_levels.parse_isa("sse9", AVX512_FLAGS)
     with pytest.raises(ValueError, match="lacks avx512f, avx512bw, avx512vl, avx512dq .it can run avx2"):
-        cpu_kernels.parse_isa("avx512", AVX2_FLAGS)
+        isa_levels.parse_isa("avx512", AVX2_FLAGS)
 
 
 def test_env_var_is_read_once_and_a_bad_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,7 +42,7 @@ def test_env_var_is_read_once_and_a_bad_one_refused(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ValueError, match="one of avx2, avx512"):
         cpu_kernels.isa_level()
     monkeypatch.setenv("LOCKGATE_CPU_ISA", "avx2")
-    if cpu_kernels.host_isa() in cpu_kernels.ISA_LEVELS:
+    if isa_levels.host_isa() in isa_levels.ISA_LEVELS:
         assert cpu_kernels.isa_level() == "avx2"
         monkeypatch.setenv("LOCKGATE_CPU_ISA", "avx512")  # decided once per process: no change
         assert cpu_kernels.isa_level() == "avx2"
@@ -57,7 +58,7 @@ def test_compiler_flags_per_level() -> None:
     assert "-mavx512bf16" in cpu_kernels.isa_cflags("avx512", AVX512_FLAGS | {"avx512_bf16"})
 
 
-@pytest.mark.skipif(cpu_kernels.host_isa() != "avx512", reason="needs a host that runs both levels")
+@pytest.mark.skipif(isa_levels.host_isa() != "avx512", reason="needs a host that runs both levels")
 def test_both_levels_load_side_by_side_with_their_own_code() -> None:
     gen = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen), torch.randn(13, 300, generator=gen)

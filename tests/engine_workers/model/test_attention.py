@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_workers.kernels import cpu_kernels
+from engine_workers.kernels import isa as isa_levels
 from engine_workers.model.attention import (
     build_metadata,
     paged_attention,
@@ -185,7 +186,7 @@ def test_decode_kernel_splits_long_contexts_exactly(threads):
     fn, loop = cpu_kernels.paged_decode(), cpu_kernels.paged_decode_loop()
     if fn is None:
         pytest.skip(f"no CPU decode kernel here: {cpu_kernels.problem()}")
-    if "avx512f" in cpu_kernels.cpu_flags():
+    if "avx512f" in isa_levels.cpu_flags():
         assert all(cpu_kernels.paged_decode_splits(d) for d in (32, 64, 128))
         assert not cpu_kernels.paged_decode_splits(16) and not cpu_kernels.paged_decode_splits(48)
     gen = torch.Generator().manual_seed(11)
