@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +23,7 @@ from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.guided import GrammarCache, Guide, GuidedSpec, LazyGrammars, MaskBuffer
+from engine_workers.engine.outputs import CompletedRequest, EngineStats, RequestOutput
 from engine_workers.engine.params import FinishReason, SamplingParams
 from engine_workers.engine.sampler import Sampler, TokenLogprobs
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
@@ -38,51 +38,6 @@ from kv_store import KVCacheManager
 from tokenization.prompts import PromptTokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step produced for one request (a delta). ``seq`` is the output index of
-    ``token_ids[0]``; ``text_offset`` the number of output characters before ``text``."""
-
-    request_id: str
-    seq: int
-    token_ids: tuple[int, ...]
-    text: str
-    text_offset: int
-    logprobs: tuple[TokenLogprobs, ...] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    times: SeqTimes | None = None  # set on the final output
-    seed: int | None = None  # the seed the request's draws use (its own or the engine's pick)
-    embedding: tuple[float, ...] | None = None  # a pooling request's vector (on its final output)
-
-
-@dataclass(frozen=True, slots=True)
-class CompletedRequest:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str
-    num_cached_tokens: int
-    seed: int | None = None  # the seed the draws used (the request's own or the engine's pick)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
-    generated_tokens: int = 0
-    preemptions: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-    last_batch_tokens: int = 0
-    last_batch_seqs: int = 0
-    busy_s: float = 0.0  # wall seconds inside the steps that ran a batch (scheduling to the last output)
 
 
 class _Req:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from bus import Error, Finished, Record
-from engine_workers.engine.core import RequestOutput
+from engine_workers.engine.outputs import RequestOutput
 from engine_workers.worker.offsets.ledger import Job
 from tracing import SpanKind, Tracer, from_headers
 

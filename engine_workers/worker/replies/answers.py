@@ -11,7 +11,7 @@ import logging
 import time
 
 from bus import Error, Finished, Timings, Usage
-from engine_workers.engine.core import RequestOutput
+from engine_workers.engine.outputs import RequestOutput
 from engine_workers.worker.health.metrics import WorkerMetrics
 from engine_workers.worker.health.usage import UsageLog
 from engine_workers.worker.offsets.ledger import Job, RequestLedger

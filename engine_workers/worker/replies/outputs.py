@@ -13,7 +13,7 @@ import time
 
 from bus import ErrorCode
 from engine_workers.engine.async_engine import AsyncEngine
-from engine_workers.engine.core import RequestOutput
+from engine_workers.engine.outputs import RequestOutput
 from engine_workers.worker.health.metrics import WorkerMetrics
 from engine_workers.worker.offsets.ledger import RequestLedger
 from engine_workers.worker.replies.answers import Answers

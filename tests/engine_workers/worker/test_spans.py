@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from bus import Error, ErrorCode, Finished, InferenceRequest, Record, SamplingParams, TopicPartition, Usage
-from engine_workers.engine.core import RequestOutput
+from engine_workers.engine.outputs import RequestOutput
 from engine_workers.engine.sequence import SeqTimes
 from engine_workers.worker.offsets.ledger import Job
 from engine_workers.worker.spans import WorkerSpans
