@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from websockets.asyncio.client import connect
 
@@ -14,13 +16,22 @@ from tests.edge.conftest import KEY, client, recv, running_edge, send, url, wait
 from tracing import SpanKind, SpanRecord, Tracer
 
 
-async def test_a_failed_publish_logs_the_request_id(encoder):
+@contextmanager
+def json_log(name: str = "edge") -> Iterator[io.StringIO]:
+    """Capture logger ``name``'s lines, formatted as ``--log-format json`` writes them."""
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("edge")
+    logger = logging.getLogger(name)
     logger.addHandler(handler)
     try:
+        yield out
+    finally:
+        logger.removeHandler(handler)
+
+
+async def test_a_failed_publish_logs_the_request_id(encoder):
+    with json_log() as out:
         async with running_edge(encoder) as (edge, _fw):
             async with client(edge) as ws:
                 await edge.bus.stop()  # the bus refuses every send from here on
@@ -31,8 +42,6 @@ async def test_a_failed_publish_logs_the_request_id(encoder):
                 rid = frames[-1]["request_id"]
                 assert rid and frames[-1]["code"] == "overloaded"
                 await wait_for(lambda: "publishing" in out.getvalue())
-    finally:
-        logger.removeHandler(handler)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     failed = [r for r in rows if r["message"].startswith("publishing")]
     assert failed and failed[0]["request_id"] == rid and failed[0]["level"] == "WARNING"
@@ -40,14 +49,9 @@ async def test_a_failed_publish_logs_the_request_id(encoder):
 
 
 async def test_with_tracing_on_the_line_carries_the_trace_id_and_the_spans_say_why(encoder):
-    out = io.StringIO()
-    handler = logging.StreamHandler(out)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger("edge")
-    logger.addHandler(handler)
     spans: list[SpanRecord] = []
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
-    try:
+    with json_log() as out:
         async with running_edge(encoder, tracer=Tracer(spans.append)) as (edge, _fw):
             headers = {"Authorization": f"Bearer {KEY}", "traceparent": f"00-{trace}-00f067aa0ba902b7-01"}
             async with connect(url(edge), additional_headers=headers) as ws:
@@ -58,8 +62,6 @@ async def test_with_tracing_on_the_line_carries_the_trace_id_and_the_spans_say_w
                     frames.append(await recv(ws))
                 assert frames[-1]["code"] == "overloaded"
                 await wait_for(lambda: "publishing" in out.getvalue() and len(spans) == 2)
-    finally:
-        logger.removeHandler(handler)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     failed = [r for r in rows if r["message"].startswith("publishing")]
     assert failed and failed[0]["trace_id"] == trace and failed[0]["request_id"] == frames[-1]["request_id"]
