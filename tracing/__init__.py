@@ -1,4 +1,4 @@
-"""Distributed tracing for lockgate: W3C ``traceparent`` propagation, a sans-I/O span recorder and a
+"""Distributed tracing for lockgate: W3C ``traceparent`` / ``tracestate`` propagation, a sans-I/O span recorder and a
 bounded OTLP/HTTP (JSON) exporter. Imports nothing of ours (an import-linter contract); the edge
 and the worker both use it, the bus only carries its header as bytes.
 
@@ -6,13 +6,23 @@ Off by default: with no OTLP endpoint configured nothing here is constructed and
 ``tracer = None`` (docs/observability.md, "Tracing").
 """
 
-from tracing.context import HEADER, SpanContext, from_headers, parse_traceparent, to_headers
+from tracing.context import (
+    HEADER,
+    STATE_HEADER,
+    SpanContext,
+    from_headers,
+    parse_headers,
+    parse_traceparent,
+    parse_tracestate,
+    to_headers,
+)
 from tracing.exporter import OtlpExporter, traces_url
 from tracing.otlp import encode
 from tracing.span import AttrValue, Span, SpanKind, SpanRecord, Tracer
 
 __all__ = [
     "HEADER",
+    "STATE_HEADER",
     "AttrValue",
     "OtlpExporter",
     "Span",
@@ -22,7 +32,9 @@ __all__ = [
     "Tracer",
     "encode",
     "from_headers",
+    "parse_headers",
     "parse_traceparent",
+    "parse_tracestate",
     "to_headers",
     "traces_url",
 ]

@@ -38,6 +38,8 @@ def _span(r: SpanRecord) -> dict[str, Any]:
                            "attributes": _attributes(r.attributes)}
     if r.parent_id:
         out["parentSpanId"] = r.parent_id
+    if r.trace_state:
+        out["traceState"] = r.trace_state
     if r.error is not None:
         out["status"] = {"code": STATUS_ERROR, "message": r.error}
     return out

@@ -44,6 +44,7 @@ class SpanRecord:
     end_ns: int
     attributes: tuple[tuple[str, AttrValue], ...] = ()
     error: str | None = None  # the status message of a span that failed; None: unset (ok)
+    trace_state: str = ""  # the trace's upstream tracestate, carried unchanged (tracing.context)
 
 
 class Span:
@@ -80,7 +81,7 @@ class Span:
         if not c.sampled:  # parent-based sampling: a client that did not sample its trace gets none of ours
             return
         self._tracer.sink(SpanRecord(c.trace_id, c.span_id, self.parent_id, self.name, self.kind, self.start_ns, end,
-                                     tuple(self.attributes.items()), self.error))
+                                     tuple(self.attributes.items()), self.error, c.trace_state))
 
 
 class Tracer:
@@ -93,7 +94,8 @@ class Tracer:
               start_ns: int | None = None, attributes: Mapping[str, AttrValue | None] | None = None) -> Span:
         """A span child of ``parent`` (a new trace's root when None), started at ``start_ns`` (now)."""
         pctx = parent.context if isinstance(parent, Span) else parent
-        ctx = SpanContext(pctx.trace_id if pctx else new_trace_id(), new_span_id(), pctx.sampled if pctx else True)
+        ctx = (SpanContext(pctx.trace_id, new_span_id(), pctx.sampled, pctx.trace_state) if pctx
+               else SpanContext(new_trace_id(), new_span_id()))
         attrs = {k: v for k, v in attributes.items() if v is not None} if attributes else {}
         return Span(self, name, ctx, pctx.span_id if pctx else "", kind,
                     time.time_ns() if start_ns is None else start_ns, attrs)

@@ -34,7 +34,7 @@ from edge.config import EdgeConfig
 from edge.guided import GrammarChecker
 from edge.metrics import EdgeMetrics
 from edge.request import Generate, PromptEncoder, ProtocolError
-from tracing import HEADER, SpanContext, SpanKind, Tracer, parse_traceparent, to_headers
+from tracing import HEADER, STATE_HEADER, SpanContext, SpanKind, Tracer, parse_headers, to_headers
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +157,11 @@ class Admission:
 
     def trace_parent(self, headers: Mapping[str, str]) -> SpanContext | None:
         """The client's context from its HTTP (or WebSocket upgrade) request's ``traceparent``
-        header; None when tracing is off (the header is not even read) or the header is absent or
+        header (and its ``tracestate``, passed on unchanged); None when tracing is off (the header is not even read) or the header is absent or
         malformed (a new trace starts; the request itself is never refused for it)."""
         if self.tracer is None:
             return None
-        return parse_traceparent(headers.get(HEADER))
+        return parse_headers(headers.get(HEADER), headers.get(STATE_HEADER))
 
     async def publish(self, a: Admitted) -> bool:
         """Publish an admitted request on its tier's topic, waiting at most ``publish_timeout_s``.

@@ -66,6 +66,7 @@ class GotSpan:
     status_code: int
     status_message: str
     resource: dict[str, Any] = field(default_factory=dict)
+    trace_state: str = ""
 
 
 def flatten(msg: ExportTraceServiceRequest) -> list[GotSpan]:
@@ -77,7 +78,7 @@ def flatten(msg: ExportTraceServiceRequest) -> list[GotSpan]:
                 out.append(GotSpan(str(resource.get("service.name", "")), s.trace_id.hex(), s.span_id.hex(),
                                    s.parent_span_id.hex(), s.name, s.kind, s.start_time_unix_nano,
                                    s.end_time_unix_nano, {a.key: _any(a.value) for a in s.attributes},
-                                   s.status.code, s.status.message, resource))
+                                   s.status.code, s.status.message, resource, s.trace_state))
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tracing import SpanContext, Tracer, from_headers, parse_traceparent, to_headers
+from tracing import SpanContext, Tracer, from_headers, parse_headers, parse_traceparent, parse_tracestate, to_headers
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN = "00f067aa0ba902b7"
@@ -75,3 +75,39 @@ def test_an_ignored_header_starts_a_new_trace() -> None:
     (r,) = got
     assert r.parent_id == "" and r.trace_id != "0" * 32 and len(r.trace_id) == 32
     assert parse_traceparent(f"00-{r.trace_id}-{r.span_id}-01") is not None  # fresh ids are valid ones
+
+
+@pytest.mark.parametrize("value, want", [
+    ("congo=t61rcWkgMzE", "congo=t61rcWkgMzE"),
+    (" rojo=00f067aa0ba902b7 ,, congo=t61rcWkgMzE ", "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"),  # trimmed, empty dropped
+    (b"a@vendor=x", "a@vendor=x"),
+    ("", ""), (None, ""),
+    ("novalue", ""), ("=v", ""), ("k=", ""), ("k=v,bad", ""),  # a malformed member drops the whole list
+    ("k=caf\u00e9", ""), ("k=a\tb", ""), (b"k=\xff", ""),  # non-ASCII, non-printable
+    (",".join(f"k{i}=v" for i in range(33)), ""),  # more than 32 members
+    ("k=" + "v" * 600, ""),  # longer than 512 characters
+])
+def test_tracestate_is_kept_as_received_or_dropped_whole(value, want: str) -> None:
+    assert parse_tracestate(value) == want
+
+
+def test_tracestate_travels_with_a_valid_traceparent_only() -> None:
+    ctx = parse_headers(GOOD, "congo=t61rcWkgMzE")
+    assert ctx == SpanContext(TRACE, SPAN, True, "congo=t61rcWkgMzE")
+    assert parse_headers(None, "congo=t61rcWkgMzE") is None  # a lone tracestate starts nothing
+    assert parse_headers(GOOD, "bad") == SpanContext(TRACE, SPAN, True)  # a bad one is dropped, the parent kept
+    # the bus record's headers carry both, and read back equal
+    assert to_headers(ctx) == (("traceparent", GOOD.encode()), ("tracestate", b"congo=t61rcWkgMzE"))
+    assert from_headers(list(to_headers(ctx))) == ctx
+    assert to_headers(SpanContext(TRACE, SPAN)) == (("traceparent", GOOD.encode()),)  # no empty header
+
+
+def test_a_child_span_carries_the_trace_state_unchanged() -> None:
+    got = []
+    tracer = Tracer(got.append)
+    parent = tracer.start("edge", SpanContext(TRACE, SPAN, True, "congo=t61rcWkgMzE"))
+    child = tracer.start("publish", parent)
+    child.end()
+    parent.end()
+    assert [r.trace_state for r in got] == ["congo=t61rcWkgMzE"] * 2
+    assert tracer.start("root").context.trace_state == ""

@@ -15,7 +15,8 @@ def test_the_body_is_an_export_trace_service_request() -> None:
     records = [
         SpanRecord(TRACE, "00f067aa0ba902b7", "", "root", SpanKind.SERVER, 1_700_000_000_000_000_000,
                    1_700_000_000_500_000_000, (("s", "text"), ("i", big), ("b", True), ("f", 0.25), ("neg", -3))),
-        SpanRecord(TRACE, "1111111111111111", "00f067aa0ba902b7", "child", SpanKind.CONSUMER, 1, 2, (), "boom"),
+        SpanRecord(TRACE, "1111111111111111", "00f067aa0ba902b7", "child", SpanKind.CONSUMER, 1, 2, (), "boom",
+                   "congo=t61rcWkgMzE"),
     ]
     body = encode(records, {"service.name": "lockgate-edge", "service.instance.id": "h-1"}, "0.1")
     msg = parse_otlp_json(body)
@@ -30,6 +31,7 @@ def test_the_body_is_an_export_trace_service_request() -> None:
     assert root.attributes == {"s": "text", "i": big, "b": True, "f": 0.25, "neg": -3}
     assert root.status_code == 0  # unset
     assert (child.parent_id, child.kind, child.status_code, child.status_message) == ("00f067aa0ba902b7", 5, 2, "boom")
+    assert (root.trace_state, child.trace_state) == ("", "congo=t61rcWkgMzE")  # Span.trace_state
 
 
 def test_json_shape_follows_the_otlp_mapping() -> None:

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 MESSAGES = [{"role": "user", "content": "Tell me about Kafka topics."}]
 PHASES = ("queue wait", "prefill", "decode", "reply send")
 MAX_TOKENS = 8
+STATE = "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"  # a vendor's tracestate (the W3C spec's example members)
 
 
 @contextlib.asynccontextmanager
@@ -69,10 +70,11 @@ def complete(spans: list[GotSpan]) -> bool:
     return {"lockgate.request", "lockgate.publish", "lockgate.worker", *PHASES} <= {s.name for s in spans}
 
 
-def check_trace(spans: list[GotSpan], client_parent: str, api: str, prompt_tokens: int) -> None:
+def check_trace(spans: list[GotSpan], client_parent: str, api: str, prompt_tokens: int, state: str = "") -> None:
     """One request's spans: the chain client -> edge -> publish -> worker -> phases, services, kinds,
-    attributes and times."""
+    attributes and times; every span carries the client's tracestate ``state`` unchanged."""
     assert len({s.span_id for s in spans}) == len(spans)
+    assert {s.trace_state for s in spans} == {state}, [(s.name, s.trace_state) for s in spans]
     by = {s.name: s for s in spans}
     assert sorted(s.name for s in spans) == sorted(by), [s.name for s in spans]  # each once
     req, pub, wrk = by["lockgate.request"], by["lockgate.publish"], by["lockgate.worker"]
@@ -112,8 +114,9 @@ async def test_one_trace_spans_edge_kafka_and_worker(kafka_bootstrap: str, tiny_
             unsampled = os.urandom(16).hex()
             r = await chat(edge, {"traceparent": f"00-{unsampled}-{http_parent}-00"})
             assert r["usage"]["completion_tokens"] == MAX_TOKENS
-            # OpenAI HTTP: the request's own traceparent header
-            r = await chat(edge, {"traceparent": f"00-{http_trace}-{http_parent}-01"})
+            # OpenAI HTTP: the request's own traceparent header, and a vendor's tracestate that
+            # every span of the trace carries on (over the Kafka record's headers to the worker)
+            r = await chat(edge, {"traceparent": f"00-{http_trace}-{http_parent}-01", "tracestate": STATE})
             assert r["usage"]["completion_tokens"] == MAX_TOKENS
             prompt_tokens = r["usage"]["prompt_tokens"]
             # WebSocket: the upgrade request's header, for every request on the connection
@@ -129,7 +132,7 @@ async def test_one_trace_spans_edge_kafka_and_worker(kafka_bootstrap: str, tiny_
 
             await wait_until(lambda: complete(trace_of(rcv, http_trace)) and complete(trace_of(rcv, ws_trace)),
                              timeout=30, message=lambda: f"spans so far: {[(s.trace_id, s.name) for s in rcv.spans()]}")
-            check_trace(trace_of(rcv, http_trace), http_parent, "openai", prompt_tokens)
+            check_trace(trace_of(rcv, http_trace), http_parent, "openai", prompt_tokens, STATE)
             check_trace(trace_of(rcv, ws_trace), ws_parent, "ws", prompt_tokens)
 
             def fresh() -> list[GotSpan]:
