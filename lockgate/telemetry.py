@@ -25,6 +25,21 @@ def service_name_default() -> str:
     return os.environ.get("LOCKGATE_SERVICE_NAME") or os.environ.get("OTEL_SERVICE_NAME") or ""
 
 
+def sample_ratio_default() -> str:
+    return os.environ.get("LOCKGATE_TRACE_SAMPLE_RATIO") or os.environ.get("OTEL_TRACES_SAMPLER_ARG") or "1.0"
+
+
+def sample_ratio(value: str) -> float:
+    """``--trace-sample-ratio``'s type: a number within [0, 1] (the env twins' values too)."""
+    try:
+        ratio = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number within [0, 1], got {value!r}") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {value!r}")
+    return ratio
+
+
 def otlp_endpoint(value: str) -> str:
     """``--otlp-endpoint``'s type: "" (off) or an http(s) URL, checked when the flags are parsed
     (the env twins' values too: argparse runs a string default through its type)."""
@@ -45,13 +60,17 @@ def add_tracing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service-name", default=service_name_default(), metavar="NAME",
                         help="the traces' service.name (env LOCKGATE_SERVICE_NAME, then OTEL_SERVICE_NAME; "
                              "default: lockgate-<command>, e.g. lockgate-edge)")
+    parser.add_argument("--trace-sample-ratio", type=sample_ratio, default=sample_ratio_default(), metavar="R",
+                        help="share of new traces kept (by trace id, as OpenTelemetry's TraceIdRatioBased); a "
+                             "client's traceparent decides for its own trace (env LOCKGATE_TRACE_SAMPLE_RATIO, "
+                             "then OTEL_TRACES_SAMPLER_ARG; default: 1.0, every trace)")
 
 
 class ProcessTracer(Tracer):
     """The process's tracer, knowing its exporter (for :func:`expose_metrics`)."""
 
-    def __init__(self, exporter: OtlpExporter) -> None:
-        super().__init__(exporter.offer)
+    def __init__(self, exporter: OtlpExporter, sample_ratio: float = 1.0) -> None:
+        super().__init__(exporter.offer, sample_ratio)
         self.exporter = exporter
 
 
@@ -92,4 +111,4 @@ async def tracer_for(args: argparse.Namespace, command: str) -> AsyncIterator[Tr
     exporter = OtlpExporter(endpoint, {"service.name": name,
                                        "service.instance.id": f"{socket.gethostname()}-{os.getpid()}"})
     async with exporter:
-        yield ProcessTracer(exporter)
+        yield ProcessTracer(exporter, float(getattr(args, "trace_sample_ratio", 1.0)))

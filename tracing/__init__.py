@@ -18,7 +18,7 @@ from tracing.context import (
 )
 from tracing.exporter import OtlpExporter, traces_url
 from tracing.otlp import encode
-from tracing.span import AttrValue, Span, SpanKind, SpanRecord, Tracer
+from tracing.span import AttrValue, Span, SpanKind, SpanRecord, Tracer, ratio_sampled
 
 __all__ = [
     "HEADER",
@@ -35,6 +35,7 @@ __all__ = [
     "parse_headers",
     "parse_traceparent",
     "parse_tracestate",
+    "ratio_sampled",
     "to_headers",
     "traces_url",
 ]

@@ -84,18 +84,37 @@ class Span:
                                      tuple(self.attributes.items()), self.error, c.trace_state))
 
 
-class Tracer:
-    """Starts spans and sends the ended ones to ``sink`` (called synchronously, must not block)."""
+def ratio_sampled(trace_id: str, ratio: float) -> bool:
+    """OpenTelemetry's ``TraceIdRatioBased`` decision: keep a trace whose id's low 64 bits, read as
+    an unsigned integer, fall below ``ratio`` x 2^64. A pure function of the id, so every process
+    that starts a root for that id decides alike, and ratios nest (a trace kept at 0.1 is kept at 0.5)."""
+    if ratio >= 1.0:
+        return True
+    return int(trace_id[-16:], 16) < int(ratio * (1 << 64))
 
-    def __init__(self, sink: Callable[[SpanRecord], None]) -> None:
+
+class Tracer:
+    """Starts spans and sends the ended ones to ``sink`` (called synchronously, must not block).
+
+    Sampling is parent-based: a span with a parent follows the parent's sampled flag; a new root is
+    kept for ``sample_ratio`` of trace ids (:func:`ratio_sampled`; 1.0: every one). An unsampled
+    root still propagates (flag ``00``), so the worker's spans of it are dropped too."""
+
+    def __init__(self, sink: Callable[[SpanRecord], None], sample_ratio: float = 1.0) -> None:
+        if not 0.0 <= sample_ratio <= 1.0:
+            raise ValueError(f"sample_ratio must be within [0, 1], got {sample_ratio!r}")
         self.sink = sink
+        self.sample_ratio = sample_ratio
 
     def start(self, name: str, parent: SpanContext | Span | None = None, kind: SpanKind = SpanKind.INTERNAL,
               start_ns: int | None = None, attributes: Mapping[str, AttrValue | None] | None = None) -> Span:
         """A span child of ``parent`` (a new trace's root when None), started at ``start_ns`` (now)."""
         pctx = parent.context if isinstance(parent, Span) else parent
-        ctx = (SpanContext(pctx.trace_id, new_span_id(), pctx.sampled, pctx.trace_state) if pctx
-               else SpanContext(new_trace_id(), new_span_id()))
+        if pctx is not None:
+            ctx = SpanContext(pctx.trace_id, new_span_id(), pctx.sampled, pctx.trace_state)
+        else:
+            trace_id = new_trace_id()
+            ctx = SpanContext(trace_id, new_span_id(), ratio_sampled(trace_id, self.sample_ratio))
         attrs = {k: v for k, v in attributes.items() if v is not None} if attributes else {}
         return Span(self, name, ctx, pctx.span_id if pctx else "", kind,
                     time.time_ns() if start_ns is None else start_ns, attrs)

@@ -11,6 +11,7 @@ from lockgate.cli import build_parser
 from lockgate.telemetry import add_tracing_flags, tracer_for
 from tests.tracing.receiver import receiving
 from tests.waiting import wait_until
+from tracing import SpanContext
 
 ENV = ("LOCKGATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "LOCKGATE_SERVICE_NAME", "OTEL_SERVICE_NAME")
 
@@ -19,6 +20,9 @@ ENV = ("LOCKGATE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "LOCKGATE_SERVIC
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in ENV:
         monkeypatch.delenv(k, raising=False)
+
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -49,6 +53,31 @@ def test_a_bad_endpoint_is_refused_when_parsing(capsys: pytest.CaptureFixture[st
         parse(["--otlp-endpoint", "127.0.0.1:4318"])
     err = capsys.readouterr().err
     assert "--otlp-endpoint" in err and "'127.0.0.1:4318' is not an http:// or https:// URL" in err
+
+
+def test_trace_sample_ratio_flag_env_twins_and_range(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse([]).trace_sample_ratio == 1.0
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    assert parse([]).trace_sample_ratio == 0.5
+    monkeypatch.setenv("LOCKGATE_TRACE_SAMPLE_RATIO", "0.25")
+    assert parse([]).trace_sample_ratio == 0.25
+    assert parse(["--trace-sample-ratio", "0"]).trace_sample_ratio == 0.0  # the flag wins
+    for bad in ("1.5", "-0.1", "half"):
+        with pytest.raises(SystemExit):
+            parse(["--trace-sample-ratio", bad])
+        err = capsys.readouterr().err
+        assert "--trace-sample-ratio" in err and repr(bad) in err
+
+
+async def test_the_process_tracer_takes_the_ratio() -> None:
+    with receiving() as rcv:
+        async with tracer_for(parse(["--otlp-endpoint", rcv.url, "--trace-sample-ratio", "0"]), "edge") as tracer:
+            assert tracer is not None and tracer.sample_ratio == 0.0
+            tracer.start("dropped").end()  # a new root at ratio 0: not exported
+            tracer.start("kept", SpanContext(TRACE, "00f067aa0ba902b7", True)).end()  # a sampled parent decides
+        await wait_until(lambda: len(rcv.spans()) == 1, timeout=10)
+        assert [s.name for s in rcv.spans()] == ["kept"]
 
 
 async def test_no_endpoint_no_tracer() -> None:

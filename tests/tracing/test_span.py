@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from tracing import SpanContext, SpanKind, SpanRecord, Tracer, parse_traceparent
+import os
+
+import pytest
+
+from tracing import SpanContext, SpanKind, SpanRecord, Tracer, parse_traceparent, ratio_sampled
 
 
 def recorder() -> tuple[Tracer, list[SpanRecord]]:
@@ -90,3 +94,28 @@ def test_end_never_precedes_start_and_record_takes_known_times() -> None:
     assert (phase.start_ns, phase.end_ns, phase.parent_id, phase.kind) == (20_000, 30_000, parent.context.span_id,
                                                                            SpanKind.INTERNAL)
     assert phase.attributes == (("k", 7),)
+
+
+def test_ratio_sampling_of_new_roots() -> None:
+    ids = [os.urandom(16).hex() for _ in range(4000)]
+    assert all(ratio_sampled(t, 1.0) for t in ids) and not any(ratio_sampled(t, 0.0) for t in ids)
+    kept = [t for t in ids if ratio_sampled(t, 0.25)]
+    assert 800 < len(kept) < 1200  # 1000 expected; binomial sd ~27
+    assert all(ratio_sampled(t, 0.5) for t in kept)  # ratios nest: what 0.25 keeps, 0.5 keeps
+    # the decision reads the id's low 64 bits (OpenTelemetry's TraceIdRatioBased)
+    assert ratio_sampled("f" * 16 + "0" * 16, 0.01) and not ratio_sampled("0" * 16 + "f" * 16, 0.99)
+
+
+def test_a_tracer_samples_roots_by_ratio_and_follows_parents() -> None:
+    got: list[SpanRecord] = []
+    tracer = Tracer(got.append, sample_ratio=0.0)
+    root = tracer.start("root")
+    assert root.context.sampled is False
+    tracer.start("child", root).end()
+    root.end()
+    assert got == []  # the whole unsampled trace is dropped
+    tracer.start("joined", SpanContext("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", True)).end()
+    assert [r.name for r in got] == ["joined"]  # a sampled parent decides for its trace
+    for bad in (-0.1, 1.01):
+        with pytest.raises(ValueError, match="sample_ratio"):
+            Tracer(got.append, sample_ratio=bad)
