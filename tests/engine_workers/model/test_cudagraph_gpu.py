@@ -65,3 +65,19 @@ def test_memory_gauge_reports_the_device(tiny_model_dir):
     _engine(tiny_model_dir, "bfloat16", eager=True)
     used = gpu_memory_utilization(torch.device("cuda"))
     assert used is not None and 0.0 < used <= 1.0
+
+
+def test_bench_step_breakdown_host_and_device(tiny_model_dir):
+    import time
+
+    from benchmarks.engine.steptime import StepTimer
+
+    engine = _engine(tiny_model_dir, "bfloat16", eager=False)
+    timer = StepTimer(engine.runner)
+    t0 = time.perf_counter()
+    engine.generate([[5, 6, 7], list(range(10, 50))], GREEDY)
+    sb = timer.close(time.perf_counter() - t0)
+    assert sb["forwards"] >= GREEDY.max_tokens  # one prefill step, then a decode step per token
+    assert sb["forward_host_ms"] > 0 and sb["forward_device_ms"] > 0
+    assert sb["graph_counts"].get("replay", 0) > 0
+    assert engine.runner.execute.__func__ is type(engine.runner).execute  # restored
