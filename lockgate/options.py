@@ -62,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ranks of one tensor-parallel group (CPU, gloo over 127.0.0.1): this process is rank 0 and "
                         "starts the others itself, one torch thread each; attention split by whole GQA groups, "
                         "MLP and MoE experts by tensor, vocabulary in equal slices; 1 = off [LOCKGATE_TENSOR_PARALLEL_SIZE]")
+    g.add_argument("--enforce-eager", action="store_true", default=env_default("enforce-eager", False),
+                   help="CUDA: run every step eager, no decode CUDA graphs (captured at start by default, one per "
+                        "batch x table-width bucket); no effect on a CPU [LOCKGATE_ENFORCE_EAGER]")
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
                    help="a waiting request at least this much more urgent than the worst running one preempts it "
                         "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
@@ -98,4 +101,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,
         priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "none")),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        enforce_eager=getattr(args, "enforce_eager", False),
     )

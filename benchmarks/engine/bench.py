@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
             flops = model_flops(spec, best["computed_tokens"], wl.output_tokens, seq_lens)
             row.update(weights=info["weights"], computed_tokens=best["computed_tokens"], model_flops_per_s=flops / best["seconds"],
                        weight_prepack=p.spec.config.weight_prepack, cpu_kernels=p.spec.config.cpu_kernels)
+            if "step_breakdown" in best:  # CUDA: host vs device per forward (benchmarks/engine/steptime.py)
+                row["step_breakdown"] = best["step_breakdown"]
             if gemm:
                 row["roofline_share"] = flops / best["seconds"] / gemm
                 row["roofline_share_by_path"] = {k: flops / best["seconds"] / v for k, v in peaks.items()}

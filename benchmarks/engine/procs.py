@@ -73,6 +73,11 @@ class _Lockgate:
 
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.outputs]
         computed0 = self.engine.stats.computed_tokens
+        timer = None
+        if self.engine.device.type == "cuda":
+            from benchmarks.engine.steptime import StepTimer
+
+            timer = StepTimer(self.engine.runner)
         _sync(self.engine.device)
         start = time.perf_counter()
         # A fresh prefix-cache salt per run: an earlier round's cached prompts must not make a later
@@ -80,11 +85,15 @@ class _Lockgate:
         done = self.engine.generate(wl.prompts, params, cache_salt=uuid.uuid4().hex)
         _sync(self.engine.device)
         elapsed = time.perf_counter() - start
+        steps = timer.close(elapsed) if timer is not None else None
         if [len(d.token_ids) for d in done] != wl.outputs:
             raise RuntimeError("lockgate made other token counts than the workload asked for")
         if any(d.num_cached_tokens for d in done):
             raise RuntimeError("bench run reused cached prefixes; its timing would not be comparable")
-        return {"seconds": elapsed, "computed_tokens": self.engine.stats.computed_tokens - computed0}
+        out: dict = {"seconds": elapsed, "computed_tokens": self.engine.stats.computed_tokens - computed0}
+        if steps is not None:
+            out["step_breakdown"] = steps
+        return out
 
     def gemm(self) -> dict[str, float]:
         from benchmarks.engine.roofline import measure_gemm_flops

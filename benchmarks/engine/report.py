@@ -69,6 +69,13 @@ def print_report(r: dict) -> None:
         shares = ", ".join(f"{v:.0%} of {k}" for k, v in lg["roofline_share_by_path"].items())
         print(f"lockgate executed {lg['model_flops_per_s'] / 1e9:.1f} GFLOP/s of model FLOPs = "
               f"{lg['roofline_share']:.0%} of roofline ({shares})")
+    for key, label in ROWS[:2]:
+        sb = r.get(key, {}).get("step_breakdown")
+        if sb and sb.get("forwards"):
+            graphs = f"; graph replays {sb['graph_counts'].get('replay', 0)}" if "graph_counts" in sb else ""
+            print(f"{label} step time per forward ({sb['forwards']} forwards): wall {sb['wall_ms_per_forward']:.2f} ms = "
+                  f"host in forward {sb['forward_host_ms']:.2f} ms, device span {sb['forward_device_ms']:.2f} ms, "
+                  f"outside the forward ~{sb['outside_forward_ms']:.2f} ms{graphs}")
     c = r["capacity"]
     print(f"KV capacity at {c['kv_blocks']} blocks x {c['block_size']} ({c['kv_tokens']} tokens): paged "
           f"{c['paged_sequences']} sequences vs {c['contiguous_sequences']} reserved contiguously at prompt + "

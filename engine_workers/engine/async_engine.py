@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from engine_workers.engine import torch_thread
 from engine_workers.engine.core import Engine, RequestOutput
 from engine_workers.engine.params import SamplingParams
+from engine_workers.model.runner import gpu_memory_utilization
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class EngineSnapshot:
     last_batch_seqs: int = 0
     tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
     max_num_seqs: int = 0
+    gpu_memory_utilization: float | None = None  # CUDA: device memory in use (0..1), refreshed <= 1/s; None on CPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class AsyncEngine:
         self._compiling: dict[str, bool] = {}  # request id -> aborted, while its grammar compiles
         self._compile_lock = threading.Lock()
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self._gpu_mem: tuple[float, float | None] = (float("-inf"), None)  # (when read, value)
         self.snapshot = EngineSnapshot(max_num_seqs=engine.config.max_num_seqs,
                                        kv_blocks_total=engine.kv.num_blocks, kv_blocks_free=engine.kv.num_free_blocks)
         self.error: BaseException | None = None
@@ -269,13 +272,15 @@ class AsyncEngine:
         self._rate.append((now, e.stats.generated_tokens))
         t0, n0 = self._rate[0]
         rate = (e.stats.generated_tokens - n0) / (now - t0) if now > t0 else 0.0
+        if e.device.type == "cuda" and now - self._gpu_mem[0] >= 1.0:
+            self._gpu_mem = (now, gpu_memory_utilization(e.device))
         self.snapshot = EngineSnapshot(
             running=e.num_running(), waiting=e.num_waiting(), kv_blocks_total=e.kv.num_blocks,
             kv_blocks_free=e.kv.num_free_blocks, kv_usage=e.kv.usage(), prefix_queries=e.kv.stats.queries,
             prefix_hits=e.kv.stats.hits, preemptions=e.stats.preemptions, steps=e.stats.steps,
             prompt_tokens=e.stats.prompt_tokens, generated_tokens=e.stats.generated_tokens,
             last_batch_tokens=e.stats.last_batch_tokens, last_batch_seqs=e.stats.last_batch_seqs,
-            tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs,
+            tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs, gpu_memory_utilization=self._gpu_mem[1],
         )
 
     # -- event-loop side --------------------------------------------------------------------------

@@ -42,6 +42,9 @@ class EngineConfig:
     # ranks of one tensor-parallel group (CPU, gloo; engine_workers/model/parallel): rank 0 is this
     # process, the others are child processes it starts; 1 = no group, nothing distributed
     tensor_parallel_size: int = 1
+    # CUDA: no decode CUDA graphs, every step eager (vLLM's name). Without it decode steps replay
+    # graphs captured at start (engine_workers/model/cudagraph); no effect on a CPU
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):

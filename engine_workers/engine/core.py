@@ -111,8 +111,9 @@ class Engine:
                     self.tp_group.close()
                 raise
         else:
+            graphs = None if config.enforce_eager else (config.max_num_seqs, self.max_model_len)
             self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype,
-                                      config.cpu_kernels, self.kv_dtype)
+                                      config.cpu_kernels, self.kv_dtype, cuda_graphs=graphs)
         self.sampler = Sampler(self.device, sorted(self.eos_token_ids))
         # Seeds for requests without one: every request's draws are counter-based on a seed (see
         # engine.sampler), so an unseeded request is reproducible too once its seed is known.

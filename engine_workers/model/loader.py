@@ -11,9 +11,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine_workers.model.checkpoint import CheckpointReader, DictSource, ReadHook, WeightSource
 from engine_workers.model.llama import (
     MLP,
     DecoderLayer,
@@ -24,7 +26,11 @@ from engine_workers.model.llama import (
 from engine_workers.model.mla import map_mla_state
 from engine_workers.model.moe import GroupedExperts
 from engine_workers.model.moe_family import map_moe_state
+from engine_workers.model.split import Split
 from tokenization.model_store import ModelError, resolve_model
+
+if TYPE_CHECKING:
+    from engine_workers.model.sharding.layout import RankLayout
 
 log = logging.getLogger(__name__)
 
@@ -39,42 +45,24 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
-def _weight_files(path: Path) -> list[Path]:
-    """The checkpoint's weight files: the shards a ``model.safetensors.index.json`` names (every one
-    must be there), else every ``*.safetensors``, else ``pytorch_model*.bin``."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelError(f"cannot read {index}: {type(exc).__name__}: {exc}") from None
-        missing = [n for n in names if not (path / n).is_file()]
-        if missing:
-            raise ModelError(f"{index} names {len(missing)} shard(s) not in {path}: {', '.join(missing)}")
-        return [path / n for n in names]
-    st = sorted(path.glob("*.safetensors"))
-    if st:
-        return st
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if bins:
-        return bins
-    raise ModelError(f"no weights in {path}: expected *.safetensors or pytorch_model*.bin")
+def checkpoint_state(path: Path, spec: ModelSpec, layout: RankLayout | None = None,
+                     on_read: ReadHook | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights under our names (:func:`_map_state`) for the full model ``spec``;
+    with a rank ``layout``, that rank's shard, read slice by slice so no whole sharded tensor is
+    ever in memory (:mod:`engine_workers.model.checkpoint`); ``on_read`` hears every read."""
+    local = spec
+    if layout is not None:
+        from engine_workers.model.sharding.shard import local_spec
 
+        local = local_spec(spec, layout)
+    with CheckpointReader(path, spec, layout, on_read) as reader:
+        # the pieces are mapped with the rank's own spec: its heads, rows and expert slices
+        state = _map_state(reader, local, path)
+    if layout is not None:
+        from engine_workers.model.sharding.shard import finish_local
 
-def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            if f.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                out.update(load_file(str(f)))
-            else:
-                out.update(torch.load(f, map_location="cpu", weights_only=True))
-        except Exception as exc:  # corrupt/truncated files raise many different types
-            raise ModelError(f"cannot read weights file {f}: {type(exc).__name__}: {exc}") from None
-    return out
+        state = finish_local(state, layout)
+    return state
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -125,14 +113,12 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
             layout = rank_layout(mspec, *tp_rank)
         except TensorParallelError as exc:
             raise ModelError(f"model {path}: {exc}") from None
-    tensors = _read_weights(_weight_files(path))
-    state = _map_state(tensors, mspec, path)
+    state = checkpoint_state(path, mspec, layout)
     full_spec = mspec
     if layout is not None:
-        from engine_workers.model.sharding.shard import local_spec, shard_state
+        from engine_workers.model.sharding.shard import local_spec
 
-        del tensors  # the full tensors go once the rank has copied its slices
-        state, mspec = shard_state(state, mspec, layout), local_spec(mspec, layout)
+        mspec = local_spec(mspec, layout)
     with torch.device("meta"):
         model = LlamaForPagedLM(mspec)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -301,26 +287,30 @@ def _prepack(model: LlamaForPagedLM, device: torch.device, dtype: torch.dtype, c
         log.info("%d linear layers packed for oneDNN (CPU float32)", n)
 
 
-def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
+def _map_state(t: WeightSource | dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[str, torch.Tensor]:
     """HF parameter names -> ours, fusing q/k/v and gate/up; q and k rows (and q/k norms) are
-    reordered to the interleaved RoPE layout (:func:`engine_workers.model.llama.interleave_rope_rows`)."""
+    reordered to the interleaved RoPE layout (:func:`engine_workers.model.llama.interleave_rope_rows`).
+    Every tensor taken is tagged with how a tensor-parallel rank splits it (a
+    :class:`~engine_workers.model.sharding.slices.Split`; None: replicated); a rank's reader returns
+    only its slices and ``spec`` is then the rank's local one, so the shapes below are its own."""
+    src_t = t if not isinstance(t, dict) else DictSource(t, path)
     d = spec.head_dim
+    HEADS, KV, INTER = Split("heads"), Split("kv"), Split("inter")
 
-    def rope_rows(name: str, heads: int) -> torch.Tensor:
-        w = take(name)
+    def rope_rows(name: str, heads: int, split: Split | None) -> torch.Tensor:
+        w = take(name, split)
         if w.shape[0] != heads * d:  # reordering needs the configured shape; say so before it fails
             raise ModelError(f"weights of {path}: {name} has shape {tuple(w.shape)}, expected {heads * d} rows")
         return interleave_rope_rows(w, heads, d)
 
-    def take(name: str) -> torch.Tensor:
-        try:
-            return t[name]
-        except KeyError:
-            raise ModelError(f"weights of {path} lack {name}") from None
+    def take(name: str, split: Split | None = None) -> torch.Tensor:
+        return src_t.take(name, split)
 
-    out = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    out = {"embed_tokens.weight": take("model.embed_tokens.weight", Split("vocab")),
+           "norm.weight": take("model.norm.weight")}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")  # untied: a head of its own, never the embedding
+        # untied: a head of its own, never the embedding
+        out["lm_head.weight"] = take("lm_head.weight", Split("vocab"))
     fused = spec.model_type == "phi3"  # Phi-3 checkpoints store qkv_proj and gate_up_proj fused
     for i in range(spec.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -329,7 +319,7 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
             out.update(map_mla_state(take, spec.mla, src, dst))
         for kind in (() if spec.mla is not None else ("weight", "bias") if spec.attention_bias else ("weight",)):
             if fused:
-                qkv = take(attn + f"qkv_proj.{kind}")
+                qkv = take(attn + f"qkv_proj.{kind}", Split("qkv"))
                 q_rows, kv_rows = spec.num_heads * d, spec.num_kv_heads * d
                 if qkv.shape[0] != q_rows + 2 * kv_rows:
                     raise ModelError(f"weights of {path}: {attn}qkv_proj.{kind} has shape {tuple(qkv.shape)}, "
@@ -338,34 +328,36 @@ def _map_state(t: dict[str, torch.Tensor], spec: ModelSpec, path: Path) -> dict[
                 q = interleave_rope_rows(q_w, spec.num_heads, d)
                 k = interleave_rope_rows(k_w, spec.num_kv_heads, d)
             else:
-                q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads)
-                k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads)
-                v_w = take(attn + f"v_proj.{kind}")
+                q = rope_rows(attn + f"q_proj.{kind}", spec.num_heads, HEADS)
+                k = rope_rows(attn + f"k_proj.{kind}", spec.num_kv_heads, KV)
+                v_w = take(attn + f"v_proj.{kind}", KV)
             out[dst + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v_w])
         if spec.mla is None:
-            out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+            out[dst + "self_attn.o_proj.weight"] = take(attn + "o_proj.weight", Split("heads", dim=1))
         if spec.o_proj_bias and spec.mla is None:
             out[dst + "self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
         if spec.attn_sinks:
-            out[dst + "self_attn.sinks"] = take(attn + "sinks")
+            out[dst + "self_attn.sinks"] = take(attn + "sinks", Split("sinks"))
         if spec.qk_norm:
             # [head_dim] per-dimension scales: the same reordering as the rows they scale
-            out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1)
-            out[dst + "self_attn.k_norm.weight"] = rope_rows(attn + "k_norm.weight", 1)
-        if spec.qk_norm_full:  # [heads * head_dim] scales over the whole projection
-            out[dst + "self_attn.q_norm_full.weight"] = rope_rows(attn + "q_norm.weight", spec.num_heads)
-            out[dst + "self_attn.k_norm_full.weight"] = rope_rows(attn + "k_norm.weight", spec.num_kv_heads)
+            out[dst + "self_attn.q_norm.weight"] = rope_rows(attn + "q_norm.weight", 1, None)
+            out[dst + "self_attn.k_norm.weight"] = rope_rows(attn + "k_norm.weight", 1, None)
+        if spec.qk_norm_full:  # [heads * head_dim] scales over the whole projection (never split: layout)
+            out[dst + "self_attn.q_norm_full.weight"] = rope_rows(attn + "q_norm.weight", spec.num_heads, None)
+            out[dst + "self_attn.k_norm_full.weight"] = rope_rows(attn + "k_norm.weight", spec.num_kv_heads, None)
         mlp = src + "mlp."
         if spec.moe is not None and spec.moe.sparse_layers[i]:
-            out.update(map_moe_state(take, t.__contains__, spec.moe, src, dst))
+            out.update(map_moe_state(take, src_t.__contains__, spec.moe, src, dst))
         elif fused:
-            out[dst + "mlp.gate_up_proj.weight"] = take(mlp + "gate_up_proj.weight")
+            out[dst + "mlp.gate_up_proj.weight"] = take(mlp + "gate_up_proj.weight", Split("gated"))
         else:
-            out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+            out[dst + "mlp.gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight", INTER),
+                                                              take(mlp + "up_proj.weight", INTER)])
         if not (spec.moe is not None and spec.moe.sparse_layers[i]):
-            out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
+            out[dst + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight", Split("inter", dim=1))
         if spec.mlp_bias:
-            out[dst + "mlp.gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            out[dst + "mlp.gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias", INTER),
+                                                            take(mlp + "up_proj.bias", INTER)])
             out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias")
         for ours, theirs in _norm_names(spec).items():
             out[dst + ours] = take(src + theirs)

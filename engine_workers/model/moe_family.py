@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_workers.model.moe import RouterSpec, SparseMoeBlock
+from engine_workers.model.split import Split
 
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
@@ -127,33 +128,38 @@ def _deepseek_spec(cfg, experts: int, top_k: int) -> MoeSpec:
                    ("gate_proj", "up_proj", "down_proj"), shared_inter=shared * cfg.moe_intermediate_size)
 
 
-def map_moe_state(take: Callable[[str], torch.Tensor], has: Callable[[str], bool], moe: MoeSpec, src: str,
+def map_moe_state(take: Callable[..., torch.Tensor], has: Callable[[str], bool], moe: MoeSpec, src: str,
                   dst: str) -> dict[str, torch.Tensor]:
     """Layer ``src``'s (``model.layers.{i}.``) sparse-block weights as our ``dst`` names
-    (engine_workers.model.moe.SparseMoeBlock under ``mlp.``)."""
+    (engine_workers.model.moe.SparseMoeBlock under ``mlp.``). ``take(name, split)``: each expert
+    tensor is tagged with its tensor-parallel split, by tensor: every rank reads a slice of every
+    expert's intermediate rows (:mod:`engine_workers.model.sharding.slices`); routers are whole."""
     base = src + moe.prefix + "."
     if moe.activation == "swiglu_clamped":  # gpt-oss: [E, H, 2I] and [E, I, H], x @ W, with biases
         return {dst + "mlp.router.weight": take(base + "router.weight"),
                 dst + "mlp.router.bias": take(base + "router.bias"),
-                dst + "mlp.experts.gate_up": take(base + "experts.gate_up_proj").transpose(1, 2).contiguous(),
-                dst + "mlp.experts.gate_up_bias": take(base + "experts.gate_up_proj_bias"),
-                dst + "mlp.experts.down": take(base + "experts.down_proj").transpose(1, 2).contiguous(),
+                dst + "mlp.experts.gate_up": take(base + "experts.gate_up_proj",
+                                                  Split("paired", 2, "moe")).transpose(1, 2).contiguous(),
+                dst + "mlp.experts.gate_up_bias": take(base + "experts.gate_up_proj_bias", Split("paired", 1, "moe")),
+                dst + "mlp.experts.down": take(base + "experts.down_proj",
+                                               Split("inter", 1, "moe")).transpose(1, 2).contiguous(),
                 dst + "mlp.experts.down_bias": take(base + "experts.down_proj_bias")}
+    rows, cols = Split("inter", 0, "moe"), Split("inter", 1, "moe")
     out = {dst + "mlp.router.weight": take(base + "gate.weight")}
     if moe.router.kind == "sigmoid_group":  # DeepSeek-V3: the selection bias and the shared experts
         out[dst + "mlp.router.correction"] = take(base + "gate.e_score_correction_bias")
         if moe.shared_inter:
-            shared = base + "shared_experts."
-            out[dst + "mlp.shared.gate_up"] = torch.cat([take(shared + "gate_proj.weight"),
-                                                         take(shared + "up_proj.weight")])[None]
-            out[dst + "mlp.shared.down"] = take(shared + "down_proj.weight")[None]
-    if has(base + "experts.gate_up_proj"):  # already stacked
-        out[dst + "mlp.experts.gate_up"] = take(base + "experts.gate_up_proj")
-        out[dst + "mlp.experts.down"] = take(base + "experts.down_proj")
+            shared, srows = base + "shared_experts.", Split("inter", 0, "shared")
+            out[dst + "mlp.shared.gate_up"] = torch.cat([take(shared + "gate_proj.weight", srows),
+                                                         take(shared + "up_proj.weight", srows)])[None]
+            out[dst + "mlp.shared.down"] = take(shared + "down_proj.weight", Split("inter", 1, "shared"))[None]
+    if has(base + "experts.gate_up_proj"):  # already stacked: [E, 2I, H] and [E, H, I]
+        out[dst + "mlp.experts.gate_up"] = take(base + "experts.gate_up_proj", Split("gated", 1, "moe"))
+        out[dst + "mlp.experts.down"] = take(base + "experts.down_proj", Split("inter", 2, "moe"))
         return out
     gate, up, down = moe.names
     per = [base + f"experts.{e}." for e in range(moe.num_experts)]
     out[dst + "mlp.experts.gate_up"] = torch.stack(
-        [torch.cat([take(p + f"{gate}.weight"), take(p + f"{up}.weight")]) for p in per])
-    out[dst + "mlp.experts.down"] = torch.stack([take(p + f"{down}.weight") for p in per])
+        [torch.cat([take(p + f"{gate}.weight", rows), take(p + f"{up}.weight", rows)]) for p in per])
+    out[dst + "mlp.experts.down"] = torch.stack([take(p + f"{down}.weight", cols) for p in per])
     return out

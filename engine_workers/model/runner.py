@@ -62,6 +62,15 @@ def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> t
     return kv
 
 
+def gpu_memory_utilization(device: torch.device) -> float | None:
+    """The fraction of ``device``'s memory in use by anyone (the driver's free/total, so other
+    processes count too), None off CUDA. One driver call, no sync with the device's queue."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / total if total else None
+
+
 def kv_budget_blocks(
     spec: ModelSpec, block_size: int, dtype: torch.dtype, device: torch.device,
     kv_cache_bytes: int | None, memory_fraction: float,
@@ -85,8 +94,11 @@ def kv_budget_blocks(
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 cpu_kernels: bool = True, kv_dtype: torch.dtype | None = None) -> None:
-        """``dtype``: the compute dtype; ``kv_dtype``: the K/V cache's storage dtype (None = ``dtype``)."""
+                 cpu_kernels: bool = True, kv_dtype: torch.dtype | None = None,
+                 cuda_graphs: tuple[int, int] | None = None) -> None:
+        """``dtype``: the compute dtype; ``kv_dtype``: the K/V cache's storage dtype (None = ``dtype``).
+        ``cuda_graphs``: ``(max_num_seqs, max_model_len)`` to capture decode CUDA graphs for
+        (:mod:`engine_workers.model.cudagraph`); on CUDA only, ignored elsewhere."""
         self.model = loaded.model
         # the modules' own spec: under tensor parallelism the rank's heads only (its cache's shape)
         self.spec = loaded.model.spec
@@ -95,7 +107,9 @@ class ModelRunner:
         self.kv_dtype = kv_dtype = kv_dtype or dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        slots = num_blocks * block_size
+        graphs_wanted = cuda_graphs is not None and device.type == "cuda"
+        # with CUDA graphs, one more block past the KV manager's pool: the padded rows' dummy block
+        slots = (num_blocks + int(graphs_wanted)) * block_size
         # per layer two tensors [slots, *shape]: K and V, or MLA's latent and RoPE key (model/mla.py);
         # the block pool is the same either way, a block being block_size slots of every layer
         k_shape, v_shape = self.spec.kv_slot_shapes
@@ -124,7 +138,11 @@ class ModelRunner:
                 self.decode_kernel = kernels.paged_decode()
                 self.prefill_kernel = kernels.prefill_attention()
             self.model.use_fused(kernels.fused())
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %.1f MiB", num_blocks, block_size, slots,
+        self.graphs = None
+        if graphs_wanted:
+            assert cuda_graphs is not None
+            self.graphs = _decode_graphs(self, *cuda_graphs)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %.1f MiB", num_blocks, block_size, num_blocks * block_size,
                  str(kv_dtype).removeprefix("torch."), kv_block_bytes(self.spec, block_size, kv_dtype) * num_blocks / 2**20)
 
     @torch.inference_mode()
@@ -140,6 +158,10 @@ class ModelRunner:
         ``sum_chunks``: indices into ``chunks`` whose every row's final-norm state is summed;
         ``sums_out`` receives those sums ``[len(sum_chunks), hidden]`` (float32; mean pooling).
         """
+        if self.graphs is not None:
+            out = self.graphs.run(chunks, every_row, hidden_out is not None, sums_out is not None)
+            if out is not None:
+                return out
         ids: list[int] = []
         meta_in = []
         logit_rows = []
@@ -159,3 +181,22 @@ class ModelRunner:
         spans = [(firsts[i], len(chunks[i][0])) for i in sum_chunks] if sums_out is not None else None
         with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
             return self.model(input_ids, positions, self.kv_caches, meta, rows, hidden_out, spans, sums_out)
+
+
+def _decode_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int):
+    """The runner's captured decode graphs, or None (logged) where its model cannot be captured
+    or capture fails (then every step runs eager, as with ``--enforce-eager``)."""
+    from engine_workers.model.cudagraph.graphs import DecodeGraphs, graph_problem
+
+    problem = graph_problem(runner.model)
+    if problem is not None:
+        log.info("CUDA graphs off (every step eager): %s", problem)
+        return None
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, runner.num_blocks, runner.dtype,
+                          runner.device, max_num_seqs, max_model_len, runner.sdpa_backends)
+    try:
+        graphs.capture_all()
+    except Exception as exc:  # out of memory, a kernel that cannot be captured: serve eager instead
+        log.warning("CUDA graphs off (every step eager): capture failed: %s: %s", type(exc).__name__, exc)
+        return None
+    return graphs

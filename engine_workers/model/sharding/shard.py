@@ -18,6 +18,9 @@ from engine_workers.model.sharding.layout import RankLayout, TensorParallelError
 from engine_workers.model.spec import ModelSpec
 
 _REPLICATED_SUFFIXES = ("norm.weight", "router.weight", "router.bias", "router.correction")
+# biases of row-split layers, added once after the partial sums meet (by rank 0)
+_ONCE_TAILS = ("o_proj.bias", "down_proj.bias", "experts.down_bias", "shared.down_bias")
+_VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
 
 def local_spec(spec: ModelSpec, lay: RankLayout) -> ModelSpec:
@@ -52,9 +55,27 @@ def _vocab_rows(w: torch.Tensor, lay: RankLayout) -> torch.Tensor:
     return out
 
 
+def finish_local(state: dict[str, torch.Tensor], lay: RankLayout) -> dict[str, torch.Tensor]:
+    """A rank's mapped state read slice by slice (:mod:`engine_workers.model.checkpoint`) made the
+    rank's shard: its vocabulary rows zero-padded to ``vocab_local`` and the row-split layers'
+    biases (read whole) zeroed off rank 0, as :func:`shard_state` leaves them."""
+    out = {}
+    for name, w in state.items():
+        if name in _VOCAB:
+            pad = w.new_zeros((lay.vocab_local, *w.shape[1:]))
+            pad[: w.shape[0]] = w
+            w = pad
+        elif ".".join(name.rsplit(".", 2)[-2:]) in _ONCE_TAILS:
+            w = _once(w, lay)
+        out[name] = w
+    return out
+
+
 def shard_state(state: dict[str, torch.Tensor], spec: ModelSpec, lay: RankLayout) -> dict[str, torch.Tensor]:
     """Rank ``lay``'s slice of every tensor of ``state`` (the loader's mapped names for ``spec``);
-    the slices are copies, so the full tensors can be freed. TensorParallelError for a name no rule
+    the slices are copies. The loader no longer slices whole tensors (each rank reads only its
+    slices: :mod:`engine_workers.model.sharding.slices`); this is the layout stated on the mapped
+    names, the reference those reads are tested against. TensorParallelError for a name no rule
     covers (a new family must say how it splits)."""
     d, hq, hkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
     (q0, q1), (k0, k1) = lay.q_heads, lay.kv_heads
@@ -64,7 +85,7 @@ def shard_state(state: dict[str, torch.Tensor], spec: ModelSpec, lay: RankLayout
     for name, w in state.items():
         leaf = name.rsplit(".", 2)
         tail = ".".join(leaf[-2:])
-        if name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in _VOCAB:
             t = _vocab_rows(w, lay)
         elif name.endswith(_REPLICATED_SUFFIXES):
             t = w
@@ -79,7 +100,7 @@ def shard_state(state: dict[str, torch.Tensor], spec: ModelSpec, lay: RankLayout
             t = _gated_rows(w, spec.intermediate_size, lay.inter, 0, False)
         elif tail == "down_proj.weight":
             t = w[:, lay.inter[0] : lay.inter[1]]
-        elif tail in ("o_proj.bias", "down_proj.bias", "experts.down_bias", "shared.down_bias"):
+        elif tail in _ONCE_TAILS:
             t = _once(w, lay)
         elif tail in ("experts.gate_up", "experts.gate_up_bias", "shared.gate_up", "shared.gate_up_bias"):
             assert moe is not None

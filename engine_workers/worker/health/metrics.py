@@ -11,6 +11,7 @@ dashboards port by a prefix swap:
 ``lockgate:num_requests_running``         gauge       model, tier
 ``lockgate:num_requests_waiting``         gauge       model, tier — intake + engine queue
 ``lockgate:kv_cache_usage_perc``          gauge       model — 0..1, as vLLM
+``lockgate:gpu_memory_utilization``       gauge       model — CUDA: device memory in use, 0..1; absent on CPU
 ``lockgate:prompt_tokens_total``          counter     model
 ``lockgate:generation_tokens_total``      counter     model
 ``lockgate:prefix_cache_queries_total``   counter     model — prompt tokens looked up
@@ -77,6 +78,8 @@ class WorkerMetrics:
         self.waiting = Gauge("lockgate:num_requests_waiting", "Requests waiting (intake + engine queue).", mt,
                              registry=r)
         self.kv_usage = Gauge("lockgate:kv_cache_usage_perc", "KV-cache usage (0..1).", m, registry=r)
+        self.gpu_memory = Gauge("lockgate:gpu_memory_utilization", "CUDA device memory in use, by any process "
+                                "(0..1; cudaMemGetInfo). Absent on CPU.", m, registry=r)
         self.prompt_tokens = Counter("lockgate:prompt_tokens", "Prompt tokens processed.", m, registry=r)
         self.generation_tokens = Counter("lockgate:generation_tokens", "Tokens generated.", m, registry=r)
         self.prefix_queries = Counter("lockgate:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m, registry=r)
@@ -139,6 +142,8 @@ class WorkerMetrics:
         for tier, n in enumerate(running):
             self.running.labels(self.model, tier_label(tier)).set(n)
         self.kv_usage.labels(self.model).set(snap.kv_usage)
+        if snap.gpu_memory_utilization is not None:  # no series at all on a CPU
+            self.gpu_memory.labels(self.model).set(snap.gpu_memory_utilization)
         for tier, n in enumerate(waiting):
             self.waiting.labels(self.model, tier_label(tier)).set(n)
         for counter, now, before in ((self.prefix_queries, snap.prefix_queries, last.prefix_queries),
