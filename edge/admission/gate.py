@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from bus import Bus, Cancel, Error, ErrorCode, Finished, InferenceRequest, bound, encode
+from bus import Bus, BusError, Cancel, Error, ErrorCode, Finished, InferenceRequest, bound, encode
 from edge.admission.affinity import Placement, PrefixAffinity
 from edge.admission.auth import Authenticator, Principal
 from edge.admission.ratelimit import RateLimiter
@@ -187,18 +187,34 @@ class Admission:
                 async with asyncio.timeout(timeout):
                     key, partition = await self.placement.place(topic, req)
                     await self.bus.send(topic, encode(req), key=key, headers=headers, partition=partition)
-            except Exception as exc:  # the bus is down or unreachable: tell the client, keep the connection
+            except asyncio.CancelledError:
+                # the handler went away mid-send (client gone, shutdown): the write may still
+                # land, so a worker is told to drop it; the span ends rather than leaking
+                if pub is not None:
+                    pub.fail("publish cancelled")
+                    pub.end()
+                self.publish_cancel(req.request_id, "unqueued")
+                raise
+            except Exception as exc:
+                # A programming or configuration error (a tier the layout refuses, a record that
+                # does not encode) is ours, not an outage: 500 `internal`, never a retryable 503.
+                ours = isinstance(exc, (TypeError, ValueError, LookupError, AttributeError, AssertionError)) \
+                    and not isinstance(exc, BusError)
                 why = f"no answer within {timeout:g} s (publish_timeout_s)" if isinstance(exc, TimeoutError) else str(exc)
-                log.warning("publishing %s failed: %s", req.request_id, why)
+                if ours:
+                    log.exception("publishing %s failed", req.request_id)
+                else:
+                    log.warning("publishing %s failed: %s", req.request_id, why)
                 if pub is not None:
                     pub.fail(f"publish failed: {why}"[:300])
                     pub.end()
                 if span is not None:
-                    span.fail(f"overloaded: the request was not queued: {why}"[:300])
+                    span.fail(f"{'internal' if ours else 'overloaded'}: the request was not queued: {why}"[:300])
                 if not a.stream.ended:
-                    a.stream.sink.on_error(a.stream, Error(req.request_id, ErrorCode.OVERLOADED,
-                                                           f"the bus is unreachable, the request was not queued: "
-                                                           f"{why}"[:300], retry_after=1.0))
+                    err = (Error(req.request_id, ErrorCode.INTERNAL, f"the request was not queued: {why}"[:300]) if ours
+                           else Error(req.request_id, ErrorCode.OVERLOADED,
+                                      f"the bus is unreachable, the request was not queued: {why}"[:300], retry_after=1.0))
+                    a.stream.sink.on_error(a.stream, err)
                 self.publish_cancel(req.request_id, "unqueued")
                 return False
             if pub is not None:
@@ -279,7 +295,8 @@ class Admission:
         topic = self.config.layout.control_topic
         while True:
             c = await self._cancels.get()
-            try:
-                await self.bus.send(topic, encode(c), key=c.request_id.encode())
+            try:  # bounded like a request's publish: a broker outage must not stall the outbox
+                async with asyncio.timeout(self.config.publish_timeout_s):
+                    await self.bus.send(topic, encode(c), key=c.request_id.encode())
             except Exception as exc:  # keep going: a lost Cancel only wastes worker time
                 log.warning("publishing Cancel(%s) failed: %s", c.request_id, exc)

@@ -71,3 +71,28 @@ async def test_with_tracing_on_the_line_carries_the_trace_id_and_the_spans_say_w
     assert (req.kind, pub.kind) == (SpanKind.SERVER, SpanKind.PRODUCER)
     assert pub.error is not None and pub.error.startswith("publish failed:")
     assert req.error is not None and req.error.startswith("overloaded: the request was not queued")
+
+
+class _BrokenPlacement:
+    """A placement with a bug in it: a programming error, not a bus outage."""
+
+    async def place(self, topic, req):
+        raise TypeError("placement bug")
+
+
+async def test_a_bug_while_publishing_is_internal_not_a_retryable_outage(encoder):
+    with json_log() as out:
+        async with running_edge(encoder) as (edge, _fw):
+            edge.admission.placement = _BrokenPlacement()
+            async with client(edge) as ws:
+                await send(ws, {"type": "generate", "id": "c1", "prompt": "hello", "max_tokens": 2})
+                frames = []
+                while not frames or frames[-1].get("type") != "error":
+                    frames.append(await recv(ws))
+                assert frames[-1]["code"] == "internal" and "placement bug" in frames[-1]["message"]
+                assert "retry_after" not in frames[-1] or frames[-1]["retry_after"] is None
+                # the connection stays usable and the traceback is logged for the operator
+                await wait_for(lambda: "placement bug" in out.getvalue())
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    failed = [r for r in rows if r["message"].startswith("publishing")]
+    assert failed and failed[0]["level"] == "ERROR"
