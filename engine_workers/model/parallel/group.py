@@ -84,11 +84,13 @@ class TpGroup:
         port = free_port()
         gloo_env()
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.procs = [
-            subprocess.Popen([sys.executable, "-m", "engine_workers.model.parallel.follower", str(rank), str(world),
-                              str(port), str(timeout_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-            for rank in range(1, world)]
+        self.procs: list[subprocess.Popen] = []
+        self._pending: dict[int, bytes] = {}  # per rank: stdout read past its last ``ready``
         try:
+            for rank in range(1, world):  # one by one, so a failed start kills the ranks already started
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "engine_workers.model.parallel.follower", str(rank), str(world),
+                     str(port), str(timeout_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
         except Exception as exc:
@@ -133,22 +135,35 @@ class TpGroup:
                 self.fail(f"rank {rank}'s control pipe closed", exc)
 
     def wait_ready(self, what: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Every other rank's ``ready`` line, each within ``timeout_s`` (raises if one exits first)."""
+        """Every other rank's ``ready`` line, each within ``timeout_s`` (raises if one exits first).
+
+        Reads the pipe's file descriptor unbuffered: with a buffered ``readline`` a ``ready`` that
+        arrived in one chunk with other output would sit in Python's buffer while ``select`` waits
+        on a descriptor with nothing left to read."""
         deadline = time.monotonic() + timeout_s
         for rank, p in enumerate(self.procs, start=1):
             assert p.stdout is not None
-            while True:
+            fd = p.stdout.fileno()
+            pending = self._pending.get(rank, b"")
+            while b"ready" not in pending.split(b"\n")[:-1]:  # complete lines only
                 self.check()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self.fail(f"rank {rank} not ready ({what}) after {timeout_s:.0f} s")
-                readable, _, _ = select.select([p.stdout], [], [], min(left, 0.5))
-                if readable:
-                    line = p.stdout.readline()
-                    if line.strip() == b"ready":
-                        break
-                    if not line:  # EOF: it is exiting; check() reports its code
+                readable, _, _ = select.select([fd], [], [], min(left, 0.5))
+                if not readable:
+                    continue
+                chunk = os.read(fd, 4096)
+                if not chunk:  # EOF: it is exiting; check() reports its code
+                    try:
                         p.wait(timeout=self.timeout_s)
+                    except subprocess.TimeoutExpired as exc:
+                        self.fail(f"rank {rank} closed its stdout but did not exit", exc)
+                    continue
+                pending += chunk
+            lines = pending.split(b"\n")
+            # keep what came after this ``ready`` for the next wait (a later load's line)
+            self._pending[rank] = b"\n".join(lines[lines.index(b"ready") + 1:])
 
     # -- data -------------------------------------------------------------------------------------
 
