@@ -65,7 +65,9 @@ class OtlpExporter:
 
     async def stop(self) -> None:
         """Send what is still queued, then end the task. A batch the receiver fails ends the flush
-        (the rest is counted as dropped): a dead receiver delays a stop by one ``timeout_s``."""
+        (the rest is counted as dropped): a dead receiver delays a stop by one ``timeout_s``. The
+        whole stop waits at most ``2 x timeout_s``; past it the task is cancelled and what is left
+        counts as dropped (a POST already on its thread may finish after that, unobserved)."""
         task, self._task = self._task, None
         if task is None:
             return
@@ -77,6 +79,10 @@ class OtlpExporter:
         except TimeoutError:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        except asyncio.CancelledError:  # our caller was cancelled: do not orphan the task
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         self.dropped += len(self._queue)
         self._queue.clear()
 
@@ -108,7 +114,12 @@ class OtlpExporter:
     async def _flush(self) -> bool:
         n = min(len(self._queue), self.batch)
         records = [self._queue.popleft() for _ in range(n)]
-        body = encode(records, self.resource)
+        try:
+            body = encode(records, self.resource)
+        except Exception:  # a span that does not encode is dropped with its batch; the exporter lives on
+            self.dropped += n
+            log.exception("OTLP export: %d spans did not encode, dropped", n)
+            return True
         try:
             await asyncio.to_thread(self._post, body)
         except Exception as exc:  # the receiver is down or refused: count, say so, go on

@@ -137,3 +137,30 @@ async def test_the_task_is_owned_start_and_stop_are_idempotent(receiver: Receive
     async with ex:  # restartable
         ex.offer(span(0))
     assert ex.exported == 1 and tasks_named("otlp-exporter") == []
+
+
+async def test_a_span_that_does_not_encode_is_dropped_and_the_exporter_lives_on(receiver: Receiver) -> None:
+    ex = OtlpExporter(receiver.url, RESOURCE, interval_s=3600, batch=1)
+    await ex.start()
+    bad = SpanRecord("ab" * 16, "f" * 16, "", "bad \ud800", SpanKind.INTERNAL, 1, 2)  # a lone surrogate: not UTF-8
+    ex.offer(bad)
+    await wait_until(lambda: ex.dropped == 1, timeout=10)
+    ex.offer(span(0))  # the task is still running: the next span goes out
+    await wait_until(lambda: ex.exported == 1, timeout=10)
+    assert tasks_named("otlp-exporter")
+    await ex.stop()
+    assert [s.name for s in receiver.spans()] == ["s0"] and receiver.errors == []
+
+
+async def test_a_cancelled_stop_does_not_orphan_the_task(receiver: Receiver) -> None:
+    receiver.hold.clear()  # a stuck collector: the flush in stop() waits
+    ex = OtlpExporter(receiver.url, RESOURCE, interval_s=3600, timeout_s=5)
+    await ex.start()
+    ex.offer(span(0))
+    stopping = asyncio.create_task(ex.stop())
+    await wait_until(lambda: receiver.in_flight == 1, timeout=10)
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    receiver.hold.set()
+    assert tasks_named("otlp-exporter") == []
