@@ -25,8 +25,17 @@ def service_name_default() -> str:
     return os.environ.get("LOCKGATE_SERVICE_NAME") or os.environ.get("OTEL_SERVICE_NAME") or ""
 
 
+# the standard samplers whose OTEL_TRACES_SAMPLER_ARG is a ratio (for the others it is not)
+RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+
+
 def sample_ratio_default() -> str:
-    return os.environ.get("LOCKGATE_TRACE_SAMPLE_RATIO") or os.environ.get("OTEL_TRACES_SAMPLER_ARG") or "1.0"
+    ours = os.environ.get("LOCKGATE_TRACE_SAMPLE_RATIO")
+    if ours:
+        return ours
+    if os.environ.get("OTEL_TRACES_SAMPLER", "").strip().lower() in RATIO_SAMPLERS:
+        return os.environ.get("OTEL_TRACES_SAMPLER_ARG") or "1.0"
+    return "1.0"
 
 
 def sample_ratio(value: str) -> float:
@@ -63,7 +72,7 @@ def add_tracing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace-sample-ratio", type=sample_ratio, default=sample_ratio_default(), metavar="R",
                         help="share of new traces kept (by trace id, as OpenTelemetry's TraceIdRatioBased); a "
                              "client's traceparent decides for its own trace (env LOCKGATE_TRACE_SAMPLE_RATIO, "
-                             "then OTEL_TRACES_SAMPLER_ARG; default: 1.0, every trace)")
+                             "then OTEL_TRACES_SAMPLER_ARG with OTEL_TRACES_SAMPLER=[parentbased_]traceidratio; default: 1.0, every trace)")
 
 
 class ProcessTracer(Tracer):

@@ -18,6 +18,7 @@ malformed or foreign header must never fail the request that carries it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +26,10 @@ HEADER = "traceparent"
 STATE_HEADER = "tracestate"
 MAX_STATE_MEMBERS = 32  # W3C Trace Context: a tracestate list holds at most 32 members
 MAX_STATE_CHARS = 512  # the length the spec lets a platform truncate to
+# W3C Trace Context's list-member grammar: a key (simple, or multi-tenant ``tenant@system``) and a
+# value of printable ASCII without ``,`` and ``=``, not ending in a space
+_STATE_KEY = re.compile(r"[a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13}")
+_STATE_VALUE = re.compile(r"[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
 _HEX = frozenset("0123456789abcdef")
 _ZERO_TRACE = "0" * 32
 _ZERO_SPAN = "0" * 16
@@ -80,7 +85,8 @@ def parse_traceparent(value: str | bytes | None) -> SpanContext | None:
 
 def parse_tracestate(value: str | bytes | None) -> str:
     """``value`` of a ``tracestate`` header, normalised (members trimmed, empty ones dropped), or ""
-    when absent or malformed (a member without ``key=value``, non-printable or non-ASCII text, more
+    when absent or malformed (a member outside the spec's ``key=value`` grammar: an uppercase or
+    over-long key, ``=`` in a value, non-printable or non-ASCII text; more
     than :data:`MAX_STATE_MEMBERS` members, longer than :data:`MAX_STATE_CHARS`): the spec asks to
     drop a tracestate that does not parse rather than pass part of it on."""
     if not value:
@@ -95,7 +101,7 @@ def parse_tracestate(value: str | bytes | None) -> str:
         return ""
     for m in members:
         key, eq, val = m.partition("=")
-        if not eq or not key or not val or not (m.isascii() and m.isprintable()) or " " in key:
+        if not eq or not _STATE_KEY.fullmatch(key) or not _STATE_VALUE.fullmatch(val):
             return ""
     out = ",".join(members)
     return out if len(out) <= MAX_STATE_CHARS else ""

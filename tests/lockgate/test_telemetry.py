@@ -59,6 +59,8 @@ def test_trace_sample_ratio_flag_env_twins_and_range(monkeypatch: pytest.MonkeyP
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert parse([]).trace_sample_ratio == 1.0
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    assert parse([]).trace_sample_ratio == 1.0  # the argument of some other sampler: not a ratio
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     assert parse([]).trace_sample_ratio == 0.5
     monkeypatch.setenv("LOCKGATE_TRACE_SAMPLE_RATIO", "0.25")
     assert parse([]).trace_sample_ratio == 0.25

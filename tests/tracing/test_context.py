@@ -83,6 +83,8 @@ def test_an_ignored_header_starts_a_new_trace() -> None:
     (b"a@vendor=x", "a@vendor=x"),
     ("", ""), (None, ""),
     ("novalue", ""), ("=v", ""), ("k=", ""), ("k=v,bad", ""),  # a malformed member drops the whole list
+    ("Congo=x", ""), ("k=a=b", ""), ("k" * 257 + "=v", ""), ("k=" + "v" * 257, ""),  # key/value grammar
+    ("tenant@sys=v", "tenant@sys=v"), ("1tenant@sys=v", "1tenant@sys=v"), ("1k=v", ""),
     ("k=caf\u00e9", ""), ("k=a\tb", ""), (b"k=\xff", ""),  # non-ASCII, non-printable
     (",".join(f"k{i}=v" for i in range(33)), ""),  # more than 32 members
     ("k=" + "v" * 600, ""),  # longer than 512 characters
