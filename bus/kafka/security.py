@@ -23,6 +23,7 @@ only given with a TLS protocol and are readable. Pure except for reading the fil
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ def _flag(name: str, raw: str | bool) -> bool:
 
 
 def _readable(name: str, path: str) -> str:
-    if not Path(path).is_file():
+    if not Path(path).is_file() or not os.access(path, os.R_OK):
         raise ValueError(f"Kafka option {name}: no readable file at {path!r}")
     return path
 
@@ -111,6 +112,8 @@ class KafkaSecurity:
             if not _tls(proto):
                 raise ValueError(f"Kafka option {name} needs a TLS security_protocol (SSL or SASL_SSL), got {proto}")
             _readable(name, path)
+        if not self.ssl_check_hostname and not _tls(proto):
+            raise ValueError(f"Kafka option ssl_check_hostname needs a TLS security_protocol (SSL or SASL_SSL), got {proto}")
         if self.ssl_keyfile is not None and self.ssl_certfile is None:
             raise ValueError("Kafka option ssl_keyfile needs ssl_certfile (the client certificate)")
 

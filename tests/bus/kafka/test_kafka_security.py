@@ -119,3 +119,10 @@ def test_inconsistent_or_unsafe_settings_are_refused(tmp_path: Path) -> None:
     garbage.write_text("not a certificate\n")
     with pytest.raises(ValueError, match="TLS files could not be loaded"):
         connect(f"kafka://127.0.0.1:9?security_protocol=SSL&ssl_cafile={garbage}")
+
+
+
+def test_ssl_check_hostname_is_refused_without_tls() -> None:
+    with pytest.raises(ValueError, match="ssl_check_hostname needs a TLS security_protocol"):
+        security_from({"ssl_check_hostname": "false"}, {})
+    assert security_from({"security_protocol": "SSL", "ssl_check_hostname": "false"}, {}).ssl_check_hostname is False
