@@ -8,8 +8,8 @@ concatenates them in order, so a rank never holds a whole sharded tensor. The lo
 pieces with the rank's *local* spec exactly as it maps whole tensors with the full one (fusing
 q/k/v, gate/up, stacking experts); that commutes with the split because every split selects whole
 heads, whole intermediate rows, or whole gate/up pairs, and the RoPE row reordering permutes rows
-only within a head. ``shard.shard_state`` states the same layout on the mapped names; the tests
-check that both give identical tensors.
+only within a head. The tests state the same layout on whole mapped tensors
+(``tests/engine_workers/model/tp_reference.py``) and check that both give identical tensors.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ import torch
 
 from engine_workers.model.loader import checkpoint_state
 from engine_workers.model.sharding.layout import rank_layout
-from engine_workers.model.sharding.shard import shard_state
 from engine_workers.model.spec import ModelSpec
 from tests.engine_workers.model import test_checkpoints as checkpoints
 from tests.engine_workers.model import test_tensor_parallel as tp
+from tests.engine_workers.model.tp_reference import shard_state
 
 # the only checkpoint tensors a rank may read whole: replicated (norms, routers) or tiny (biases
 # of row-split layers, added on rank 0 after the all-reduce)
