@@ -244,10 +244,17 @@ class OpenAIServer:
         await resp.prepare(request)
         req = sinks[0].req
         try:
-            if req.chat:
-                await resp.write(b"".join(s.role_event() for s in sinks))
+            # Nothing goes out before the first output (a token, the end or an error): TTFT as
+            # clients and benchmark tools read it is the first streamed chunk's arrival, so the
+            # content-free role chunk (and completions' echo) leaves in the same write as the
+            # first token, as vLLM sends it (docs/protocol.md, "Streaming").
+            while not any(s.started for s in sinks):
+                await wake.wait()
+                wake.clear()
+            head = b"".join(s.role_event() for s in sinks) if req.chat else b""
             while True:
-                data = b"".join(s.take() for s in sinks)
+                data = head + b"".join(s.take() for s in sinks)
+                head = b""
                 if data:
                     await resp.write(data)
                 failed = any(s.error is not None for s in sinks)

@@ -60,6 +60,7 @@ class OpenAIStream:
         self.usage: dict[str, Any] | None = None
         self.error: tuple[int, dict[str, Any], float | None] | None = None  # (status, body, retry_after)
         self.closed = False  # the stream ended: nothing more will be added
+        self.started = False  # the first output (a token, the end or an error) has arrived
         self.index = index
         self.echo = echo
         self._wake = wake
@@ -108,6 +109,7 @@ class OpenAIStream:
     # --- router callbacks ---------------------------------------------------------------------
     def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the router's callback signature
                  logprobs: tuple | None) -> None:
+        self.started = True
         self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
         lp = self._logprobs(logprobs) if self.req.logprobs is not None else None
         if self.reasoning is None:
@@ -170,6 +172,7 @@ class OpenAIStream:
         self._delta_event(delta, lp)
 
     def on_finished(self, s: Stream, msg: Finished) -> None:
+        self.started = True
         self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
         completion = self.adm.completion_tokens(s, msg)
         self.usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": completion,
@@ -216,6 +219,7 @@ class OpenAIStream:
         self.adm.release(s, s.next_seq, cancel_reason)
         status, body = error_body(code, message)
         self.error = (status, body, retry_after)
+        self.started = True
         if self.req.stream:  # after the 200 went out the error is an event (the handler then writes [DONE])
             self.pending.append(sse(body))
         self.closed = True

@@ -34,6 +34,7 @@ from engine_workers.model.loader import LoadedModel, load_model
 from engine_workers.model.parallel.group import TpGroup
 from engine_workers.model.parallel.runner import ParallelRunner, load_group
 from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
+from engine_workers.model.smoothing import load_smoothed_w8a8
 from kv_store import KVCacheManager
 from tokenization.prompts import PromptTokenizer
 
@@ -82,6 +83,9 @@ class Engine:
         self.tp_group: TpGroup | None = None
         if tp > 1:
             loaded = self._load_parallel(config, lowp, tp_group)
+        elif lowp == "w8a8":  # calibrated activation smoothing before quantizing (model/smoothing.py)
+            loaded = load_smoothed_w8a8(config.model, self.device, config.block_size, config.max_model_len,
+                                        config.cpu_kernels)
         else:
             loaded = load_model(config.model, self.dtype, self.device, config.max_model_len, config.weight_prepack,
                                 config.cpu_kernels, lowp)

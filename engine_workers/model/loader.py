@@ -168,6 +168,13 @@ def _experts(model: LlamaForPagedLM) -> list[GroupedExperts]:
     return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 
+def quantize_linears(model: LlamaForPagedLM, kind: str) -> None:
+    """Every linear layer (and the head) of a float32 model onto the ``kind`` weight format
+    (``int8``, ``bfloat16`` or ``w8a8``), in place: what :func:`load_model`'s ``lowp`` does after
+    loading, for a caller that changes the float32 model first (model/smoothing.py)."""
+    _lowp(model, kind)
+
+
 def _lowp(model: LlamaForPagedLM, kind: str) -> None:
     from engine_workers.kernels import lowp_kernels
     from engine_workers.kernels.cpu_linear import LowpLinear, replace_linears

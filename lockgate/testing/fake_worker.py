@@ -87,6 +87,7 @@ class FakeWorker:
         heartbeats: bool = True,
         step_phase_s: float | None = None,
         diverge_on_replay: bool = False,
+        first_token_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.model = model
@@ -102,6 +103,8 @@ class FakeWorker:
         if step_phase_s is not None and not 0 <= step_phase_s < max(step_s, 1e-9):
             raise ValueError(f"step_phase_s must be in [0, step_s), got {step_phase_s}")
         self.step_phase_s = step_phase_s
+        self.first_token_s = first_token_s
+        self._prefills: set[asyncio.TimerHandle] = set()  # owned: cancelled by stop()
         self.est_wait_s: list[float] = [0.0, 0.0, 0.0]
         self.queue_depth: list[int] = [0, 0, 0]
         self.running: dict[str, _Run] = {}
@@ -130,6 +133,9 @@ class FakeWorker:
             self._tasks.append(loop.create_task(self._heartbeat()))
 
     async def stop(self) -> None:
+        for h in self._prefills:
+            h.cancel()
+        self._prefills.clear()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -170,10 +176,19 @@ class FakeWorker:
                         await self.bus.send(req.reply_to, encode(Error(req.request_id, self.error, "fake error")),
                                             key=req.request_id.encode())
                         continue
-                    self.running[req.request_id] = _Run(req)
-                    self._wake.set()
+                    if self.first_token_s > 0:
+                        loop = asyncio.get_running_loop()
+                        h = loop.call_later(self.first_token_s, self._run, req)
+                        self._prefills.add(h)
+                    else:
+                        self._run(req)
         finally:
             await consumer.stop()
+
+    def _run(self, req: InferenceRequest) -> None:
+        self._prefills = {h for h in self._prefills if not h.cancelled() and h.when() > asyncio.get_running_loop().time()}
+        self.running[req.request_id] = _Run(req)
+        self._wake.set()
 
     async def _control(self, consumer: Consumer) -> None:
         try:

@@ -187,6 +187,10 @@ class ResponsesRoutes:
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
         try:
+            # response.created / in_progress leave with the first output, not before prefill: the
+            # first event's arrival is the TTFT clients measure (docs/protocol.md, "Streaming")
+            while not sink.started:
+                await sink.wait()
             while True:
                 if not sink.pending and not sink.closed:
                     await sink.wait()

@@ -57,6 +57,7 @@ class ResponsesSink:
         self.error: tuple[int, dict[str, Any], float | None] | None = None
         self.pending: list[bytes] = []
         self.closed = False
+        self.started = False  # the first output (a token, the end or an error) has arrived
         self._seq = 0
         self._wake = asyncio.Event()
         self._msg: dict[str, Any] | None = None  # the open message item
@@ -164,6 +165,7 @@ class ResponsesSink:
     # --- router callbacks ---------------------------------------------------------------------
     def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the router's signature
                  logprobs: tuple | None) -> None:  # noqa: ARG002
+        self.started = True
         self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
         if self.reasoning is None:
             self._answer(text)
@@ -179,6 +181,7 @@ class ResponsesSink:
         self._wake.set()
 
     def on_finished(self, s: Stream, msg: Finished) -> None:
+        self.started = True
         self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
         out = self.adm.completion_tokens(s, msg)
         self.usage = {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": msg.usage.cached_tokens},
@@ -217,6 +220,7 @@ class ResponsesSink:
         status, body = error_body(code, message)
         self.error = (status, body, retry_after)
         self.status = "failed"
+        self.started = True
         self._emit("response.failed", response={**self.response(), "error": {"code": code, "message": message}})
         self.closed = True
         self._wake.set()

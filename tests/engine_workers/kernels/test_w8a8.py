@@ -5,8 +5,12 @@ engine's logits and greedy tokens against float32 within stated bounds.
 Bounds (measured, with margin): the int32 sums are exact, so a layer differs from its reference
 only by float32 scaling (~1e-6). Against the float32 layer the error is int8 weights plus int8
 activations, relative L2 ~1.5e-2 on random data. Through SmolLM2-135M (6 chat prompts) the
-next-token logits are 0.073 off float32 (int8 weight-only: 0.036) and greedy tokens agree to the
-first difference on 34 % of 32 (docs/benchmarks.md, "Accuracy", has the perplexity)."""
+next-token logits' error is a spread, not a figure: per-row int8 activations round by their last
+bits, so a last-bit change upstream (another ISA level's float32 kernels) moves it. Measured with
+the activation smoothing (engine_workers/model/smoothing.py) over 8 last-bit perturbations of the
+embeddings at each level of an AMX host: 0.045-0.068 (avx512), 0.042-0.075 (avx2); without it
+0.067-0.129, which crossed the old bound of 0.12 on that host (issue #47; docs/benchmarks.md,
+"w8a8 across hosts"). The bound below is the measured maximum with a third of margin."""
 
 from __future__ import annotations
 
@@ -177,9 +181,12 @@ def test_tiny_model_logits_and_greedy_close_to_float32(tiny_model_dir: str) -> N
     assert agreement(greedy(eng, TINY_PROMPTS, 16), greedy(ref, TINY_PROMPTS, 16)) >= 0.2
 
 
+DEFAULT_MODEL_BOUND = 0.10  # the measured spread's maximum (0.075) with a third of margin
+
+
 @needs_w8a8
 @pytest.mark.slow
-def test_default_model_close_to_float32(default_model_dir: str) -> None:
+def test_default_model_close_to_float32(default_model_dir: str, isa: str) -> None:
     """SmolLM2-135M, chat prompts: next-token logits and 32 greedy tokens vs float32."""
     ref = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20))
     eng = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20, quantization="w8a8"))
@@ -187,7 +194,11 @@ def test_default_model_close_to_float32(default_model_dir: str) -> None:
              "List three prime numbers.", "How do I boil an egg?", "Translate 'good morning' into German."]
     prompts = [ref.encode_prompt(messages=[{"role": "user", "content": c}]) for c in chats]
     got, want = next_logits(eng, prompts), next_logits(ref, prompts)
-    assert rel_l2(got, want) < 0.12
+    ops = w8a8_ops()
+    assert ops is not None
+    err = rel_l2(got, want)
+    assert err < DEFAULT_MODEL_BOUND, (f"w8a8 at ISA level {isa} (int8 GEMM {ops.gemm}): next-token logits rel L2 "
+                                       f"{err:.4f} vs float32, bound {DEFAULT_MODEL_BOUND}")
     assert int((got.argmax(-1) == want.argmax(-1)).sum()) >= 4
     # teacher-forced: w8a8 reads float32's greedy text and must pick float32's next token at most
     # positions (a free-running prefix measure turns on where one near-tie first flips, so any
