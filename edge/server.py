@@ -203,7 +203,7 @@ class Edge:
             for s in list(self.sessions):
                 if s.send_since is not None and now - s.send_since > grace:
                     s.kill(1008, "client too slow: socket write blocked")
-            self.admission.expire(now)
+            self.admission.lifecycle.expire(now)
             mono = time.monotonic()
             self.shedder.prune(mono)
             self.metrics.live_workers.set(len(self.shedder.live(mono)))

@@ -43,6 +43,8 @@ def test_the_layer_contracts_are_kept() -> None:
     ("edge/openai/_probe.py", "import edge.ws.session\n",
      "The edge's WebSocket and OpenAI front ends are independent"),
     ("edge/admission/_probe.py", "import edge.openai.tool_parsers\n", "Edge admission knows neither front end"),
+    ("edge/admission/lifecycle.py", "import edge.admission.router\n", "Inside edge admission: gate > router > lifecycle"),
+    ("edge/openai/stream.py", "import edge.admission.gate\n", "Edge reply sinks know the stream lifecycle, not admission"),
     ("edge/_probe.py", "from bus.messages import Tier\n", "Code outside bus/ imports the bus through its facade"),
     ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
     ("tracing/_probe.py", "import bus\n", "tracing imports nothing of ours"),

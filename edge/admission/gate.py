@@ -5,11 +5,13 @@
 per-key rate limits, load shedding from worker heartbeats, prompt tokenization, request ids, the
 reply router registration, the request topic publish, the Cancel outbox and the request metrics.
 A protocol front end (``edge.ws.session.Session``, ``edge.openai.routes``) parses its own wire format
-into a :class:`~edge.request.Generate`, calls :meth:`Admission.admit` (which raises
+into a :class:`~edge.request.Generate`, opens an :class:`~edge.admission.lifecycle.OwnedStreams`
+(:meth:`Admission.streams`), calls :meth:`Admission.admit` (which raises
 :class:`~edge.request.ProtocolError` with the protocol-neutral code and field), tells its client
-the request was accepted, then :meth:`Admission.publish`. It is the stream's
-:class:`~edge.admission.router.StreamSink`; when a stream ends it calls :meth:`Admission.release` exactly once
-(refund, unregister, optional Cancel).
+the request was accepted, then :meth:`Admission.publish`. From admission on, the stream's counting
+and its one end (refund, unregister, optional Cancel) belong to the
+:class:`~edge.admission.lifecycle.Lifecycle`; the front end's sink only turns what the lifecycle
+hands it into frames or SSE bytes.
 
 Nothing here knows WebSockets or HTTP; the edge server composes it with both listeners.
 """
@@ -24,11 +26,12 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from bus import Bus, BusError, Cancel, Error, ErrorCode, Finished, InferenceRequest, bound, encode
+from bus import Bus, BusError, Cancel, ErrorCode, InferenceRequest, bound, encode
 from edge.admission.affinity import Placement, PrefixAffinity
 from edge.admission.auth import Authenticator, Principal
+from edge.admission.lifecycle import Lifecycle, OwnedStreams, Stream, StreamSink
 from edge.admission.ratelimit import RateLimiter
-from edge.admission.router import ReplyRouter, Stream, StreamSink
+from edge.admission.router import ReplyRouter
 from edge.admission.shedding import LoadShedder
 from edge.config import EdgeConfig
 from edge.guided import GrammarChecker
@@ -63,7 +66,8 @@ class Admission:
         self.limiter = RateLimiter()
         self.shedder = LoadShedder(config.model, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)
         self.auth = Authenticator(config.keys, config.dev_tier)
-        self.router = ReplyRouter(bus, reply_topic, metrics, cancel=self.publish_cancel)
+        self.lifecycle = Lifecycle(metrics, self.limiter, self.publish_cancel)
+        self.router = ReplyRouter(bus, reply_topic, metrics, self.lifecycle)
         # Request ids: edge id, a random per-process nonce, a counter. The nonce keeps ids unique
         # across restarts of an edge with a fixed --edge-id and across --reuse-port processes
         # sharing one: a repeated id would be aborted by a worker's cancelled-set or routed to
@@ -81,13 +85,19 @@ class Admission:
     def reject(self, code: str, api: str) -> None:
         self.metrics.rejections.labels(code, api).inc()
 
-    async def admit(self, g: Generate, principal: Principal, sink: StreamSink, api: str, *,
+    def streams(self) -> OwnedStreams:
+        """A handler's owner of the streams it admits: ``with adm.streams() as owned:`` cancels
+        (reason ``disconnect``) every one still open when the block is left."""
+        return OwnedStreams(self.lifecycle)
+
+    async def admit(self, g: Generate, principal: Principal, sink: StreamSink, api: str, owner: OwnedStreams, *,
                     client_id: str | None = None, token_ids: bool = False,
                     gone: Callable[[], bool] = lambda: False,
                     trace_parent: SpanContext | None = None) -> Admitted | None:
-        """Check, tokenize, charge and register one request. Raises :class:`ProtocolError`
-        (codes ``invalid_request``, ``overloaded``, ``rate_limited``); ``None`` when ``gone()``
-        says the client left while the prompt was being tokenized (nothing was charged).
+        """Check, tokenize, charge and register one request, owned by ``owner``. Raises
+        :class:`ProtocolError` (codes ``invalid_request``, ``overloaded``, ``rate_limited``);
+        ``None`` when ``gone()`` says the client left while the prompt was being tokenized
+        (nothing was charged).
         ``trace_parent``: the client's trace context (:meth:`trace_parent`); the request's span is
         its child, else the root of a new trace."""
         cfg, encoder = self.config, self.encoder
@@ -141,8 +151,7 @@ class Admission:
                 "lockgate.request_id": rid, "lockgate.api": api, "lockgate.tier": principal.tier,
                 "lockgate.tenant": principal.tenant, "gen_ai.request.model": cfg.model,
                 "gen_ai.usage.input_tokens": len(ids), "gen_ai.request.max_tokens": max_tokens})
-        self.router.register(s)
-        self.metrics.streams.inc()
+        self.lifecycle.register(s, owner)
         self.metrics.prompt_tokens.labels(*labels).inc(len(ids))
         wall = time.time()
         req = InferenceRequest(
@@ -165,7 +174,7 @@ class Admission:
 
     async def publish(self, a: Admitted) -> bool:
         """Publish an admitted request on its tier's topic, waiting at most ``publish_timeout_s``.
-        ``True`` once the bus acknowledged the write. Otherwise the stream's sink gets an
+        ``True`` once the bus acknowledged the write. Otherwise the stream fails with an
         ``overloaded`` error (HTTP 503, ``retry_after`` 1 s) naming the bus, as if a worker had sent
         it, and a Cancel is queued: a write that timed out here may still land when the bus
         returns, and the worker then drops it instead of running a request nobody waits for."""
@@ -208,68 +217,19 @@ class Admission:
                 if pub is not None:
                     pub.fail(f"publish failed: {why}"[:300])
                     pub.end()
-                if span is not None:
-                    span.fail(f"{'internal' if ours else 'overloaded'}: the request was not queued: {why}"[:300])
-                if not a.stream.ended:
-                    err = (Error(req.request_id, ErrorCode.INTERNAL, f"the request was not queued: {why}"[:300]) if ours
-                           else Error(req.request_id, ErrorCode.OVERLOADED,
-                                      f"the bus is unreachable, the request was not queued: {why}"[:300], retry_after=1.0))
-                    a.stream.sink.on_error(a.stream, err)
+                trace = f"{'internal' if ours else 'overloaded'}: the request was not queued: {why}"[:300]
+                if ours:
+                    self.lifecycle.fail(a.stream, ErrorCode.INTERNAL, f"the request was not queued: {why}"[:300],
+                                        why=trace)
+                else:
+                    self.lifecycle.fail(a.stream, ErrorCode.OVERLOADED,
+                                        f"the bus is unreachable, the request was not queued: {why}"[:300], 1.0,
+                                        why=trace)
                 self.publish_cancel(req.request_id, "unqueued")
                 return False
             if pub is not None:
                 pub.end()
             return True
-
-    # --- streams ------------------------------------------------------------------------------
-    def count_tokens(self, s: Stream, n: int, now: float) -> None:
-        """``n`` output tokens of ``s`` reached its sink at loop time ``now`` (TTFT on the first)."""
-        m = self.metrics
-        if s.first_at is None:
-            s.first_at = now
-            m.per_request(s.labels)[0].observe(now - s.admitted_at)
-        m.add_generated(s.labels, n)
-
-    def count_end(self, s: Stream, finish_reason: str, now: float) -> None:
-        """Latency histograms and the success counter for a stream that ended with ``finish_reason``."""
-        m = self.metrics
-        if finish_reason != "abort":
-            _, e2e, tpot, _ = m.per_request(s.labels)
-            e2e.observe(now - s.admitted_at)
-            if s.first_at is not None and s.next_seq > 1:
-                tpot.observe((now - s.first_at) / (s.next_seq - 1))
-        m.success.labels(*s.labels, finish_reason).inc()
-        if s.span is not None:
-            s.span.set("gen_ai.response.finish_reasons", finish_reason)
-
-    def completion_tokens(self, s: Stream, msg: Finished) -> int:
-        return max(msg.num_tokens, s.next_seq)
-
-    def release(self, s: Stream, used: int, cancel_reason: str | None = None) -> bool:
-        """End ``s`` once: unregister it, free its stream slot, refund the tokens it did not use,
-        and publish a Cancel when ``cancel_reason`` is given. ``False`` if it had already ended."""
-        if s.ended:
-            return False
-        s.ended = True
-        self.router.unregister(s.request_id)
-        self.metrics.streams.dec()
-        self.limiter.release(s.principal.entry, max(0, s.max_tokens - used), time.monotonic())
-        if cancel_reason is not None:
-            self.publish_cancel(s.request_id, cancel_reason)
-        if s.span is not None:
-            s.span.set("gen_ai.usage.output_tokens", used)
-            s.span.set("lockgate.cancel_reason", cancel_reason)
-            s.span.end()
-        return True
-
-    def expire(self, now: float) -> None:
-        """End every stream past its deadline with ``expired`` (and cancel it on the worker)."""
-        for st in list(self.router.streams.values()):
-            if now > st.deadline and not st.ended:
-                self.publish_cancel(st.request_id, "expired")
-                if st.span is not None:
-                    st.span.fail("expired: no reply before the request deadline")
-                st.sink.on_error(st, Error(st.request_id, ErrorCode.EXPIRED, "no reply before the request deadline"))
 
     # --- cancels ------------------------------------------------------------------------------
     def open_outbox(self) -> None:

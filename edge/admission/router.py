@@ -1,10 +1,11 @@
 """Reply routing: ONE consumer of the edge's own reply topic feeds every session.
 
-Each admitted request is a :class:`Stream` registered here under its request id. The router task
-decodes each reply record (one reply, or a worker step's batch of them), drops duplicates by
-(request id, seq) and hands the rest to the stream's sink (a :class:`StreamSink`: the WebSocket session, or an OpenAI
-HTTP response), which only appends to a bounded queue — routing never awaits a client, so one slow
-client cannot stall the others.
+Each admitted request is a :class:`~edge.admission.lifecycle.Stream` registered with the
+:class:`~edge.admission.lifecycle.Lifecycle` under its request id. The router task decodes each
+reply record (one reply, or a worker step's batch of them), drops duplicates by (request id, seq)
+and hands the rest to the lifecycle, which counts it and passes it to the stream's sink (the
+WebSocket session, or an OpenAI HTTP response), which only appends to a bounded queue — routing
+never awaits a client, so one slow client cannot stall the others.
 
 Dedupe: a stream keeps ``next_seq`` (the next output index it expects) and ``chars`` (output
 characters delivered). A chunk entirely below ``next_seq`` is a duplicate (a worker re-running the
@@ -14,7 +15,7 @@ the edge no longer tracks (finished, cancelled, from a previous edge life) are c
 
 Concurrency: all methods run on the edge's event loop; :meth:`run` is the only task that reads the
 consumer. Cancelling :meth:`run` stops the consumer and loses nothing that matters (reply topics are
-per edge; in-flight streams are ended by their sessions).
+per edge; in-flight streams are ended by their handlers' :class:`~edge.admission.lifecycle.OwnedStreams`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Protocol
 
 import orjson
 
@@ -40,9 +39,8 @@ from bus import (
     decode,
     replies_of,
 )
-from edge.admission.auth import Principal
+from edge.admission.lifecycle import Lifecycle, Stream
 from edge.metrics import EdgeMetrics
-from tracing import Span
 
 log = logging.getLogger(__name__)
 
@@ -56,48 +54,6 @@ def checkpoint() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
-
-
-class StreamSink(Protocol):
-    """Where a stream's replies go: the WebSocket :class:`~edge.ws.session.Session` or an OpenAI HTTP
-    response (:mod:`edge.openai.stream`). Every method is called on the event loop, synchronously,
-    and must not block (it queues; its own task writes to the client)."""
-
-    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],
-                 logprobs: tuple | None) -> None: ...
-
-    def on_finished(self, s: Stream, msg: Finished) -> None: ...
-
-    def on_error(self, s: Stream, msg: Error) -> None: ...
-
-
-class Stream:
-    """One request in flight: where its replies go and how far it got."""
-
-    __slots__ = ("request_id", "client_id", "sink", "principal", "labels", "prompt_tokens", "max_tokens",
-                 "charged", "next_seq", "chars", "admitted_at", "first_at", "deadline", "token_ids", "ended",
-                 "delivered", "span")
-
-    def __init__(self, request_id: str, client_id: str, sink: StreamSink, principal: Principal,
-                 labels: tuple[str, str, str], prompt_tokens: int, max_tokens: int, admitted_at: float,
-                 deadline: float, token_ids: bool) -> None:
-        self.request_id = request_id
-        self.client_id = client_id
-        self.sink = sink
-        self.principal = principal
-        self.labels = labels  # (model, tier, api) metric labels
-        self.prompt_tokens = prompt_tokens
-        self.max_tokens = max_tokens
-        self.charged = prompt_tokens + max_tokens
-        self.next_seq = 0
-        self.chars = 0
-        self.admitted_at = admitted_at  # loop time
-        self.first_at: float | None = None
-        self.deadline = deadline  # loop time
-        self.token_ids = token_ids
-        self.ended = False
-        self.delivered: list[int] = []  # output token ids handed to the sink, by seq
-        self.span: Span | None = None  # the request's edge span, only when tracing is on (Admission)
 
 
 _CHUNK_KEYS = frozenset(("request_id", "attempt", "seq", "token_ids", "text", "text_offset", "logprobs", "worker_id"))
@@ -181,21 +137,21 @@ def dedupe(stream: Stream, chunk: TokenChunk) -> tuple[int, str, tuple[int, ...]
 
 
 class ReplyRouter:
-    def __init__(self, bus: Bus, topic: str, metrics: EdgeMetrics,
-                 cancel: Callable[[str, str], None] = lambda _rid, _reason: None) -> None:
+    """Reads the reply topic and hands each stream's new output, its end or its error to the
+    :class:`~edge.admission.lifecycle.Lifecycle` (which counts, releases and feeds the sink)."""
+
+    def __init__(self, bus: Bus, topic: str, metrics: EdgeMetrics, lifecycle: Lifecycle) -> None:
         self.bus = bus
         self.topic = topic
         self.metrics = metrics
-        self.cancel = cancel  # (request id, reason): stop a request on its worker
-        self.streams: dict[str, Stream] = {}
+        self.lifecycle = lifecycle
         self.connected = False
         self._ready = asyncio.Event()
 
-    def register(self, stream: Stream) -> None:
-        self.streams[stream.request_id] = stream
-
-    def unregister(self, request_id: str) -> Stream | None:
-        return self.streams.pop(request_id, None)
+    @property
+    def streams(self) -> dict[str, Stream]:
+        """The open streams by request id (the lifecycle's registry; read-only here)."""
+        return self.lifecycle.streams
 
     async def wait_ready(self) -> None:
         """Return once the consumer is started (records sent after this are seen)."""
@@ -232,7 +188,8 @@ class ReplyRouter:
             self._route_one(msg, rec)
 
     def _route_one(self, msg: Message, rec: Record) -> None:
-        stream = self.streams.get(getattr(msg, "request_id", ""))
+        lifecycle = self.lifecycle
+        stream = lifecycle.streams.get(getattr(msg, "request_id", ""))
         if stream is None:
             self.metrics.orphans.inc()
             return
@@ -245,13 +202,11 @@ class ReplyRouter:
             if new is None:
                 self.metrics.duplicates.inc()
                 return
-            stream.sink.on_chunk(stream, *new)
+            lifecycle.delta(stream, *new)
         elif isinstance(msg, Finished):
-            stream.sink.on_finished(stream, msg)
+            lifecycle.finish(stream, msg)
         elif isinstance(msg, Error):
-            if stream.span is not None:
-                stream.span.fail(f"{msg.code}: {msg.message}")
-            stream.sink.on_error(stream, msg)
+            lifecycle.fail(stream, msg.code, msg.message, msg.retry_after)
         else:
             log.warning("unexpected %s on reply topic %s", type(msg).__name__, rec.topic)
 
@@ -261,8 +216,6 @@ class ReplyRouter:
         self.metrics.splice_mismatches.inc()
         log.warning("request %s: attempt %d diverged from the tokens already sent (%s); ending the stream",
                     stream.request_id, chunk.attempt, where)
-        self.cancel(stream.request_id, "diverged")
-        stream.sink.on_error(stream, Error(
-            stream.request_id, ErrorCode.INTERNAL,
-            "the request was re-run after a worker failure and its output diverged from the tokens already "
-            "sent; retry the request", retry_after=0.0))
+        self.lifecycle.fail(stream, ErrorCode.INTERNAL,
+                            "the request was re-run after a worker failure and its output diverged from the tokens "
+                            "already sent; retry the request", 0.0, cancel="diverged")

@@ -27,12 +27,21 @@ from typing import Any
 
 from aiohttp import web
 
-from bus import Error, ErrorCode, Finished, SamplingParams
+from bus import ErrorCode, SamplingParams
 from edge.admission.auth import AuthError
 from edge.admission.gate import Admission, Admitted
-from edge.admission.router import Stream
-from edge.openai.reply import API, check_model, error_response, json_response, principal, read_json
-from edge.openai.schema import MAX_PROMPT_IDS, error_body
+from edge.admission.lifecycle import Done, End, Failed, Stream
+from edge.openai.reply import (
+    API,
+    check_model,
+    error_response,
+    failed_response,
+    json_response,
+    principal,
+    read_json,
+    refusal,
+)
+from edge.openai.schema import MAX_PROMPT_IDS, ErrorReply, error_reply
 from edge.request import Generate, ProtocolError
 
 MAX_INPUTS = 256
@@ -92,38 +101,29 @@ def parse_inputs(body: Any, default_pooling: str = "last") -> tuple[list[Generat
 
 
 class EmbeddingSink:
-    """One input's request: waits for its ``Finished`` (which carries the vector)."""
+    """One input's request: waits for its end (a ``Done`` carries the vector)."""
 
-    def __init__(self, adm: Admission, wake: asyncio.Event) -> None:
-        self.adm = adm
+    def __init__(self, wake: asyncio.Event) -> None:
         self.wake = wake
         self.vector: tuple[float, ...] | None = None
         self.prompt_tokens = 0
-        self.error: tuple[int, dict[str, Any], float | None] | None = None
+        self.error: ErrorReply | None = None
         self.closed = False
 
-    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],
-                 logprobs: tuple | None) -> None:
-        pass  # a pooling request samples nothing; a chunk would be a worker that does not know pooling
+    def on_delta(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the sink's signature
+                 logprobs: tuple | None) -> bool:  # noqa: ARG002
+        return True  # a pooling request samples nothing; a chunk would be a worker that does not know pooling
 
-    def on_finished(self, s: Stream, msg: Finished) -> None:
-        self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
-        self.adm.release(s, s.next_seq)
-        self.prompt_tokens = s.prompt_tokens
-        if msg.embedding is None:
-            self.error = (*error_body(ErrorCode.INTERNAL, "the worker answered without an embedding "
-                                      "(it predates pooling requests)"), None)
-        else:
-            self.vector = msg.embedding
-        self.closed = True
-        self.wake.set()
-
-    def on_error(self, s: Stream, msg: Error) -> None:
-        if self.closed:
-            return
-        self.adm.reject(msg.code, API)
-        self.adm.release(s, s.next_seq)
-        self.error = (*error_body(msg.code, msg.message), msg.retry_after)
+    def on_end(self, s: Stream, end: End) -> None:
+        if isinstance(end, Done):
+            self.prompt_tokens = s.prompt_tokens
+            if end.embedding is None:
+                self.error = error_reply(ErrorCode.INTERNAL, "the worker answered without an embedding "
+                                         "(it predates pooling requests)")
+            else:
+                self.vector = end.embedding
+        elif isinstance(end, Failed):
+            self.error = error_reply(end.code, end.message, end.retry_after)
         self.closed = True
         self.wake.set()
 
@@ -160,23 +160,22 @@ class EmbeddingsRoutes:
             inputs, fmt = parse_inputs(body, adm.config.embedding_pooling)
             check_model(adm, body)
         except ProtocolError as exc:
-            adm.reject(exc.code, API)
-            return error_response(exc.code, exc.message, exc.field)
+            return refusal(adm, exc)
         wake = asyncio.Event()
         sinks: list[EmbeddingSink] = []
         parent = adm.trace_parent(request.headers)  # every input's span joins the client's trace
-        admitted: list[Admitted] = []
-        try:
+        with adm.streams() as owned:  # leaving it (the client gone, an input failed or refused) cancels the rest
+            admitted: list[Admitted] = []
             for i, g in enumerate(inputs):
-                sink = EmbeddingSink(adm, wake)
+                sink = EmbeddingSink(wake)
                 try:
-                    a = await adm.admit(g, who, sink, API, client_id="", trace_parent=parent)
+                    a = await adm.admit(g, who, sink, API, owned, client_id="", trace_parent=parent)
                 except ProtocolError as exc:
-                    adm.reject(exc.code, API)
                     if exc.field not in ("prompt", "messages"):
-                        return error_response(exc.code, exc.message, exc.field, exc.retry_after)
+                        return refusal(adm, exc)
                     field = "input" if len(inputs) == 1 else f"input[{i}]"
-                    return error_response(exc.code, _as_input(exc.message, field), field, exc.retry_after)
+                    return refusal(adm, ProtocolError(_as_input(exc.message, field), field, code=exc.code,
+                                                      retry_after=exc.retry_after))
                 assert a is not None
                 sinks.append(sink)
                 admitted.append(a)
@@ -187,15 +186,9 @@ class EmbeddingsRoutes:
                 wake.clear()
             failed = next((s.error for s in sinks if s.error is not None), None)
             if failed is not None:
-                return json_response(failed[0], failed[1], failed[2])
+                return failed_response(failed)
             n = sum(s.prompt_tokens for s in sinks)
             data = [{"object": "embedding", "index": i, "embedding": encode(s.vector or (), fmt)}
                     for i, s in enumerate(sinks)]
             return json_response(200, {"object": "list", "data": data, "model": adm.config.model,
                                        "usage": {"prompt_tokens": n, "total_tokens": n}})
-        finally:
-            now = asyncio.get_running_loop().time()
-            for a in admitted:  # the client went away, an input failed, or one was refused
-                if not a.stream.ended:
-                    adm.count_end(a.stream, "abort", now)
-                    adm.release(a.stream, a.stream.next_seq, "disconnect")

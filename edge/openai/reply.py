@@ -1,6 +1,6 @@
-"""The HTTP plumbing every OpenAI-API route shares: JSON replies, OpenAI-shaped errors, the bearer
-key, the JSON body. Routes outside :mod:`edge.openai.routes` (tokenize, embeddings, responses, the
-probes) use these so their errors look exactly like chat's."""
+"""The HTTP plumbing every OpenAI-API route shares: JSON replies, OpenAI-shaped errors (refusals
+and failed streams), the bearer key, the JSON body. Every route (chat and completions, tokenize,
+embeddings, responses, the probes) uses these, so their errors look exactly alike."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from aiohttp import web
 
 from edge.admission.auth import Principal
 from edge.admission.gate import Admission
-from edge.openai.schema import error_body
+from edge.openai.schema import ErrorReply, error_body
 from edge.request import ProtocolError
 
 API = "openai"
@@ -29,6 +29,18 @@ def error_response(code: str, message: str, param: str | None = None,
     if status == 401:
         resp.headers["WWW-Authenticate"] = 'Bearer realm="lockgate"'
     return resp
+
+
+def failed_response(e: ErrorReply) -> web.Response:
+    """A request whose stream failed (:func:`~edge.openai.schema.error_reply`), as its HTTP answer."""
+    return json_response(e.status, e.body, e.retry_after)
+
+
+def refusal(adm: Admission, exc: ProtocolError, param: str | None = None) -> web.Response:
+    """A request refused before or at admission: counted (``edge_rejections``, ``api="openai"``)
+    and answered in OpenAI's words; ``param``: the field to name, when not ``exc.field`` as is."""
+    adm.reject(exc.code, API)
+    return error_response(exc.code, exc.message, exc.field if param is None else param, exc.retry_after)
 
 
 def principal(adm: Admission, request: web.Request) -> Principal:

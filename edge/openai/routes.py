@@ -10,8 +10,8 @@ reply sink.
 
 Client disconnect: the runner is built with ``handler_cancellation=True``, so aiohttp cancels a
 handler whose client went away, whether it is waiting for the first token, for a non-streamed
-answer or writing a stream; the handler's ``finally`` then releases the stream with a Cancel
-(reason ``disconnect``) through the same cancel path as a closed WebSocket.
+answer or writing a stream; leaving its ``with adm.streams()`` block then has the stream lifecycle
+cancel the request (reason ``disconnect``), as for a closed WebSocket.
 """
 
 from __future__ import annotations
@@ -22,15 +22,23 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
 from edge.openai.embeddings import EmbeddingsRoutes
 from edge.openai.ops import OpsRoutes, Readiness
+from edge.openai.reply import (
+    API,
+    error_response,
+    failed_response,
+    json_response,
+    principal,
+    read_json,
+    refusal,
+)
 from edge.openai.responses.routes import ResponsesRoutes
-from edge.openai.schema import OpenAIRequest, error_body, parse_chat, parse_completion
+from edge.openai.schema import OpenAIRequest, openai_param, parse_chat, parse_completion
 from edge.openai.stream import DONE, OpenAIStream, merged_response, merged_usage, sse
 from edge.openai.tokenize import TokenizeRoutes
 from edge.openai.tool_parsers import configured_parser
@@ -39,21 +47,7 @@ from edge.request import Generate, PromptEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
 
-API = "openai"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _json(status: int, body: dict[str, Any], retry_after: float | None = None) -> web.Response:
-    headers = {"Retry-After": str(max(1, int(-(-retry_after // 1))))} if retry_after is not None else None
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
-
-
-def _error(code: str, message: str, param: str | None = None, retry_after: float | None = None) -> web.Response:
-    status, body = error_body(code, message, param)
-    resp = _json(status, body, retry_after)
-    if status == 401:
-        resp.headers["WWW-Authenticate"] = 'Bearer realm="lockgate"'
-    return resp
 
 
 def _echo(req: OpenAIRequest, g: Generate, encoder: PromptEncoder) -> str:
@@ -102,31 +96,25 @@ class OpenAIServer:
             self._runner = None
 
     # --- handlers -----------------------------------------------------------------------------
-    def _principal(self, request: web.Request) -> Principal:
-        auth = request.headers.get("Authorization", "")
-        scheme, _, value = auth.strip().partition(" ")
-        key = value.strip() if scheme.lower() == "bearer" and value.strip() else None
-        return self.adm.auth.authenticate(key)
-
     async def models(self, request: web.Request) -> web.Response:
         try:
-            self._principal(request)
+            principal(self.adm, request)
         except AuthError as exc:
             self.adm.reject("unauthorized", API)
-            return _error("unauthorized", str(exc))
-        return _json(200, {"object": "list", "data": self._served()})
+            return error_response("unauthorized", str(exc))
+        return json_response(200, {"object": "list", "data": self._served()})
 
     async def model(self, request: web.Request) -> web.Response:
         try:
-            self._principal(request)
+            principal(self.adm, request)
         except AuthError as exc:
             self.adm.reject("unauthorized", API)
-            return _error("unauthorized", str(exc))
+            return error_response("unauthorized", str(exc))
         name = request.match_info["model"]
         for m in self._served():
             if m["id"] == name:
-                return _json(200, m)
-        return _error("model_not_found", f"the model {name!r} does not exist or has no live worker", "model")
+                return json_response(200, m)
+        return error_response("model_not_found", f"the model {name!r} does not exist or has no live worker", "model")
 
     def _served(self) -> list[dict[str, Any]]:
         """The served model while at least one worker for it sent a fresh heartbeat."""
@@ -145,41 +133,36 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         adm = self.adm
         try:
-            principal = self._principal(request)
+            who = principal(adm, request)
         except AuthError as exc:
             adm.reject("unauthorized", API)
-            return _error("unauthorized", str(exc))
+            return error_response("unauthorized", str(exc))
         encoder = adm.encoder
         assert encoder is not None
         try:
-            try:
-                body = orjson.loads(await request.read())
-            except orjson.JSONDecodeError as exc:
-                raise ProtocolError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
-            except web.HTTPRequestEntityTooLarge:
-                raise ProtocolError(f"the request body is larger than {adm.config.max_frame_bytes} bytes") from None
+            body = await read_json(adm, request)
             req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
             model = req.generate.model or ""
             if model != adm.config.model:
                 adm.reject("model_not_found", API)
-                return _error("model_not_found", f"the model {model[:200]!r} does not exist; "
-                              f"this server serves {adm.config.model!r}", "model")
+                return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
+                                      f"this server serves {adm.config.model!r}", "model")
             if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.openai.tools
                 g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)
         except ProtocolError as exc:
-            adm.reject(exc.code, API)
-            return _error(exc.code, exc.message, exc.field, exc.retry_after)
-        return await self._answer(request, req, principal, body)
+            return refusal(adm, exc)
+        return await self._answer(request, req, who, body)
 
-    async def _answer(self, request: web.Request, req: OpenAIRequest, principal: Principal,
-                       body: dict[str, Any]) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, req: OpenAIRequest, who: Principal,
+                      body: dict[str, Any]) -> web.StreamResponse:
         """Every chat and completions request, ``n`` = 1 included (one choice of one prompt): one
         request on the bus per choice of each prompt, with seeds ``seed``, ``seed + 1``, ... per
         prompt (the client's seed, or one drawn), so the choices differ and each is reproducible
         and resumable on its own; choice ``i`` of prompt ``p`` is index ``p * n + i``; their sinks
         share one wake-up; one answer (or one event stream) holds them all. A choice refused at
-        admission refunds the others; one failing fails the whole answer."""
+        admission refunds the others; one failing fails the whole answer (leaving the ``with``
+        block cancels the rest, as it does when the client goes away)."""
         adm, encoder = self.adm, self.adm.encoder
         assert encoder is not None
         base = req.generate.sampling.seeded().seed
@@ -189,24 +172,20 @@ class OpenAIServer:
         sinks: list[OpenAIStream] = []
         parent = adm.trace_parent(request.headers)  # every choice's span joins the client's trace
         admitted: list[Admitted] = []
-        try:
+        with adm.streams() as owned:
             for p, i in ((p, i) for p in range(len(req.batch)) for i in range(req.n)):
                 one = req.batch[p]
                 g = replace(one, sampling=replace(one.sampling, seed=(base + i) % (1 << 63)))
-                sink = OpenAIStream(adm, req, encoder, adm.config.send_queue_frames,
+                sink = OpenAIStream(adm.config, req, encoder, adm.config.send_queue_frames,
                                     on_overflow=lambda: transport.abort() if transport is not None else None,
                                     wake=wake, index=p * req.n + i, echo=_echo(req, one, encoder))
                 try:
-                    a = await adm.admit(g, principal, sink, API, client_id="", trace_parent=parent)
+                    a = await adm.admit(g, who, sink, API, owned, client_id="", trace_parent=parent)
                 except ProtocolError as exc:
-                    adm.reject(exc.code, API)
-                    field = exc.field
-                    if field is not None and field.startswith("guided_") and field not in body:
-                        # the constraint came as OpenAI's response_format, or from tool_choice (edge.openai.tools)
-                        field = "response_format" if body.get("response_format") is not None else "tools"
-                    elif field == "prompt" and len(req.batch) > 1:  # which prompt of the batch
+                    field = openai_param(exc.field, body, "response_format", "response_format")
+                    if field == "prompt" and len(req.batch) > 1:  # which prompt of the batch
                         field = f"prompt[{p}]"
-                    return _error(exc.code, exc.message, field, exc.retry_after)
+                    return refusal(adm, exc, field)
                 assert a is not None
                 sink.bind(a.stream, base)
                 sinks.append(sink)
@@ -218,28 +197,18 @@ class OpenAIServer:
             while not all(s.closed for s in sinks):
                 await wake.wait()
                 wake.clear()
-            failed = next((s for s in sinks if s.error is not None), None)
-            if failed is not None and failed.error is not None:
-                status, err, retry_after = failed.error
-                return _json(status, err, retry_after)
-            return _json(200, merged_response(sinks))
-        finally:
-            now = asyncio.get_running_loop().time()
-            for a in admitted:  # the client went away, a choice failed, or one was refused
-                if not a.stream.ended:
-                    adm.count_end(a.stream, "abort", now)
-                    adm.release(a.stream, a.stream.next_seq, "disconnect")
+            failed = next((s.error for s in sinks if s.error is not None), None)
+            if failed is not None:
+                return failed_response(failed)
+            return json_response(200, merged_response(sinks))
 
     async def _stream(self, request: web.Request, sinks: list[OpenAIStream], admitted: list[Admitted],
-                              wake: asyncio.Event) -> web.StreamResponse:
+                      wake: asyncio.Event) -> web.StreamResponse:
         # written to the bus before the 200 goes out: a request the bus did not take is a plain
         # error status (503 with the bus down), never a 200 stream that ends in an error event
         for a in admitted:
             if not await self.adm.publish(a):
-                failed_sink = next(s for s in sinks if s.error is not None)
-                assert failed_sink.error is not None
-                status, err, retry_after = failed_sink.error
-                return _json(status, err, retry_after)
+                return failed_response(next(s.error for s in sinks if s.error is not None))
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
         req = sinks[0].req

@@ -57,6 +57,36 @@ def error_body(code: str, message: str, param: str | None = None) -> tuple[int, 
 
 
 @dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """A failed request's answer: its HTTP status, OpenAI's error body, the ``Retry-After`` seconds."""
+
+    status: int
+    body: dict[str, Any]
+    retry_after: float | None = None
+
+
+def error_reply(code: str, message: str, retry_after: float | None = None, param: str | None = None) -> ErrorReply:
+    """:func:`error_body` as an :class:`ErrorReply`: the one mapping of an edge error code (an
+    admission refusal's, or a stream's :class:`~edge.admission.lifecycle.Failed`) to OpenAI's."""
+    status, body = error_body(code, message, param)
+    return ErrorReply(status, body, retry_after)
+
+
+def openai_param(field: str | None, body: Any, format_key: str, format_param: str,
+                 guided_fields: bool = True) -> str | None:
+    """Admission's protocol-neutral field name in this API's words: the one place it is mapped. A
+    ``guided_*`` constraint the body did not send as such (``guided_fields``: whether the API takes
+    vLLM's ``guided_*`` fields at all) came from the API's output format (chat's
+    ``response_format``, the Responses API's ``text.format``: ``format_key`` is its top-level key,
+    ``format_param`` its name in errors) or, without one, from the forced tool choice (``tools``)."""
+    if field is None or not field.startswith("guided_"):
+        return field
+    if guided_fields and isinstance(body, dict) and field in body:
+        return field
+    return format_param if isinstance(body, dict) and body.get(format_key) is not None else "tools"
+
+
+@dataclass(frozen=True, slots=True)
 class OpenAIRequest:
     """One parsed request. ``generate.model`` is the requested model (checked by the HTTP layer:
     404 when it is not served). ``logprobs``: ``None`` = not asked; else the number of

@@ -1,11 +1,13 @@
-"""One OpenAI-API request in flight: the :class:`~edge.admission.router.StreamSink` the router feeds, and the
-JSON it becomes (SSE ``chat.completion.chunk`` / ``text_completion`` events, or one final object).
+"""One OpenAI-API request in flight: the :class:`~edge.admission.lifecycle.StreamSink` the stream
+lifecycle feeds, and the JSON it becomes (SSE ``chat.completion.chunk`` / ``text_completion``
+events, or one final object).
 
-Concurrency: the router calls ``on_chunk``/``on_finished``/``on_error`` synchronously on the event
-loop; they only append to ``pending`` (SSE bytes) or the collected text and wake the request's
-handler task, which does all the writing (:mod:`edge.openai.routes`). ``pending`` is bounded by
-``send_queue_frames`` events: a client that reads slower than tokens arrive overflows it, its
-request is cancelled (reason ``slow_client``) and its connection aborted, as on the WebSocket path.
+Concurrency: the lifecycle calls ``on_delta``/``on_end`` synchronously on the event loop; they only
+append to ``pending`` (SSE bytes) or the collected text and wake the request's handler task, which
+does all the writing (:mod:`edge.openai.routes`). Counting and releasing are the lifecycle's, not
+this sink's. ``pending`` is bounded by ``send_queue_frames`` events: a client that reads slower than
+tokens arrive overflows it; ``on_delta`` then aborts its connection and answers ``False``, and the
+lifecycle fails the request (``overloaded``, Cancel reason ``slow_client``), as on the WebSocket path.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from typing import Any
 
 import orjson
 
-from bus import Error, ErrorCode, Finished
-from edge.admission.gate import Admission
-from edge.admission.router import Stream
+from edge.admission.lifecycle import Done, End, Failed, Stream
+from edge.config import EdgeConfig
 from edge.openai.reasoning import REASONING, ReasoningStream
-from edge.openai.schema import OpenAIRequest, error_body
+from edge.openai.schema import ErrorReply, OpenAIRequest, error_reply
 from edge.openai.tool_parsers import configured_parser
 from edge.openai.tools import ToolStream, message_calls
 from edge.request import PromptEncoder
@@ -37,19 +38,18 @@ class OpenAIStream:
     """The sink of one choice of a request. ``bind`` after admission; then the handler loops on
     the shared wake event + :meth:`take` (streaming) or waits on it until ``closed`` (not)."""
 
-    def __init__(self, adm: Admission, req: OpenAIRequest, encoder: PromptEncoder, max_pending: int,
+    def __init__(self, config: EdgeConfig, req: OpenAIRequest, encoder: PromptEncoder, max_pending: int,
                  on_overflow: Callable[[], None], wake: asyncio.Event, index: int = 0, echo: str = "") -> None:
         """``index``: the choice this sink answers (one sink per choice, ``n`` = 1 included, all
         sharing the handler's ``wake`` event; the handler writes the role events, the usage chunk
         and ``[DONE]`` for all of them, so a sink writes none).
         ``echo``: completions' ``echo``, the prompt's text, sent before the choice's own."""
-        self.adm = adm
         self.req = req
         self.encoder = encoder
         self.max_pending = max_pending
         self.on_overflow = on_overflow
         self.created = int(time.time())
-        self.model = adm.config.model
+        self.model = config.model
         self.id = ""
         self.seed: int | None = None
         self.stream: Stream | None = None
@@ -58,7 +58,7 @@ class OpenAIStream:
         self.lp_entries: list[Any] = []  # collected logprobs (non-streaming)
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
-        self.error: tuple[int, dict[str, Any], float | None] | None = None  # (status, body, retry_after)
+        self.error: ErrorReply | None = None
         self.closed = False  # the stream ended: nothing more will be added
         self.started = False  # the first output (a token, the end or an error) has arrived
         self.index = index
@@ -68,9 +68,9 @@ class OpenAIStream:
         self._suffix = b""
         self._text_offset = 0
         # tools offered: the output is read for calls (streamed: incrementally, edge.openai.tools)
-        self.tools = ToolStream(configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path)) if req.tools is not None and req.tools.active else None
+        self.tools = ToolStream(configured_parser(config.tool_call_parser, config.model, config.model_path)) if req.tools is not None and req.tools.active else None
         # --reasoning-parser (chat): <think>...</think> goes to reasoning_content, the rest is the answer
-        parser = adm.config.reasoning_parser
+        parser = config.reasoning_parser
         self.reasoning = ReasoningStream(parser) if parser is not None and req.chat else None
         self.reasoning_texts: list[str] = []
 
@@ -106,18 +106,17 @@ class OpenAIStream:
                                         "logprobs": None, "finish_reason": None}],
                               **({"usage": None} if self.req.include_usage else {})))
 
-    # --- router callbacks ---------------------------------------------------------------------
-    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the router's callback signature
-                 logprobs: tuple | None) -> None:
+    # --- the sink: lifecycle events -> SSE bytes / the collected answer ----------------------------
+    def on_delta(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the sink's signature
+                 logprobs: tuple | None) -> bool:
         self.started = True
-        self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
         lp = self._logprobs(logprobs) if self.req.logprobs is not None else None
         if self.reasoning is None:
             if not self.req.stream:
                 self.texts.append(text)
                 if lp is not None:
                     self.lp_entries.append(lp)
-                return
+                return True
             self._content(text, lp)
         else:
             parts = self.reasoning.feed(text)
@@ -126,13 +125,13 @@ class OpenAIStream:
                     (self.reasoning_texts if kind == REASONING else self.texts).append(part)
                 if lp is not None:
                     self.lp_entries.append(lp)
-                return
+                return True
             self._parts(parts, lp)
-        if len(self.pending) > self.max_pending:
-            self.adm.metrics.slow_disconnects.inc()
-            self._fail(ErrorCode.OVERLOADED, "client too slow: events not read", None, "slow_client")
-            self.on_overflow()
         self._wake.set()
+        if len(self.pending) > self.max_pending:
+            self.on_overflow()
+            return False  # the lifecycle fails the stream; on_end writes the error event
+        return True
 
     def _parts(self, parts: list[tuple[str, str]], lp: dict[str, Any] | None) -> None:
         """Streamed reasoning-split parts; the chunk's logprobs ride on its first event."""
@@ -171,15 +170,26 @@ class OpenAIStream:
             delta = {**delta, "tool_calls": calls}
         self._delta_event(delta, lp)
 
-    def on_finished(self, s: Stream, msg: Finished) -> None:
+    def on_end(self, s: Stream, end: End) -> None:
         self.started = True
-        self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
-        completion = self.adm.completion_tokens(s, msg)
+        if self.closed:
+            return
+        if isinstance(end, Done):
+            self._done(s, end)
+        elif isinstance(end, Failed):
+            self.error = error_reply(end.code, end.message, end.retry_after)
+            if self.req.stream:  # after the 200 went out the error is an event (the handler then writes [DONE])
+                self.pending.append(sse(self.error.body))
+        # Cancelled: the handler is leaving; nothing more is written
+        self.closed = True
+        self._wake.set()
+
+    def _done(self, s: Stream, end: Done) -> None:
+        completion = end.completion_tokens
         self.usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": completion,
                       "total_tokens": s.prompt_tokens + completion,
-                      "prompt_tokens_details": {"cached_tokens": msg.usage.cached_tokens}}
-        self.finish_reason = msg.finish_reason
-        self.adm.release(s, s.next_seq)
+                      "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
+        self.finish_reason = end.finish_reason
         if self.reasoning is not None:
             rest = self.reasoning.finish()
             if self.req.stream:
@@ -191,7 +201,7 @@ class OpenAIStream:
             if self.tools is not None:
                 for delta in self.tools.finish():
                     self._tool_delta(delta, None)
-                if self.tools.calls and msg.finish_reason == "stop":
+                if self.tools.calls and end.finish_reason == "stop":
                     self.finish_reason = "tool_calls"
             choice: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": self.finish_reason}
             if self.req.chat:
@@ -200,30 +210,11 @@ class OpenAIStream:
                 choice["text"] = ""
             self.pending.append(sse(self.head(choices=[choice],
                                                **({"usage": None} if self.req.include_usage else {}))))
-        self.closed = True
-        self._wake.set()
 
     def _delta_event(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> None:
         self.pending.append(sse(self.head(choices=[{"index": self.index, "delta": delta, "logprobs": lp,
                                                      "finish_reason": None}],
                                            **({"usage": None} if self.req.include_usage else {}))))
-
-    def on_error(self, s: Stream, msg: Error) -> None:  # noqa: ARG002 - bound in bind()
-        self._fail(msg.code, msg.message, msg.retry_after, None)
-
-    def _fail(self, code: str, message: str, retry_after: float | None, cancel_reason: str | None) -> None:
-        s = self.stream
-        if self.closed or s is None:
-            return
-        self.adm.reject(code, "openai")
-        self.adm.release(s, s.next_seq, cancel_reason)
-        status, body = error_body(code, message)
-        self.error = (status, body, retry_after)
-        self.started = True
-        if self.req.stream:  # after the 200 went out the error is an event (the handler then writes [DONE])
-            self.pending.append(sse(body))
-        self.closed = True
-        self._wake.set()
 
     # --- the handler's side -------------------------------------------------------------------
     def take(self) -> bytes:

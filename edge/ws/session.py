@@ -6,9 +6,11 @@ Concurrency contract:
   frame that cannot take the fast path, so an idle or fast connection has none) and reads frames in
   order. A ``generate`` is admitted (validated, tokenized, charged, published) before the next frame
   is read, so frames of one connection are handled in order.
-* Everything the router calls (``on_chunk``/``on_finished``/``on_error``) is synchronous and never
-  blocks. A plain token delta (no token ids or logprobs asked for) with nothing pending, queued or
-  being written is framed and written to the socket at once, from ``on_chunk``: in a worker step's
+* The session is its streams' :class:`~edge.admission.lifecycle.StreamSink`: what the lifecycle
+  hands it (``on_delta``, ``on_end``) it only turns into frames, synchronously, never blocking, and
+  never calling back into admission (counting and releasing are the lifecycle's). A plain token
+  delta (no token ids or logprobs asked for) with nothing pending, queued or
+  being written is framed and written to the socket at once, from ``on_delta``: in a worker step's
   burst the first clients get their token while the router is still routing the rest. Any other
   outbound frame of one event-loop tick collects in a pending list; the edge's
   :class:`TickFlusher` (one ``call_soon`` per tick for all sessions) then flushes each session,
@@ -22,8 +24,9 @@ Concurrency contract:
   (checked by the edge's sweep, every 0.25 s); a client that does not take the close frame within
   ``close_timeout_s`` has its TCP connection aborted. Its requests are cancelled. Nothing is buffered
   beyond the queue and the socket's write buffer (websockets' ``write_limit``).
-* When :meth:`run` returns (client gone, closed, or the task cancelled), every request still in
-  flight is ended and a :class:`~bus.messages.Cancel` is published for it (reason ``disconnect``).
+* :meth:`run` owns the connection's streams (:class:`~edge.admission.lifecycle.OwnedStreams`): when
+  it returns (client gone, closed, or the task cancelled), every request still in flight is
+  cancelled by the lifecycle (a :class:`~bus.messages.Cancel`, reason ``disconnect``).
 """
 
 from __future__ import annotations
@@ -35,11 +38,10 @@ from typing import Any
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from bus import Error as BusErrorMsg
-from bus import ErrorCode, Finished
+from bus import ErrorCode
 from edge.admission.auth import Principal
 from edge.admission.gate import Admission
-from edge.admission.router import Stream
+from edge.admission.lifecycle import Cancelled, Done, End, Failed, Stream
 from edge.request import Generate, ProtocolError
 from edge.ws.protocol import (
     CancelFrame,
@@ -55,6 +57,10 @@ log = logging.getLogger(__name__)
 
 CLOSE_SLOW = 1008
 MAX_COALESCE = 512
+
+
+def _round(seconds: float | None) -> float | None:
+    return round(seconds, 6) if seconds is not None else None
 
 
 def text_frames(payloads: list[bytes] | tuple[bytes, ...]) -> bytes:
@@ -158,7 +164,8 @@ class Session:
         self.queue: asyncio.Queue | None = None  # created with the writer, on first use
         self._writer_task: asyncio.Task | None = None
         self._ended = False  # run() has finished: nothing is written any more
-        self.streams: dict[str, Stream] = {}  # client id -> stream
+        self.streams: dict[str, Stream] = {}  # client id -> stream, while it is open
+        self._owned = admission.streams()  # ends, in run(), whatever is still open when the connection ends
         self.send_since: float | None = None  # loop time the current socket write started
         self.closing = False
         self._close_task: asyncio.Task | None = None
@@ -258,61 +265,52 @@ class Session:
                 await ws.send(frame, text=True)
                 self.send_since = None
 
-    # --- router callbacks (sync, never block) -------------------------------------------------
-    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple, logprobs: tuple | None) -> None:
-        # self._loop, not asyncio.get_running_loop(): on 3.11 that makes a getpid() system call on
-        # every call, and this runs once per token (docs/benchmarks.md, Edge).
-        self.adm.count_tokens(s, len(token_ids), self._loop.time())
+    # --- the sink: lifecycle events -> frames (sync, never block) ------------------------------
+    def on_delta(self, s: Stream, seq: int, text: str, token_ids: tuple, logprobs: tuple | None) -> bool:
         if logprobs is None and not s.token_ids and self._pending is None and self._direct():
             # The common case, a plain delta with nothing ahead of it: framed and written now,
             # without the tick's pending list (which exists to merge what queues up behind).
             self._write(text_frames((delta_frame(s.client_id, seq, text, None, None),)))
-            return
+            return True
         lp = [[list(p) for p in pos] for pos in logprobs] if logprobs is not None else None
         self.push(_Delta(s.client_id, seq, text, list(token_ids) if s.token_ids else None, lp))
+        return True  # a slow connection is closed as a whole (kill), never one stream of it
 
-    def on_finished(self, s: Stream, msg: Finished) -> None:
-        now = self._loop.time()
-        self.adm.count_end(s, msg.finish_reason, now)
-        usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": self.adm.completion_tokens(s, msg),
-                 "cached_tokens": msg.usage.cached_tokens}
-        timings = {"ttft": round(s.first_at - s.admitted_at, 6) if s.first_at is not None else None,
-                   "e2e": round(now - s.admitted_at, 6), "queue": msg.timings.queue,
-                   "worker_ttft": msg.timings.ttft, "tpot": msg.timings.tpot}
-        self.end(s, done_frame(s.client_id, s.request_id, msg.finish_reason, usage, timings), used=s.next_seq)
-
-    def on_error(self, s: Stream, msg: BusErrorMsg) -> None:
-        self.adm.reject(msg.code, "ws")
-        self.end(s, error_frame(msg.code, msg.message, id=s.client_id, request_id=s.request_id,
-                                retry_after=msg.retry_after), used=s.next_seq)
-
-    def end(self, s: Stream, frame: bytes | None, used: int, cancel_reason: str | None = None) -> None:
-        """End a stream once: release it (refund, unregister, Cancel if asked), send ``frame``."""
-        if not self.adm.release(s, used, cancel_reason):
-            return
+    def on_end(self, s: Stream, end: End) -> None:
         if self.streams.get(s.client_id) is s:
             del self.streams[s.client_id]
-        if frame is not None:
-            self.push(frame)
+        if isinstance(end, Done):
+            usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": end.completion_tokens,
+                     "cached_tokens": end.cached_tokens}
+            timings = {"ttft": _round(end.ttft), "e2e": round(end.e2e, 6), "queue": end.timings.queue,
+                       "worker_ttft": end.timings.ttft, "tpot": end.timings.tpot}
+            self.push(done_frame(s.client_id, s.request_id, end.finish_reason, usage, timings))
+        elif isinstance(end, Failed):
+            self.push(error_frame(end.code, end.message, id=s.client_id, request_id=s.request_id,
+                                  retry_after=end.retry_after))
+        elif isinstance(end, Cancelled) and end.reason == "client":  # a disconnected client gets nothing
+            usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": end.completion_tokens, "cached_tokens": 0}
+            timings = {"ttft": _round(end.ttft), "e2e": round(end.e2e, 6)}
+            self.push(done_frame(s.client_id, s.request_id, "abort", usage, timings))
 
     # --- inbound ------------------------------------------------------------------------------
     async def run(self) -> None:
         try:
-            async for message in self.ws:
-                if self.closing:
-                    break
-                await self.on_frame(message)
-        except ConnectionClosed:
-            pass
+            with self._owned:  # leaving it cancels every request still in flight (disconnect)
+                try:
+                    async for message in self.ws:
+                        if self.closing:
+                            break
+                        await self.on_frame(message)
+                except ConnectionClosed:
+                    pass
+                finally:
+                    self.closing = self._ended = True
+                    if self._writer_task is not None:
+                        self._writer_task.cancel()
         finally:
-            self.closing = self._ended = True
-            writer = self._writer_task
-            if writer is not None:
-                writer.cancel()
-            for s in list(self.streams.values()):
-                self.end(s, None, used=s.next_seq, cancel_reason="disconnect")
-            if writer is not None:
-                await asyncio.gather(writer, return_exceptions=True)
+            if self._writer_task is not None:
+                await asyncio.gather(self._writer_task, return_exceptions=True)
             if self._close_task is not None:
                 await asyncio.gather(self._close_task, return_exceptions=True)
 
@@ -334,13 +332,7 @@ class Session:
         if s is None:
             raise ProtocolError("no request in flight with that id", "request_id" if frame.request_id else "id",
                                 frame.id)
-        usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.next_seq, "cached_tokens": 0}
-        now = self._loop.time()
-        timings = {"ttft": round(s.first_at - s.admitted_at, 6) if s.first_at is not None else None,
-                   "e2e": round(now - s.admitted_at, 6)}
-        self.adm.count_end(s, "abort", now)
-        self.end(s, done_frame(s.client_id, s.request_id, "abort", usage, timings), used=s.next_seq,
-                 cancel_reason="client")
+        self.adm.lifecycle.cancel(s, "client")  # its done frame comes back through on_end
 
     async def generate(self, g: Generate) -> None:
         cfg = self.adm.config
@@ -350,7 +342,7 @@ class Session:
             raise ProtocolError(f"{len(self.streams)} requests in flight on this connection, at most "
                                 f"{cfg.max_streams_per_connection}", "max_streams_per_connection", g.id,
                                 code=ErrorCode.RATE_LIMITED, retry_after=1.0)
-        admitted = await self.adm.admit(g, self.principal, self, "ws", token_ids=g.token_ids,
+        admitted = await self.adm.admit(g, self.principal, self, "ws", self._owned, token_ids=g.token_ids,
                                         gone=lambda: self.closing, trace_parent=self.trace_parent)
         if admitted is None:
             return

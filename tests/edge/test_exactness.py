@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from bus import Cancel, SamplingParams, TokenChunk
-from edge.admission.router import SpliceMismatch, Stream, dedupe
+from edge.admission.lifecycle import Stream
+from edge.admission.router import SpliceMismatch, dedupe
 from edge.config import EdgeConfig
 from edge.server import Edge
 from tests.edge.conftest import client, collect, recv, running_edge, send, wait_for

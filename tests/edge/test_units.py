@@ -6,8 +6,9 @@ import pytest
 
 from bus import TokenChunk, WorkerStatus
 from edge.admission.auth import Authenticator, AuthError, extract_key, select_subprotocol
+from edge.admission.lifecycle import Stream
 from edge.admission.ratelimit import KeyLimiter, TokenBucket
-from edge.admission.router import Stream, dedupe
+from edge.admission.router import dedupe
 from edge.admission.shedding import LoadShedder
 from edge.config import (
     ConfigError,

@@ -6,7 +6,8 @@ A request runs as the chat request it translates into (:mod:`edge.openai.respons
 same tool prompt and forcing grammar (:func:`edge.openai.tools.prepare`), the same
 :meth:`~edge.admission.gate.Admission.admit` (keys, tiers, limits, shedding, ``api="openai"`` metrics),
 the same bus path and exact resume; only the sink differs (:mod:`edge.openai.responses.sink`).
-A client that goes away cancels its request as on chat (aiohttp's handler cancellation).
+A client that goes away cancels its request as on chat (aiohttp's handler cancellation ends the
+handler's ``with adm.streams()`` block).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any
 from aiohttp import web
 
 from edge.admission.auth import AuthError, Principal
-from edge.admission.gate import Admission
-from edge.openai.reply import API, error_response, json_response, principal, read_json
+from edge.admission.gate import Admission, Admitted
+from edge.openai.reply import API, error_response, failed_response, json_response, principal, read_json, refusal
 from edge.openai.responses.items import page
 from edge.openai.responses.schema import ResponsesRequest, parse_responses
 from edge.openai.responses.sink import ResponsesSink
 from edge.openai.responses.store import ResponseStore
+from edge.openai.schema import openai_param
 from edge.openai.tool_parsers import configured_parser
 from edge.openai.tools import prepare
 from edge.request import ProtocolError
@@ -88,8 +90,7 @@ class ResponsesRoutes:
         try:
             return json_response(200, page(got.input_items, request.query))
         except ProtocolError as exc:
-            self.adm.reject(exc.code, API)
-            return error_response(exc.code, exc.message, exc.field)
+            return refusal(self.adm, exc)
 
     async def delete(self, request: web.Request) -> web.Response:
         who = self._auth(request)
@@ -138,52 +139,40 @@ class ResponsesRoutes:
                     adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, chat=replace(req.chat, generate=g))
         except ProtocolError as exc:
-            adm.reject(exc.code, API)
-            return error_response(exc.code, exc.message, exc.field, exc.retry_after)
+            return refusal(adm, exc)
         transport = request.transport
-        sink = ResponsesSink(adm, req, adm.config.send_queue_frames,
+        sink = ResponsesSink(adm.config, req, adm.config.send_queue_frames,
                              on_overflow=lambda: transport.abort() if transport is not None else None)
-        try:
-            admitted = await adm.admit(req.chat.generate, who, sink, API, client_id="",
-                                       trace_parent=adm.trace_parent(request.headers))
-        except ProtocolError as exc:
-            adm.reject(exc.code, API)
-            field = exc.field
-            if field is not None and field.startswith("guided_"):
-                field = "text.format" if isinstance(body, dict) and body.get("text") is not None else "tools"
-            return error_response(exc.code, exc.message, field, exc.retry_after)
-        assert admitted is not None
-        s = admitted.stream
-        sink.bind(s)
-        try:
+        with adm.streams() as owned:  # leaving it (the client gone, a failed write) cancels the request
+            try:
+                admitted = await adm.admit(req.chat.generate, who, sink, API, owned, client_id="",
+                                           trace_parent=adm.trace_parent(request.headers))
+            except ProtocolError as exc:
+                return refusal(adm, exc, openai_param(exc.field, body, "text", "text.format", guided_fields=False))
+            assert admitted is not None
+            sink.bind(admitted.stream)
             if req.stream:
                 return await self._stream(request, sink, admitted, who, req)
             await adm.publish(admitted)
             while not sink.closed:
                 await sink.wait()
             if sink.error is not None:
-                status, err, retry_after = sink.error
-                return json_response(status, err, retry_after)
+                return failed_response(sink.error)
             self._keep(who, req, sink)
             return json_response(200, sink.response())
-        finally:
-            if not s.ended:  # the client went away (handler cancelled) or the write failed
-                adm.count_end(s, "abort", asyncio.get_running_loop().time())
-                adm.release(s, s.next_seq, "disconnect")
 
     def _keep(self, who: Principal, req: ResponsesRequest, sink: ResponsesSink) -> None:
         if req.store and sink.error is None:
             self.store.put(who.tenant, sink.response(), req.history + tuple(output_history(sink.output)),
                            req.input_items)
 
-    async def _stream(self, request: web.Request, sink: ResponsesSink, admitted: Any, who: Principal,
+    async def _stream(self, request: web.Request, sink: ResponsesSink, admitted: Admitted, who: Principal,
                       req: ResponsesRequest) -> web.StreamResponse:
         # written to the bus before the 200 goes out (as on chat): a request the bus did not take
         # is a plain error status, never a 200 stream
         if not await self.adm.publish(admitted):
             assert sink.error is not None
-            status, err, retry_after = sink.error
-            return json_response(status, err, retry_after)
+            return failed_response(sink.error)
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
         try:

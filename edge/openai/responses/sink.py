@@ -1,5 +1,5 @@
-"""One ``/v1/responses`` request in flight: the :class:`~edge.admission.router.StreamSink` the router feeds,
-and what it becomes: output items (an assistant ``message`` with ``output_text``, ``function_call``
+"""One ``/v1/responses`` request in flight: the :class:`~edge.admission.lifecycle.StreamSink` the
+stream lifecycle feeds, and what it becomes: output items (an assistant ``message`` with ``output_text``, ``function_call``
 items) in one ``response`` object, or, streamed, OpenAI's event sequence:
 ``response.created``, ``response.in_progress``, per item ``response.output_item.added``, (message)
 ``response.content_part.added``, ``response.output_text.delta`` ..., ``response.output_text.done``,
@@ -12,8 +12,9 @@ items) in one ``response`` object, or, streamed, OpenAI's event sequence:
 
 The output is read through the chat path's :class:`~edge.openai.tools.ToolStream` in both modes,
 so the non-streamed response is exactly what the streamed events add up to. Concurrency and
-bounds as :mod:`edge.openai.stream`: callbacks only append and wake the handler; ``pending`` over
-``max_pending`` events cancels the request as a slow client.
+bounds as :mod:`edge.openai.stream`: ``on_delta``/``on_end`` only append and wake the handler, and
+never call back into admission; ``pending`` over ``max_pending`` events has ``on_delta`` answer
+``False``, and the lifecycle fails the request as a slow client.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ from typing import Any
 
 import orjson
 
-from bus import Error, ErrorCode, Finished
-from edge.admission.gate import Admission
-from edge.admission.router import Stream
+from edge.admission.lifecycle import Done, End, Failed, Stream
+from edge.config import EdgeConfig
 from edge.openai.reasoning import REASONING, ReasoningStream
 from edge.openai.responses.items import item_id
 from edge.openai.responses.schema import ResponsesRequest
-from edge.openai.schema import error_body
+from edge.openai.schema import ErrorReply, error_reply
 from edge.openai.tool_parsers import configured_parser
 from edge.openai.tools import ToolStream
 
@@ -42,8 +42,9 @@ def event(kind: str, seq: int, **fields: Any) -> bytes:
 
 
 class ResponsesSink:
-    def __init__(self, adm: Admission, req: ResponsesRequest, max_pending: int, on_overflow: Callable[[], None]) -> None:
-        self.adm = adm
+    def __init__(self, config: EdgeConfig, req: ResponsesRequest, max_pending: int,
+                 on_overflow: Callable[[], None]) -> None:
+        self.model = config.model
         self.req = req
         self.max_pending = max_pending
         self.on_overflow = on_overflow
@@ -54,7 +55,7 @@ class ResponsesSink:
         self.status = "in_progress"
         self.incomplete: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
-        self.error: tuple[int, dict[str, Any], float | None] | None = None
+        self.error: ErrorReply | None = None
         self.pending: list[bytes] = []
         self.closed = False
         self.started = False  # the first output (a token, the end or an error) has arrived
@@ -64,8 +65,8 @@ class ResponsesSink:
         self._calls: dict[int, dict[str, Any]] = {}  # ToolStream call index -> its function_call item
         tr = req.chat.tools
         self.tools = ToolStream(configured_parser(
-            adm.config.tool_call_parser, adm.config.model, adm.config.model_path)) if tr is not None and tr.active else None
-        parser = adm.config.reasoning_parser  # --reasoning-parser: <think>...</think> -> a reasoning item
+            config.tool_call_parser, config.model, config.model_path)) if tr is not None and tr.active else None
+        parser = config.reasoning_parser  # --reasoning-parser: <think>...</think> -> a reasoning item
         self.reasoning = ReasoningStream(parser) if parser is not None else None
         self._think: dict[str, Any] | None = None  # the open reasoning item
         self.reasoning_tokens = 0  # output tokens of chunks that ended inside the reasoning
@@ -162,11 +163,10 @@ class ResponsesSink:
                 self._emit("response.function_call_arguments.delta", item_id=call["id"],
                            output_index=self.output.index(call), delta=frag)
 
-    # --- router callbacks ---------------------------------------------------------------------
-    def on_chunk(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the router's signature
-                 logprobs: tuple | None) -> None:  # noqa: ARG002
+    # --- the sink: lifecycle events -> items and events ----------------------------------------
+    def on_delta(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the sink's signature
+                 logprobs: tuple | None) -> bool:  # noqa: ARG002
         self.started = True
-        self.adm.count_tokens(s, len(token_ids), asyncio.get_running_loop().time())
         if self.reasoning is None:
             self._answer(text)
         else:
@@ -174,20 +174,32 @@ class ResponsesSink:
                 self._part(kind, part)
             if self.reasoning.in_reasoning:
                 self.reasoning_tokens += len(token_ids)
+        self._wake.set()
         if len(self.pending) > self.max_pending:
-            self.adm.metrics.slow_disconnects.inc()
-            self._fail(ErrorCode.OVERLOADED, "client too slow: events not read", None, "slow_client")
             self.on_overflow()
+            return False  # the lifecycle fails the stream; on_end emits response.failed
+        return True
+
+    def on_end(self, s: Stream, end: End) -> None:
+        self.started = True
+        if self.closed:
+            return
+        if isinstance(end, Done):
+            self._done(s, end)
+        elif isinstance(end, Failed):
+            self.error = error_reply(end.code, end.message, end.retry_after)
+            self.status = "failed"
+            self._emit("response.failed", response={**self.response(), "error": {"code": end.code,
+                                                                                 "message": end.message}})
+        # Cancelled: the handler is leaving; nothing more is written
+        self.closed = True
         self._wake.set()
 
-    def on_finished(self, s: Stream, msg: Finished) -> None:
-        self.started = True
-        self.adm.count_end(s, msg.finish_reason, asyncio.get_running_loop().time())
-        out = self.adm.completion_tokens(s, msg)
-        self.usage = {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": msg.usage.cached_tokens},
+    def _done(self, s: Stream, end: Done) -> None:
+        out = end.completion_tokens
+        self.usage = {"input_tokens": s.prompt_tokens, "input_tokens_details": {"cached_tokens": end.cached_tokens},
                       "output_tokens": out, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                       "total_tokens": s.prompt_tokens + out}
-        self.adm.release(s, s.next_seq)
         for kind, part in self.reasoning.finish() if self.reasoning is not None else ():
             self._part(kind, part)
         for d in self.tools.finish() if self.tools is not None else ():
@@ -200,30 +212,11 @@ class ResponsesSink:
             self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                        name=item["name"], arguments=item["arguments"])
             self._emit("response.output_item.done", output_index=i, item=item)
-        if msg.finish_reason == "length":
+        if end.finish_reason == "length":
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
         else:
             self.status = "completed"
         self._emit("response.incomplete" if self.incomplete else "response.completed", response=self.response())
-        self.closed = True
-        self._wake.set()
-
-    def on_error(self, s: Stream, msg: Error) -> None:  # noqa: ARG002 - the router's signature
-        self._fail(msg.code, msg.message, msg.retry_after, None)
-
-    def _fail(self, code: str, message: str, retry_after: float | None, cancel_reason: str | None) -> None:
-        s = self.stream
-        if self.closed or s is None:
-            return
-        self.adm.reject(code, "openai")
-        self.adm.release(s, s.next_seq, cancel_reason)
-        status, body = error_body(code, message)
-        self.error = (status, body, retry_after)
-        self.status = "failed"
-        self.started = True
-        self._emit("response.failed", response={**self.response(), "error": {"code": code, "message": message}})
-        self.closed = True
-        self._wake.set()
 
     # --- the handler's side -------------------------------------------------------------------
     async def wait(self) -> None:
@@ -237,5 +230,5 @@ class ResponsesSink:
     def response(self) -> dict[str, Any]:
         """The ``response`` object as it stands (final once ``closed``)."""
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
-                "error": None, "incomplete_details": self.incomplete, "model": self.adm.config.model,
+                "error": None, "incomplete_details": self.incomplete, "model": self.model,
                 "output": [dict(o) for o in self.output], "usage": self.usage, **self.req.echo}
