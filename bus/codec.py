@@ -2,8 +2,10 @@
 
 Generic: it knows field types, not messages. Converters are compiled once per type (typing
 introspection is slow); a record then costs one closure call per field. Paths for error messages
-are built only when something is wrong. Unknown fields, wrong types and missing required fields
-raise :class:`DecodeError` naming the path.
+are built only when something is wrong. Wrong types and missing required fields raise
+:class:`DecodeError` naming the path; so do unknown fields, unless the conversion is ``lenient``
+(a record of a newer schema revision than this build's: docs/bus.md, "Record evolution"), which
+skips them at every depth.
 """
 
 from __future__ import annotations
@@ -20,27 +22,28 @@ class DecodeError(ValueError):
 
 
 Converter = typing.Callable[[Any, str], Any]
-_CONVERTERS: dict[Any, Converter] = {}
+_CONVERTERS: dict[tuple[Any, bool], Converter] = {}
 
 
-def build(cls: type, obj: Any, path: str) -> Any:
-    """``obj`` as an instance of dataclass ``cls``; errors name ``path`` and the field."""
-    return _converter(cls)(obj, path)
+def build(cls: type, obj: Any, path: str, lenient: bool = False) -> Any:
+    """``obj`` as an instance of dataclass ``cls``; errors name ``path`` and the field.
+    ``lenient``: fields ``cls`` (or a nested dataclass) does not have are skipped, not refused."""
+    return _converter(cls, lenient)(obj, path)
 
 
-def _converter(tp: Any) -> Converter:
-    conv = _CONVERTERS.get(tp)
+def _converter(tp: Any, lenient: bool) -> Converter:
+    conv = _CONVERTERS.get((tp, lenient))
     if conv is None:
-        conv = _CONVERTERS[tp] = _compile(tp)
+        conv = _CONVERTERS[(tp, lenient)] = _compile(tp, lenient)
     return conv
 
 
-def _compile(tp: Any) -> Converter:
+def _compile(tp: Any, lenient: bool) -> Converter:
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
         nullable = type(None) in args
-        inner = _converter(next(a for a in args if a is not type(None)))
+        inner = _converter(next(a for a in args if a is not type(None)), lenient)
 
         def union(value: Any, path: str) -> Any:
             if value is None:
@@ -53,7 +56,7 @@ def _compile(tp: Any) -> Converter:
     if origin is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            item = _converter(args[0])
+            item = _converter(args[0], lenient)
             exact = args[0] if args[0] in (int, str) else None  # token ids, stop strings: check in bulk
 
             def var_tuple(value: Any, path: str) -> Any:
@@ -64,7 +67,7 @@ def _compile(tp: Any) -> Converter:
                 return tuple([item(v, f"{path}[{i}]") for i, v in enumerate(value)])
 
             return var_tuple
-        items = [_converter(a) for a in args]
+        items = [_converter(a, lenient) for a in args]
 
         def fixed_tuple(value: Any, path: str) -> Any:
             if not isinstance(value, list):
@@ -77,7 +80,7 @@ def _compile(tp: Any) -> Converter:
     if tp is Any:
         return lambda value, _path: value
     if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
-        return _compile_dataclass(tp)
+        return _compile_dataclass(tp, lenient)
     if tp is float:
         def number(value: Any, path: str) -> float:
             if value.__class__ is float:
@@ -104,7 +107,7 @@ def _compile(tp: Any) -> Converter:
     raise TypeError(f"unsupported field type {tp!r}")
 
 
-def _compile_dataclass(cls: type) -> Converter:
+def _compile_dataclass(cls: type, lenient: bool) -> Converter:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in fields(cls)]
     known = frozenset(names)
@@ -113,7 +116,7 @@ def _compile_dataclass(cls: type) -> Converter:
     def build_one(obj: Any, path: str) -> Any:
         if obj.__class__ is not dict:
             raise DecodeError(f"{path}: expected an object, got {type(obj).__name__}")
-        if not known.issuperset(obj):
+        if not lenient and not known.issuperset(obj):
             raise DecodeError(f"{path}: unknown field(s) {sorted(set(obj) - known)}")
         kwargs = {name: conv(obj[name], path + "." + name) for name, conv in plan if name in obj}
         try:
@@ -121,6 +124,6 @@ def _compile_dataclass(cls: type) -> Converter:
         except TypeError as exc:  # missing required fields
             raise DecodeError(f"{path}: {exc}") from None
 
-    _CONVERTERS[cls] = build_one  # registered before the plan is filled: a self-referencing field finds it
-    plan.extend((name, _converter(hints[name])) for name in names)
+    _CONVERTERS[(cls, lenient)] = build_one  # registered before the plan is filled: a self-referencing field finds it
+    plan.extend((name, _converter(hints[name], lenient)) for name in names)
     return build_one

@@ -1,6 +1,8 @@
 """Typed, versioned messages that cross the bus, and their orjson codec.
 
-Every record on a lockgate topic is one JSON object ``{"v": <schema>, "type": <kind>, ...fields}``.
+Every record on a lockgate topic is one JSON object ``{"v": <schema>, "type": <kind>, ...fields}``
+(plus ``"must": [...]`` when it sets a must-understand field); how the schema evolves, so old and
+new workers and edges share a topic, is :mod:`bus.evolution` (docs/bus.md, "Record evolution").
 The classes here are the only shapes that travel; nothing else crosses a module boundary as a bare
 dict. This module is pure (no asyncio, no Kafka, no torch) so every actor and test can use it.
 
@@ -17,9 +19,9 @@ from typing import Any
 import orjson
 
 from bus.codec import DecodeError, build
-from bus.sampling import SamplingParams, check_float, check_int
-
-SCHEMA_VERSION = 1
+from bus.evolution import SCHEMA_VERSION, check_version, lenient_body, must_list
+from lockgate_types import FinishReason as FinishReason  # re-exported: the wire names it too
+from lockgate_types import SamplingParams, check_float, check_int
 
 
 class Tier(IntEnum):
@@ -28,14 +30,6 @@ class Tier(IntEnum):
     P0 = 0  # interactive, premium
     P1 = 1  # interactive, standard
     P2 = 2  # batch / background
-
-
-class FinishReason:
-    STOP = "stop"  # EOS, stop string or stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled by the client or the operator
-
-    ALL = (STOP, LENGTH, ABORT)
 
 
 class ErrorCode:
@@ -247,6 +241,9 @@ def encode(msg: Message) -> bytes:
         raise TypeError(f"not a bus message: {type(msg).__name__}")
     body = orjson.dumps(msg)  # orjson serialises (slotted) dataclasses natively
     # Every message has at least one field, so ``body`` is ``{"...`` and splicing is safe.
+    must = must_list(msg)
+    if must:
+        return b'{"v":%d,"type":"%s","must":%s,%s' % (SCHEMA_VERSION, kind.encode(), orjson.dumps(must), body[1:])
     return b'{"v":%d,"type":"%s",%s' % (SCHEMA_VERSION, kind.encode(), body[1:])
 
 
@@ -259,14 +256,16 @@ def decode(data: bytes | bytearray | memoryview | str) -> Message:
     if not isinstance(obj, dict):
         raise DecodeError(f"expected a JSON object, got {type(obj).__name__}")
     version = obj.pop("v", None)
-    if version != SCHEMA_VERSION:
-        raise DecodeError(f"unsupported schema version {version!r} (this build reads {SCHEMA_VERSION})")
+    check_version(version)
+    must = obj.pop("must", None)
     kind = obj.pop("type", None)
     cls = _BY_NAME.get(kind) if isinstance(kind, str) else None
     if cls is None:
+        # a newer writer's new record type: refused here too (dead-lettered), like any unknown type
         raise DecodeError(f"unknown message type {kind!r}")
+    lenient = lenient_body(version, must, cls, kind)
     try:
-        return build(cls, obj, kind)
+        return build(cls, obj, kind, lenient)
     except DecodeError:
         raise
     except (ValueError, TypeError) as exc:

@@ -53,7 +53,7 @@ def cost() -> None:
 def streams(model: str, count: int, max_tokens: int) -> None:
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
 
     engine = Engine(EngineConfig(model=model, kv_cache_bytes=256 << 20, max_num_seqs=32))
 

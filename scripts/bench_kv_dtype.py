@@ -41,6 +41,7 @@ def _run(args: argparse.Namespace) -> None:
     from benchmarks.engine.bench import machine_info
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
+    from engine_workers.model.batch import Chunk, ModelInput
     from engine_workers.model.llama import ModelSpec
     from engine_workers.model.runner import kv_block_bytes
     from tokenization.model_store import ensure_default_model
@@ -69,7 +70,7 @@ def _run(args: argparse.Namespace) -> None:
             for name, engine in engines.items():
                 nblk = -(-(ln + 1) // bs)
                 tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(b)]
-                step = [([100 + i], ln, tables[i], True) for i in range(b)]
+                step = ModelInput(tuple(Chunk([100 + i], ln, tables[i], True) for i in range(b)))
                 engine.runner.execute(step)  # warm: first call of a shape
                 for _ in range(args.steps):
                     start = time.perf_counter()

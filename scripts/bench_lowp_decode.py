@@ -40,7 +40,7 @@ def _run(args: argparse.Namespace) -> None:
     from benchmarks.engine.bench import machine_info
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
 
     print(machine_info(), flush=True)
     engines = {name: Engine(EngineConfig(kv_cache_bytes=256 << 20, dtype=ENGINES[name][0], quantization=ENGINES[name][1]))

@@ -15,7 +15,8 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "tracing", "lockgate", "benchmarks")
+PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "tracing", "lockgate", "lockgate_types",
+            "benchmarks")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -49,6 +50,9 @@ def test_the_layer_contracts_are_kept() -> None:
     ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
     ("tracing/_probe.py", "import bus\n", "tracing imports nothing of ours"),
     ("bus/_probe.py", "import tracing\n", "bus imports nothing of ours"),
+    ("lockgate_types/_probe.py", "import bus\n", "lockgate_types imports nothing of ours"),
+    ("edge/_probe.py", "from lockgate_types import SamplingParams\n", "Only the bus and the engine import lockgate_types"),
+    ("engine_workers/model/_probe.py", "import lockgate_types\n", "Only the bus and the engine import lockgate_types"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:

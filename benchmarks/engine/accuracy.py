@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_workers.engine.config import EngineConfig
+from engine_workers.model.batch import Chunk, ModelInput
 
 DATA = Path(__file__).parent.parent / "data"
 PROMPTS_FILE = DATA / "accuracy_prompts.json"
@@ -151,16 +152,16 @@ def decode(runner, prompts: Sequence[Sequence[int]], steps: int, forced: Sequenc
             n = _blocks(len(prompts[i]) + steps, bs)
             tables.append(list(range(first, first + n)))
             first += n
-        chunks = [(list(prompts[i]), 0, table, True) for i, table in zip(batch, tables)]
+        chunks = tuple(Chunk(list(prompts[i]), 0, table, True) for i, table in zip(batch, tables))
         for t in range(steps):
-            logits = runner.execute(chunks)
+            logits = runner.execute(ModelInput(chunks)).logits
             if visit is not None:
                 visit(batch, t, logits)
             picks = logits.argmax(-1).tolist()
             for i, tok in zip(batch, picks):
                 out[i].append(tok)
             feed = picks if forced is None else [forced[i][t] for i in batch]
-            chunks = [([tok], len(prompts[i]) + t, table, True) for i, tok, table in zip(batch, feed, tables)]
+            chunks = tuple(Chunk([tok], len(prompts[i]) + t, table, True) for i, tok, table in zip(batch, feed, tables))
     return out
 
 
@@ -176,9 +177,9 @@ def text_nll(runner, ids: Sequence[int], window: int, stride: int) -> tuple[floa
         end = min(begin + window, len(ids))
         seg = list(ids[begin:end])
         # row k predicts seg[k + 1]; the continuation chunk reads seg[0]'s K/V back from the cache
-        rows = [runner.execute([(seg[:1], 0, table, True)], every_row=True)]
+        rows = [runner.execute(ModelInput((Chunk(seg[:1], 0, table, True),), every_row=True)).logits]
         if len(seg) > 2:
-            rows.append(runner.execute([(seg[1:-1], 1, table, True)], every_row=True))
+            rows.append(runner.execute(ModelInput((Chunk(seg[1:-1], 1, table, True),), every_row=True)).logits)
         skip = max(0, scored_to - (begin + 1))  # targets an earlier window scored
         targets = torch.tensor(seg[1 + skip:], device=rows[0].device)
         total += float(F.cross_entropy(torch.cat(rows)[skip:], targets, reduction="sum"))

@@ -33,7 +33,7 @@ SCHEMA: dict[str, Any] = {
 def run(model: str, batch: int, max_tokens: int, repeat: int, threads: int) -> list[dict[str, Any]]:
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
 
     engine = Engine(EngineConfig(model=model, max_num_seqs=batch, num_threads=threads))
     prompt = engine.encode_prompt(messages=[{"role": "user", "content": "Invent a user profile as JSON."}])

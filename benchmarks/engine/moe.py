@@ -131,7 +131,7 @@ def bench_engine(shape: MoeShape, seqs: int, prompt_len: int, new_tokens: int) -
 
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(prompt_len)] for _ in range(seqs)]

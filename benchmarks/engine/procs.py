@@ -69,7 +69,7 @@ class _Lockgate:
                 "kernel_isa": isa_level() if e.device.type == "cpu" else None}
 
     def run(self, wl: Workload) -> dict:
-        from engine_workers.engine.params import SamplingParams
+        from lockgate_types import SamplingParams
 
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.outputs]
         computed0 = self.engine.stats.computed_tokens

@@ -49,7 +49,6 @@ from bus import (
     encode,
     replies_of,
 )
-from engine_workers.worker.convert import engine_params
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ def run_inprocess(engine, work, broker: list[int] | None = None) -> dict:
     lone, overhead = [], []
     for i, prompt in enumerate(lone_prompts(work)):
         t = time.monotonic()
-        engine.add_request(f"l{i}", prompt, engine_params(SamplingParams(max_tokens=2, temperature=0.0)), cache_salt=f"{salt}l{i}",
+        engine.add_request(f"l{i}", prompt, SamplingParams(max_tokens=2, temperature=0.0), cache_salt=f"{salt}l{i}",
                            arrival_time=t)
         first, compute = None, 0.0
         while engine.has_unfinished():
@@ -115,12 +114,12 @@ def run_inprocess(engine, work, broker: list[int] | None = None) -> dict:
         assert first is not None  # the request ran to its end, so it produced a token
         lone.append(first - t)
         overhead.append(first - t - compute)
-    engine.add_request("warm", work[0][0][:8], engine_params(SamplingParams(max_tokens=2, temperature=0.0)), cache_salt=salt + "w")
+    engine.add_request("warm", work[0][0][:8], SamplingParams(max_tokens=2, temperature=0.0), cache_salt=salt + "w")
     while engine.has_unfinished():
         engine.step()
     t0, steps0, busy0, cpu0 = time.monotonic(), engine.stats.steps, engine.stats.busy_s, cpu_mark(broker)
     for i, (prompt, params) in enumerate(work):
-        engine.add_request(f"b{i}", prompt, engine_params(params), cache_salt=salt, arrival_time=t0)
+        engine.add_request(f"b{i}", prompt, params, cache_salt=salt, arrival_time=t0)
     tokens, ttft = 0, []
     while engine.has_unfinished():
         for out in engine.step():

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from engine_workers.engine import torch_thread
 from engine_workers.engine.core import Engine, RequestOutput
-from engine_workers.engine.params import SamplingParams
 from engine_workers.model.runner import gpu_memory_utilization
+from lockgate_types import SamplingParams
 
 log = logging.getLogger(__name__)
 

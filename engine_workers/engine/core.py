@@ -1,8 +1,11 @@
 """The offline engine: ``add_request`` / ``step`` / ``abort``.
 
-One ``step()`` = the scheduler decides a batch, the runner executes it in one forward, the sampler
-draws one token for every sequence whose known tokens are all computed, and finished sequences
-release their blocks at once. The engine is synchronous and single-threaded; ``AsyncEngine`` runs it
+One ``step()`` = schedule -> execute -> postprocess: the scheduler decides a batch, the engine
+turns it into a typed :class:`~engine_workers.model.batch.ModelInput` (tokens, positions' start,
+block tables), the runner executes it in one forward and returns a ``RunnerOutput`` (logits, and
+for embedding requests final-norm states), then the pooler ends embedding requests with their
+vector, the sampler draws one token for every other sequence whose known tokens are all computed,
+and finished sequences release their blocks at once. The engine is synchronous and single-threaded; ``AsyncEngine`` runs it
 on a thread of its own for the actors. Loading and ``step()`` hop onto the process's torch thread
 (:mod:`engine_workers.engine.torch_thread`), whichever thread calls them: torch's OpenMP pools slow every
 forward down once two threads have run torch work.
@@ -24,34 +27,33 @@ from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.guided import GrammarCache, Guide, GuidedSpec, LazyGrammars, MaskBuffer
 from engine_workers.engine.outputs import CompletedRequest, EngineStats, RequestOutput
-from engine_workers.engine.params import FinishReason, SamplingParams
+from engine_workers.engine.pooler import Pooler
 from engine_workers.engine.sampler import Sampler, TokenLogprobs
-from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
+from engine_workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
+from engine_workers.model.batch import Chunk, ModelInput, RunnerOutput
 from engine_workers.model.loader import LoadedModel, load_model
 from engine_workers.model.parallel.group import TpGroup
 from engine_workers.model.parallel.runner import ParallelRunner, load_group
 from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
 from engine_workers.model.smoothing import load_smoothed_w8a8
 from kv_store import KVCacheManager
+from lockgate_types import FinishReason, SamplingParams
 from tokenization.prompts import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
 
 class _Req:
-    __slots__ = ("seq", "detok", "pending_logprobs", "guide", "pool_sum", "pool_rows")
+    __slots__ = ("seq", "detok", "pending_logprobs", "guide")
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, guide: Guide | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.pending_logprobs: list[TokenLogprobs] = []
         self.guide = guide  # the structured-output matcher of a guided_* request
-        # mean pooling: the sum of the final-norm states of prompt rows [0, pool_rows), chunk by chunk
-        self.pool_sum: torch.Tensor | None = None
-        self.pool_rows = 0
 
 
 class Engine:
@@ -119,6 +121,7 @@ class Engine:
             self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype,
                                       config.cpu_kernels, self.kv_dtype, cuda_graphs=graphs)
         self.sampler = Sampler(self.device, sorted(self.eos_token_ids))
+        self.pooler = Pooler()
         # Seeds for requests without one: every request's draws are counter-based on a seed (see
         # engine.sampler), so an unseeded request is reproducible too once its seed is known.
         self._seeds = random.Random(config.seed)
@@ -283,12 +286,26 @@ class Engine:
         return torch_thread.call(self._step)
 
     def _step(self) -> list[RequestOutput]:
+        """schedule -> ``runner.execute(ModelInput)`` -> postprocess (pool, sample, finish)."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
         if sched.is_empty:
             return outputs
+        batch = self._model_input(sched)
+        result = self.runner.execute(batch)
+        self.scheduler.on_step_done(sched)
+        self.stats.steps += 1
+        self.stats.last_batch_tokens = sched.num_batched_tokens
+        self.stats.last_batch_seqs = len(sched.scheduled)
+        self.stats.computed_tokens += sched.num_batched_tokens
+        self._postprocess(sched, batch, result, outputs)
+        self.stats.busy_s += time.monotonic() - started
+        return outputs
+
+    def _model_input(self, sched: SchedulerOutput) -> ModelInput:
+        """The scheduler's decision with the KV manager's block tables: what the runner computes."""
         now = time.monotonic()
         chunks = []
         for item in sched.scheduled:
@@ -297,48 +314,43 @@ class Engine:
                 s.times.first_scheduled = now
                 self.stats.prompt_tokens += s.num_prompt_tokens
             start = s.num_computed_tokens
-            chunks.append((s.all_token_ids[start : start + item.num_new_tokens], start, self.kv.block_ids(s.seq_id), item.samples))
-        pooled = [item.seq for item in sched.scheduled if item.samples and item.seq.params.pooling]
-        hidden: list[torch.Tensor] | None = [] if pooled else None
-        means = [i for i, item in enumerate(sched.scheduled) if item.seq.params.pooling == "mean"]
-        sums: list[torch.Tensor] | None = [] if means else None
-        logits = self.runner.execute(chunks, hidden_out=hidden, sum_chunks=means, sums_out=sums)
-        if sums:
-            for j, i in enumerate(means):
-                self._add_rows(sched.scheduled[i].seq, chunks[i][1], len(chunks[i][0]), sums[0][j])
-        self.scheduler.on_step_done(sched)
-        self.stats.steps += 1
-        self.stats.last_batch_tokens = sched.num_batched_tokens
-        self.stats.last_batch_seqs = len(sched.scheduled)
-        self.stats.computed_tokens += sched.num_batched_tokens
+            chunks.append(Chunk(s.all_token_ids[start : start + item.num_new_tokens], start,
+                                self.kv.block_ids(s.seq_id), item.samples))
+        hidden, sum_chunks = self.pooler.wants(sched.scheduled)
+        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks)
 
+    def _postprocess(self, sched: SchedulerOutput, batch: ModelInput, result: RunnerOutput,
+                     outputs: list[RequestOutput]) -> None:
+        """The forward's rows become outputs: embedding requests end with their vector (they end at
+        their prefill: pooled, not sampled), every other request whose known tokens are all
+        computed gets one sampled token, and finished requests release their blocks."""
+        if result.sums is not None:
+            self.pooler.add_sums(batch, [item.seq.seq_id for item in sched.scheduled], result.sums)
         sampling = [item.seq for item in sched.scheduled if item.samples]
-        if hidden:  # embedding requests end at their prefill: their rows are pooled, not sampled
+        logits = result.logits
+        if result.hidden is not None:
             keep = [i for i, s in enumerate(sampling) if not s.params.pooling]
-            states = hidden[0]
-            picked = [self._pool_state(s, states[i]) for i, s in enumerate(sampling) if s.params.pooling]
-            vectors = torch.nn.functional.normalize(torch.stack(picked), dim=-1)
+            pooled = [i for i, s in enumerate(sampling) if s.params.pooling]
+            vectors = self.pooler.vectors([sampling[i] for i in pooled], result.hidden[pooled])
             logits = logits[keep] if len(keep) < len(sampling) else logits
-            sampling = [sampling[i] for i in keep]
             done = time.monotonic()
-            for seq, vec in zip(pooled, vectors.tolist(), strict=True):
-                self._pooled(seq, tuple(vec), done, outputs)
+            for i, vec in zip(pooled, vectors, strict=True):
+                self._pooled(sampling[i], vec, done, outputs)
+            sampling = [sampling[i] for i in keep]
         mask = None
         if self._num_guided and sampling:
             guided = [(i, g) for i, s in enumerate(sampling) if (g := self._reqs[s.seq_id].guide) is not None]
             if guided:
                 def mask(x: torch.Tensor) -> None:
                     self._masks.apply(x, guided)
-        result = self.sampler(logits, sampling, mask) if sampling else None
+        drawn = self.sampler(logits, sampling, mask) if sampling else None
         now = time.monotonic()
         for item in sched.scheduled:
             if not item.samples:
                 self.kv.commit_computed(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens, item.seq.cache_extra)
-        if result is not None:  # None exactly when nothing samples
+        if drawn is not None:  # None exactly when nothing samples
             for i, seq in enumerate(sampling):
-                self._append_token(seq, result.token_ids[i], result.logprobs[i], now, outputs)
-        self.stats.busy_s += time.monotonic() - started
-        return outputs
+                self._append_token(seq, drawn.token_ids[i], drawn.logprobs[i], now, outputs)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float, outputs: list) -> None:
         req = self._reqs[seq.seq_id]
@@ -373,26 +385,6 @@ class Engine:
             seed=seq.seed,
         ))
 
-    def _add_rows(self, seq: Sequence, start: int, n: int, row_sum: torch.Tensor) -> None:
-        """A mean-pooled request's chunk of prompt rows ``[start, start + n)`` was computed: add its
-        sum. Its chunks are contiguous from row 0 (it never adopts a cached prefix); a preempted
-        request recomputes from row 0, which starts the sum afresh."""
-        req = self._reqs[seq.seq_id]
-        if start == 0:
-            req.pool_sum, req.pool_rows = row_sum.clone(), n
-            return
-        assert req.pool_sum is not None and start == req.pool_rows, "mean pooling missed prompt rows"
-        req.pool_sum += row_sum
-        req.pool_rows += n
-
-    def _pool_state(self, seq: Sequence, last: torch.Tensor) -> torch.Tensor:
-        """The state a pooling request's vector normalises: its last row's, or its rows' mean."""
-        if seq.params.pooling != "mean":
-            return last
-        req = self._reqs[seq.seq_id]
-        assert req.pool_sum is not None and req.pool_rows == seq.num_prompt_tokens, "mean pooling missed prompt rows"
-        return req.pool_sum / req.pool_rows
-
     def _pooled(self, seq: Sequence, vector: tuple[float, ...], now: float, outputs: list) -> None:
         """An embedding request's prefill is done: it ends (``stop``, no output token) with its vector."""
         req = self._reqs.pop(seq.seq_id)
@@ -412,6 +404,7 @@ class Engine:
 
     def _finish(self, req: _Req, reason: str, now: float, outputs: list) -> None:
         seq = req.seq
+        self.pooler.forget(seq.seq_id)
         self._num_guided -= req.guide is not None
         seq.finish_reason = reason
         seq.status = SeqStatus.FINISHED

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from engine_workers.engine.params import SamplingParams
+from lockgate_types import SamplingParams
 
 TokenLogprobs = tuple[tuple[int, float], ...]  # (sampled id, logprob) first, then the top-n
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine_workers.engine.params import SamplingParams
+from lockgate_types import SamplingParams
 
 
 class SeqStatus(enum.Enum):

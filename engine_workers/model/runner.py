@@ -1,19 +1,20 @@
 """The model runner: owns the weights and the KV tensors, executes one scheduled batch per step.
 
-It decides nothing: the scheduler picked the tokens, the KV manager picked the blocks. One forward
-runs the whole mixed prefill+decode batch (no per-sequence loop over the model).
+It decides nothing: the scheduler picked the tokens, the KV manager picked the blocks, the engine
+put both into a :class:`~engine_workers.model.batch.ModelInput`. One forward runs the whole mixed
+prefill+decode batch (no per-sequence loop over the model) and returns a ``RunnerOutput``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence as Seq
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_workers.model.attention import MAX_DECODE_GROUPS, build_metadata
+from engine_workers.model.batch import ModelInput, RunnerOutput
 from engine_workers.model.llama import ModelSpec
 from engine_workers.model.loader import LoadedModel
 
@@ -146,27 +147,18 @@ class ModelRunner:
                  str(kv_dtype).removeprefix("torch."), kv_block_bytes(self.spec, block_size, kv_dtype) * num_blocks / 2**20)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[list[int], int, list[int], bool]], every_row: bool = False,
-                hidden_out: list[torch.Tensor] | None = None, sum_chunks: Seq[int] = (),
-                sums_out: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """``chunks``: per sequence ``(token_ids_to_compute, num_computed_before, block_ids, samples)``.
-
-        Returns float32 logits ``[S, vocab]`` for the chunks with ``samples=True``, in order; with
-        ``every_row``, ``[T, vocab]`` for every token of the batch (next-token logits at each
-        position: what perplexity needs, benchmarks/engine/accuracy.py). ``hidden_out``: when given, the
-        same rows' final-norm hidden states ``[S, hidden]`` (float32) are appended to it (embeddings).
-        ``sum_chunks``: indices into ``chunks`` whose every row's final-norm state is summed;
-        ``sums_out`` receives those sums ``[len(sum_chunks), hidden]`` (float32; mean pooling).
-        """
+    def execute(self, batch: ModelInput) -> RunnerOutput:
+        """Run ``batch``'s one forward (:class:`~engine_workers.model.batch.ModelInput` says which
+        rows come back and what with them)."""
         if self.graphs is not None:
-            out = self.graphs.run(chunks, every_row, hidden_out is not None, sums_out is not None)
+            out = self.graphs.run(batch.chunks, batch.every_row, batch.hidden, bool(batch.sum_chunks))
             if out is not None:
-                return out
+                return RunnerOutput(out)
         ids: list[int] = []
         meta_in = []
         logit_rows = []
         firsts = []
-        for tokens, start, blocks, samples in chunks:
+        for tokens, start, blocks, samples in batch.chunks:
             firsts.append(len(ids))
             ids.extend(tokens)
             meta_in.append((start, len(tokens), blocks))
@@ -176,12 +168,15 @@ class ModelRunner:
                                          self.decode_kernel, self.prefill_kernel, self.max_decode_groups,
                                          seq_ends=self.model.needs_seq_ends)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        rows = (torch.arange(len(ids), device=self.device) if every_row
+        rows = (torch.arange(len(ids), device=self.device) if batch.every_row
                 else torch.tensor(logit_rows, dtype=torch.long, device=self.device))
-        spans = [(firsts[i], len(chunks[i][0])) for i in sum_chunks] if sums_out is not None else None
+        # the model's forward appends its extra results to these lists (given only when wanted)
+        hidden: list[torch.Tensor] | None = [] if batch.hidden else None
+        sums: list[torch.Tensor] | None = [] if batch.sum_chunks else None
+        spans = [(firsts[i], len(batch.chunks[i].token_ids)) for i in batch.sum_chunks] if sums is not None else None
         with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
-            return self.model(input_ids, positions, self.kv_caches, meta, rows, hidden_out, spans, sums_out)
-
+            logits = self.model(input_ids, positions, self.kv_caches, meta, rows, hidden, spans, sums)
+        return RunnerOutput(logits, hidden[0] if hidden else None, sums[0] if sums else None)
 
 def _decode_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int):
     """The runner's captured decode graphs, or None (logged) where its model cannot be captured

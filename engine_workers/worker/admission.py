@@ -3,7 +3,8 @@ while the engine has a free sequence slot and free KV blocks for the prompt (the
 waits for room; no lower-priority request jumps it); and the intake's flow control, which pauses a
 tier's partitions while the intake holds ``prefetch_per_tier + free slots`` of that tier.
 
-A request is handed to :class:`AsyncEngine` with its engine parameters (``worker.convert``) and,
+A request is handed to :class:`AsyncEngine` with its decoded sampling parameters (one type from
+the record to the sampler, :mod:`lockgate_types`) and,
 when another worker had started it, the tokens it already published (``resume_token_ids``). The
 engine refusing it (``ValueError``) answers ``invalid_request``; a refused resume runs the request
 from the start instead. Concurrency: event loop only; the engine thread reaches it through
@@ -20,7 +21,6 @@ from collections.abc import Callable, Sequence
 
 from bus import Consumer, ErrorCode, WorkerStatus
 from engine_workers.engine.async_engine import AsyncEngine
-from engine_workers.worker.convert import engine_params
 from engine_workers.worker.intake.fair import request_cost
 from engine_workers.worker.intake.queue import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
 from engine_workers.worker.offsets.ledger import Job, RequestLedger
@@ -105,7 +105,7 @@ class EngineAdmission:
         r = job.req
         arrival_mono = job.arrival - (time.time() - time.monotonic())
         try:
-            fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), engine_params(r.sampling),
+            fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), r.sampling,
                                       cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.order_time),
                                       arrival_time=arrival_mono, resume_token_ids=list(job.resume))
         except queue.Full:

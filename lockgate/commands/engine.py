@@ -13,7 +13,7 @@ from lockgate.options import add_engine_args, engine_config_from_args, env_defau
 
 def _generate(args: argparse.Namespace) -> int:
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, stop=tuple(args.stop or ()))

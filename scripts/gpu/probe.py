@@ -26,6 +26,7 @@ from benchmarks.engine.bench import make_workload, sync_device
 from bus import SamplingParams
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
+from engine_workers.model.batch import Chunk, ModelInput
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a dry run of the script itself
 
@@ -69,9 +70,9 @@ def _logits(engine: Engine, prompt: list[int], decode: bool) -> torch.Tensor:
     bs = engine.kv.block_size
     blocks = list(range(-(-len(prompt) // bs)))
     if not decode:
-        return engine.runner.execute([(prompt, 0, blocks, True)])[0]
-    engine.runner.execute([(prompt[:-1], 0, blocks, False)])
-    return engine.runner.execute([(prompt[-1:], len(prompt) - 1, blocks, True)])[0]
+        return engine.runner.execute(ModelInput((Chunk(prompt, 0, blocks, True),))).logits[0]
+    engine.runner.execute(ModelInput((Chunk(prompt[:-1], 0, blocks, False),)))
+    return engine.runner.execute(ModelInput((Chunk(prompt[-1:], len(prompt) - 1, blocks, True),))).logits[0]
 
 
 def numerics(model: str) -> None:

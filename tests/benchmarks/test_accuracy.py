@@ -22,8 +22,8 @@ from benchmarks.engine import accuracy as acc
 from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
 from lockgate.cli import build_parser
+from lockgate_types import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import websockets
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
 from lockgate.serve import register, run_embedded
+from lockgate_types import SamplingParams
 
 
 def serve_args(model: str) -> argparse.Namespace:

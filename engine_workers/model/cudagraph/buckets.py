@@ -24,6 +24,7 @@ batches above the largest batch bucket and contexts wider than the largest width
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 Chunk = tuple[list[int], int, list[int], bool]  # (token ids, computed before, block ids, samples): the runner's
@@ -67,7 +68,7 @@ class Plan:
     reason: str = ""
 
 
-def plan(chunks: list[Chunk], block_size: int, batches: tuple[int, ...], widths: tuple[int, ...],
+def plan(chunks: Sequence[Chunk], block_size: int, batches: tuple[int, ...], widths: tuple[int, ...],
          every_row: bool = False, wants_hidden: bool = False, pools: bool = False) -> Plan:
     if every_row or wants_hidden or pools:
         return Plan(None, "every row's logits, hidden states or pooled sums asked")
@@ -105,7 +106,7 @@ class Padded:
     ctx: tuple[int, ...]
 
 
-def pad(chunks: list[Chunk], key: tuple[int, int], block_size: int, dummy_block: int) -> Padded:
+def pad(chunks: Sequence[Chunk], key: tuple[int, int], block_size: int, dummy_block: int) -> Padded:
     """``chunks`` (a decode-only step :func:`plan` gave ``key``) padded to that graph's shape."""
     batch, width = key
     if len(chunks) > batch:

@@ -142,7 +142,7 @@ class DecodeGraphs:
         log.info("CUDA graphs: %d captured (batch %s x table width %s blocks)", len(self.graphs),
                  ",".join(map(str, self.batches)), ",".join(map(str, self.widths)))
 
-    def run(self, chunks: list[Chunk], every_row: bool = False, wants_hidden: bool = False,
+    def run(self, chunks: Sequence[Chunk], every_row: bool = False, wants_hidden: bool = False,
             pools: bool = False) -> torch.Tensor | None:
         """The step's logits from a graph replay, or None: the caller runs it eager."""
         verdict = plan(chunks, self.block_size, self.batches, self.widths, every_row, wants_hidden, pools)

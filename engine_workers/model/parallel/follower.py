@@ -22,6 +22,7 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
+    from engine_workers.model.batch import Chunk, ModelInput
     from engine_workers.model.loader import load_model
     from engine_workers.model.parallel import step as step_codec
     from engine_workers.model.parallel.group import gloo_env, read_frame
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
             flat = torch.empty(frame[1], dtype=torch.long)  # type: ignore[index]
             dist.broadcast(flat, src=0)
             chunks, every_row = step_codec.decode(flat)
-            runner.execute(chunks, every_row)
+            runner.execute(ModelInput(tuple(Chunk(*c) for c in chunks), every_row))
         else:
             raise ValueError(f"unknown control frame {op!r}")
 

@@ -8,10 +8,9 @@ on rank 0 (the head's gather). A failure of the group raises
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from engine_workers.model.batch import ModelInput, RunnerOutput
 from engine_workers.model.loader import LoadedModel, load_model
 from engine_workers.model.parallel import step as step_codec
 from engine_workers.model.parallel.group import TpGroup
@@ -41,14 +40,12 @@ class ParallelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
 
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[list[int], int, list[int], bool]], every_row: bool = False,
-                hidden_out: list[torch.Tensor] | None = None, sum_chunks: Sequence[int] = (),
-                sums_out: list[torch.Tensor] | None = None) -> torch.Tensor:
-        # pooling (hidden_out, sums) reads rank 0's replicated final-norm states after the forward
+    def execute(self, batch: ModelInput) -> RunnerOutput:
+        # pooling (hidden, sum_chunks) reads rank 0's replicated final-norm states after the forward
         # and needs no collective, so the followers run the step without it
-        self.group.broadcast_step(step_codec.encode(chunks, every_row))
+        self.group.broadcast_step(step_codec.encode(batch.chunks, batch.every_row))
         try:
-            return self.local.execute(chunks, every_row, hidden_out, sum_chunks, sums_out)
+            return self.local.execute(batch)
         except TensorParallelError:
             raise
         except RuntimeError as exc:

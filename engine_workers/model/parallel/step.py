@@ -1,6 +1,6 @@
 """A step's model inputs as one int64 tensor: what rank 0 broadcasts to the other ranks.
 
-The inputs are the runner's (:meth:`engine_workers.model.runner.ModelRunner.execute`): per
+The inputs are the runner's (a :class:`~engine_workers.model.batch.ModelInput`): per
 sequence its token ids to compute, how many were computed before, its block table and whether it
 samples, plus the step's ``every_row`` switch. Every rank rebuilds the same attention metadata
 (positions, slot mapping, decode groups, masks) from these, so only ids and tables travel, not the
@@ -10,12 +10,14 @@ then every chunk's tokens, then every chunk's block ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-Chunk = tuple[list[int], int, list[int], bool]
+Chunk = tuple[list[int], int, list[int], bool]  # engine_workers.model.batch.Chunk, unpacked
 
 
-def encode(chunks: list[Chunk], every_row: bool) -> torch.Tensor:
+def encode(chunks: Sequence[Chunk], every_row: bool) -> torch.Tensor:
     head = [int(every_row), len(chunks)]
     tokens: list[int] = []
     blocks: list[int] = []

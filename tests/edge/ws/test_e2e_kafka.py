@@ -15,8 +15,8 @@ from edge.config import EdgeConfig
 from edge.request import PromptEncoder
 from edge.server import Edge
 from edge.ws.protocol import parse_client_frame
-from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
+from lockgate_types import SamplingParams
 from tests.edge.conftest import collect, recv, send, wait_for
 from tests.engine_workers.worker.test_worker_kafka import (
     kafka_url,

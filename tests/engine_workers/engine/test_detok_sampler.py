@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
-from engine_workers.engine.params import SamplingParams
 from engine_workers.engine.sampler import Row, Sampler
 from lockgate.testing.tiny_model import build_tokenizer
+from lockgate_types import SamplingParams
 
 
 @pytest.fixture(scope="module")

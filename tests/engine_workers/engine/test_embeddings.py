@@ -11,8 +11,8 @@ import torch
 from bus import SamplingParams as WireParams
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
 from engine_workers.model.runner import kv_block_bytes
+from lockgate_types import SamplingParams
 
 
 def reference(model_dir: str, ids: list[int], pooling: str = "last") -> torch.Tensor:

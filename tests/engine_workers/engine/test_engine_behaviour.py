@@ -10,7 +10,7 @@ import pytest
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from lockgate_types import SamplingParams
 from tests.waiting import wait_until
 from tokenization.model_store import ModelError
 

@@ -11,7 +11,7 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from lockgate_types import SamplingParams
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:

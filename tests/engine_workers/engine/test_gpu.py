@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from engine_workers.model.batch import Chunk, ModelInput
+from lockgate_types import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -23,9 +24,9 @@ def _next_logits(engine: Engine, prompt: list[int], decode: bool) -> torch.Tenso
     prompt but its last token prefilled and that token run as a decode step."""
     blocks = list(range(-(-len(prompt) // engine.kv.block_size)))
     if not decode:
-        return engine.runner.execute([(prompt, 0, blocks, True)])[0]
-    engine.runner.execute([(prompt[:-1], 0, blocks, False)])
-    return engine.runner.execute([(prompt[-1:], len(prompt) - 1, blocks, True)])[0]
+        return engine.runner.execute(ModelInput((Chunk(prompt, 0, blocks, True),))).logits[0]
+    engine.runner.execute(ModelInput((Chunk(prompt[:-1], 0, blocks, False),)))
+    return engine.runner.execute(ModelInput((Chunk(prompt[-1:], len(prompt) - 1, blocks, True),))).logits[0]
 
 
 def test_cuda_fp32_matches_hf_and_bf16_is_as_close_as_hf_bf16(tiny_model_dir):

@@ -26,9 +26,8 @@ from edge.server import Edge
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.convert import engine_params
+from lockgate_types import SamplingParams
 from tests.waiting import wait_until
 
 MODEL = "tiny"
@@ -146,7 +145,7 @@ async def test_async_engine_compiles_off_the_step_thread_and_aborts_while_compil
             await ae.add_request("a3", "x", SamplingParams(guided_regex="(("))
 
 
-def test_wire_fields_validate_and_convert() -> None:
+def test_wire_fields_validate_and_reach_the_engine_key() -> None:
     with pytest.raises(ValueError, match="cannot be combined"):
         wire.SamplingParams(guided_choice=("a",), guided_json_object=True)
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -159,7 +158,7 @@ def test_wire_fields_validate_and_convert() -> None:
     req = wire.InferenceRequest("r", MODEL, (1, 2), p, "reply")
     back = wire.decode(wire.encode(req))
     assert isinstance(back, wire.InferenceRequest) and back.sampling == p
-    assert engine_params(p).guided == ("choice", '["x", "y"]')
+    assert back.sampling.guided == ("choice", '["x", "y"]')  # the grammar cache's key, straight off the record
 
 
 # -- end to end: edge + real worker over the memory bus ------------------------------------------

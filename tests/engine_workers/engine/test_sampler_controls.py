@@ -10,8 +10,8 @@ import torch
 from bus import DecodeError, messages
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine, RequestOutput
-from engine_workers.engine.params import SamplingParams
 from engine_workers.engine.sampler import Row, Sampler, uniform
+from lockgate_types import SamplingParams
 
 CPU = torch.device("cpu")
 V = 40
@@ -313,13 +313,13 @@ def test_wire_rejects_bad_controls_naming_the_field(kwargs, field):
 
 
 def test_wire_controls_round_trip_and_reach_the_engine():
-    from engine_workers.worker.convert import engine_params
-
     wire = messages.SamplingParams(min_p=0.05, repetition_penalty=1.2, presence_penalty=-0.5, frequency_penalty=2,
                                    logit_bias=((9, -100), (3, 2.5)), min_tokens=4, max_tokens=10)
     req = messages.InferenceRequest("r", "m", (1, 2), wire, "replies")
-    assert messages.decode(messages.encode(req)) == req
-    ep = engine_params(wire)
+    back = messages.decode(messages.encode(req))
+    assert back == req
+    ep = back.sampling  # the decoded record's parameters are the engine's, no conversion between
+    assert type(ep) is SamplingParams
     assert (ep.min_p, ep.repetition_penalty, ep.presence_penalty, ep.frequency_penalty, ep.min_tokens) == (0.05, 1.2, -0.5, 2.0, 4)
     assert ep.logit_bias == ((3, 2.5), (9, -100.0))
     bad = messages.encode(req).replace(b'"min_p":0.05', b'"min_p":7')

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine_workers.engine.params import SamplingParams
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
 from engine_workers.engine.sequence import SeqStatus, Sequence
 from kv_store import KVCacheManager
+from lockgate_types import SamplingParams
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=16):

@@ -41,7 +41,7 @@ def test_exception_reaches_caller_and_thread_survives() -> None:
 def test_engine_step_runs_on_torch_thread(tiny_model_dir) -> None:
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
 
     engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20))
     where: list[bool] = []
@@ -89,7 +89,7 @@ async def test_two_async_engines_take_turns_on_the_torch_thread(tiny_model_dir) 
     from engine_workers.engine.async_engine import AsyncEngine
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
 
     engines = [AsyncEngine(Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20))) for _ in range(2)]
     times: dict[int, list[float]] = {0: [], 1: []}

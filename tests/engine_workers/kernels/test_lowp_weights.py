@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
 from engine_workers.kernels import cpu_kernels as kernels
 from engine_workers.kernels import lowp_kernels
 from engine_workers.kernels.cpu_linear import LowpLinear, cpu_weight_plan, lowp_problem
+from engine_workers.model.batch import Chunk, ModelInput
+from lockgate_types import SamplingParams
 
 # every test at each ISA level this host runs (tests/engine_workers/conftest.py)
 pytestmark = pytest.mark.usefixtures("isa")
@@ -167,7 +168,7 @@ def next_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     rows = []
     for ids in prompts:
         blocks = list(range(-(-len(ids) // engine.kv.block_size)))
-        rows.append(engine.runner.execute([(ids, 0, blocks, True)])[0].float())
+        rows.append(engine.runner.execute(ModelInput((Chunk(ids, 0, blocks, True),))).logits[0].float())
     return torch.stack(rows)
 
 

@@ -10,8 +10,9 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from engine_workers.model.batch import Chunk, ModelInput
 from engine_workers.model.cudagraph.buckets import pad, plan
+from lockgate_types import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -33,11 +34,11 @@ def test_replay_equals_eager_on_the_same_padded_inputs(tiny_model_dir, dtype):
     prompts = [list(range(3, 3 + n)) for n in (5, 20, 33)]
     tables = [[0], [1, 2], [3, 4, 5]]
     for p, t in zip(prompts, tables):
-        runner.execute([(p, 0, t, True)])  # prefill: eager
-    step = [([11], len(p), t, True) for p, t in zip(prompts, tables)]
+        runner.execute(ModelInput((Chunk(p, 0, t, True),)))  # prefill: eager
+    step = tuple(Chunk([11], len(p), t, True) for p, t in zip(prompts, tables))
     key = plan(step, bs, graphs.batches, graphs.widths).key
     assert key is not None
-    replayed = runner.execute(step)
+    replayed = runner.execute(ModelInput(step)).logits
     assert graphs.counts["replay"] == 1
     _graph, s, _out = graphs.graphs[key]
     s.load(pad(step, key, bs, graphs.dummy))

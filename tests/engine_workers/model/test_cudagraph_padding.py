@@ -9,10 +9,11 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from engine_workers.model.batch import Chunk, ModelInput
 from engine_workers.model.cudagraph.buckets import batch_buckets, pad, plan, width_buckets
 from engine_workers.model.cudagraph.graphs import DecodeGraphs, Static, graph_problem, static_metadata
 from engine_workers.model.runner import ModelRunner
+from lockgate_types import SamplingParams
 
 
 def _runner(engine: Engine) -> ModelRunner:
@@ -32,13 +33,13 @@ def test_padded_static_decode_equals_eager(tiny_model_dir):
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 20, 33)]
     tables = [[0], [1, 2], [3, 4, 5]]
     for p, t in zip(prompts, tables):
-        runner.execute([(p, 0, t, True)])
-    step = [([11], len(p), t, True) for p, t in zip(prompts, tables)]
+        runner.execute(ModelInput((Chunk(p, 0, t, True),)))
+    step = tuple(Chunk([11], len(p), t, True) for p, t in zip(prompts, tables))
     verdict = plan(step, bs, batch_buckets(8), width_buckets(4))
     assert verdict.key == (4, 4)  # three rows padded to four, three blocks to four
 
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
-    eager = runner.execute(step)
+    eager = runner.execute(ModelInput(step)).logits
     after_eager = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     for (k, v), (k0, v0) in zip(runner.kv_caches, before):  # rewind to before the step
         k.copy_(k0)

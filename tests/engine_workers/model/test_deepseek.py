@@ -15,10 +15,11 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from engine_workers.model.batch import Chunk, ModelInput
 from engine_workers.model.loader import load_model
 from engine_workers.model.runner import ModelRunner, kv_block_bytes
 from lockgate.testing.tiny_model import build_tokenizer
+from lockgate_types import SamplingParams
 from tests.engine_workers.model.test_moe_families import assert_paths_match, hf_greedy
 from tokenization.model_store import ModelError
 
@@ -89,14 +90,14 @@ def test_deepseek_prefill_and_decode_logits_close_to_hf(name, tmp_path):
     tol = 1e-4 * max(1.0, ref.abs().max().item())
     loaded = load_model(str(path), torch.float32, CPU, max_len=256)
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, device=CPU, dtype=torch.float32)
-    got = runner.execute([(prompt, 0, list(range(8)), True)], every_row=True)
+    got = runner.execute(ModelInput((Chunk(prompt, 0, list(range(8)), True),), every_row=True)).logits
     assert (got - ref).abs().max().item() < tol
     # the block table out of order, so a slot's place in the cache is not its position
     blocks = [5, 2, 7, 0, 3, 6, 1, 4]
     decode = ModelRunner(loaded, num_blocks=8, block_size=8, device=CPU, dtype=torch.float32)
-    decode.execute([(prompt[:48], 0, blocks, True)])
+    decode.execute(ModelInput((Chunk(prompt[:48], 0, blocks, True),)))
     for i in range(48, 60):
-        row = decode.execute([(prompt[i : i + 1], i, blocks, True)])[0]
+        row = decode.execute(ModelInput((Chunk(prompt[i : i + 1], i, blocks, True),))).logits[0]
         assert (row - ref[i]).abs().max().item() < tol, f"decode position {i}"
 
 

@@ -12,8 +12,9 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from engine_workers.model.batch import Chunk, ModelInput
 from lockgate.testing.tiny_model import build_tokenizer
+from lockgate_types import SamplingParams
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
@@ -115,5 +116,5 @@ def test_family_logits_close_to_hf(name, tmp_path):
         ref = hf(torch.tensor([prompt])).logits[0]
     loaded = load_model(str(path), torch.float32, torch.device("cpu"), max_len=256)
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, device=torch.device("cpu"), dtype=torch.float32)
-    got = runner.execute([(prompt, 0, list(range(9)), True)], every_row=True)
+    got = runner.execute(ModelInput((Chunk(prompt, 0, list(range(9)), True),), every_row=True)).logits
     assert (got - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())

@@ -23,11 +23,12 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
 from engine_workers.kernels import cpu_kernels
 from engine_workers.kernels.paged_reference import sdpa_decode
 from engine_workers.model.attention import build_metadata, paged_attention
+from engine_workers.model.batch import Chunk, ModelInput
 from engine_workers.model.runner import kv_block_bytes
+from lockgate_types import SamplingParams
 from tests.engine_workers.kernels.test_lowp_weights import agreement, next_logits, rel_l2
 from tests.engine_workers.model.test_attention import dense_reference
 
@@ -261,8 +262,8 @@ def decode_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     rows = []
     for ids in prompts:
         blocks = list(range(-(-len(ids) // engine.kv.block_size)))
-        engine.runner.execute([(ids[:-1], 0, blocks, False)])
-        rows.append(engine.runner.execute([(ids[-1:], len(ids) - 1, blocks, True)])[0].float())
+        engine.runner.execute(ModelInput((Chunk(ids[:-1], 0, blocks, False),)))
+        rows.append(engine.runner.execute(ModelInput((Chunk(ids[-1:], len(ids) - 1, blocks, True),))).logits[0].float())
     return torch.stack(rows)
 
 

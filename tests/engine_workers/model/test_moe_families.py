@@ -12,8 +12,9 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
+from engine_workers.model.batch import Chunk, ModelInput
 from lockgate.testing.tiny_model import build_tokenizer
+from lockgate_types import SamplingParams
 from tokenization.model_store import ModelError
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -104,7 +105,7 @@ def test_moe_family_logits_close_to_hf(name, tmp_path):
         ref = hf(torch.tensor([prompt])).logits[0]
     loaded = load_model(str(path), torch.float32, torch.device("cpu"), max_len=256)
     runner = ModelRunner(loaded, num_blocks=16, block_size=8, device=torch.device("cpu"), dtype=torch.float32)
-    got = runner.execute([(prompt, 0, list(range(8)), True)], every_row=True)
+    got = runner.execute(ModelInput((Chunk(prompt, 0, list(range(8)), True),), every_row=True)).logits
     assert (got - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
 
 

@@ -16,13 +16,13 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.engine.params import SamplingParams
 from engine_workers.model.parallel import step as step_codec
 from engine_workers.model.parallel.group import TpGroup
 from engine_workers.model.runner import kv_block_bytes
 from engine_workers.model.sharding.layout import TensorParallelError, even_ranges, head_split, rank_layout
 from engine_workers.model.sharding.shard import local_spec
 from lockgate.testing.tiny_model import build_tokenizer
+from lockgate_types import SamplingParams
 from tests.engine_workers.model import test_families as families
 
 SMALL = dict(vocab_size=515, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,

@@ -12,8 +12,8 @@ import pytest
 
 from bus import MemoryBus, TopicLayout
 from engine_workers.engine.async_engine import AsyncEngine
-from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
+from lockgate_types import SamplingParams
 from tests.engine_workers.worker.test_worker_memory import MODEL, make_engine
 
 

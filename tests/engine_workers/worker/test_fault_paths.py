@@ -33,9 +33,9 @@ from bus import (
     replies_of,
 )
 from engine_workers.engine.async_engine import AsyncEngine
-from engine_workers.engine.params import SamplingParams
 from engine_workers.worker.actor import Worker, WorkerConfig
 from engine_workers.worker.replies.sender import ReplySender
+from lockgate_types import SamplingParams
 from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, make_engine, publish, record_submissions, req
 from tests.waiting import wait_until
 

@@ -30,7 +30,6 @@ import orjson
 import pytest
 
 from bus import Finished, InferenceRequest, SamplingParams, connect
-from engine_workers.worker.convert import engine_params
 from tests.engine_workers.worker.test_worker_kafka import (
     assert_exact_streams,
     assigned,
@@ -162,7 +161,7 @@ async def test_kill9_fault_rounds_every_sampled_stream_exact(kafka_bootstrap: st
     topics = [layout.reply_topic(f"r{r}") for r in range(ROUNDS)]
     rounds = [round_mix(9000 + r, FAULTS[r % len(FAULTS)], f"r{r}", topics[r]) for r in range(ROUNDS)]
     engine = make_engine(tiny_dir, max_num_seqs=8)
-    refs = [engine.generate([q.prompt_token_ids for q in reqs], [engine_params(q.sampling) for q in reqs])
+    refs = [engine.generate([q.prompt_token_ids for q in reqs], [q.sampling for q in reqs])
             for reqs in rounds]
     del engine
     exact = total = 0

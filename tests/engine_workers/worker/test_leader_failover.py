@@ -15,7 +15,6 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from bus import Finished, InferenceRequest, SamplingParams, TopicLayout, connect, read_dead_letters
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.convert import engine_params
 from lockgate.testing import kafka_local
 from tests.conftest import THREE_NODE_PORT
 from tests.engine_workers.worker.test_worker_kafka import assert_exact_streams
@@ -45,7 +44,7 @@ async def test_leader_failover_mid_stream_loses_nothing(three_brokers, tiny_dir:
                              SamplingParams(max_tokens=60, temperature=0.8, ignore_eos=True).seeded(),
                              layout.reply_topic("test"), tier=1, enqueued_at=time.time()) for i in range(4)]
     engine = make_engine(tiny_dir)
-    ref = engine.generate([r.prompt_token_ids for r in reqs], [engine_params(r.sampling) for r in reqs])
+    ref = engine.generate([r.prompt_token_ids for r in reqs], [r.sampling for r in reqs])
     reply_topic, req_topic = layout.reply_topic("test"), layout.request_topic(MODEL, 1)
     async with connect(url) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])

@@ -10,7 +10,6 @@ from bus import Finished, InferenceRequest, MemoryBus, SamplingParams, TopicLayo
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.convert import engine_params
 from tests.engine_workers.worker.test_worker_memory import (  # noqa: F401 - pytest fixtures, used by name
     MODEL,
     Replies,
@@ -33,7 +32,7 @@ async def test_a_p0_arrival_preempts_p2_work_and_every_stream_stays_exact(tiny_d
     p0 = _req("urgent", layout, 0, 6, seed=7)
     ref = {r.request_id: out.token_ids for r, out in zip(
         p2 + [p0], make_engine(tiny_dir).generate([r.prompt_token_ids for r in p2 + [p0]],
-                                                  [engine_params(r.sampling) for r in p2 + [p0]]))}
+                                                  [r.sampling for r in p2 + [p0]]))}
     engine = Engine(EngineConfig(model=str(tiny_dir), max_num_seqs=2, num_threads=1, kv_cache_bytes=4 << 20,
                                  max_model_len=512, priority_preemption_margin=1.0))
     async with MemoryBus() as bus:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from bus import Error, Finished, MemoryBus, ReplyBatch, SamplingParams, TokenChunk, TopicLayout, Usage, encode, partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.convert import engine_params
 from engine_workers.worker.offsets.resume import Progress, decode_replies, fold_progress
 from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, layout, make_engine, publish, req, tiny_dir  # noqa: F401 - pytest fixtures, used by name
 from tests.waiting import wait_until
@@ -55,7 +54,7 @@ async def test_a_taken_over_request_continues_after_its_published_tokens(tiny_di
     engine = make_engine(tiny_dir)
     n, k = 24, 9
     requests = [_sampled(f"s{i}", layout, n, seed=1000 + i, enqueued_at=time.time() - 5) for i in range(3)]
-    refs = [engine.generate([r.prompt_token_ids], [engine_params(r.sampling)])[0].token_ids for r in requests]
+    refs = [engine.generate([r.prompt_token_ids], [r.sampling])[0].token_ids for r in requests]
     async with MemoryBus() as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test")])
         replies = Replies(bus, layout.reply_topic("test"))
@@ -126,7 +125,7 @@ async def test_taken_over_embedding_requests_run_again_or_are_answered(tiny_dir:
 
     wanted = {}
     for pooling in ("last", "mean"):
-        engine.add_request(f"ref-{pooling}", list(prompt), engine_params(embedding("x", pooling).sampling))
+        engine.add_request(f"ref-{pooling}", list(prompt), embedding("x", pooling).sampling)
         while engine.has_unfinished():
             for o in engine.step():
                 if o.finished:

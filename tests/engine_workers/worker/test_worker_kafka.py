@@ -34,7 +34,6 @@ from bus import (
     partition_for_key,
 )
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.convert import engine_params
 from tests.engine_workers.worker.test_worker_memory import (
     MODEL,
     Replies,
@@ -139,7 +138,7 @@ def assert_exact_streams(replies: Replies, reqs: list[InferenceRequest], ref) ->
 async def test_kill9_one_of_two_workers_streams_exact(kafka_bootstrap: str, tiny_dir: Path, tmp_path: Path) -> None:
     layout = new_layout()
     prompts, params = seeded_work(7, 24, (16, 32))
-    ref = make_engine(tiny_dir).generate(prompts, [engine_params(p) for p in params])
+    ref = make_engine(tiny_dir).generate(prompts, [p for p in params])
     async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path) as (bus, procs, replies):
         reqs = [InferenceRequest(f"k{i}", MODEL, p, sp, layout.reply_topic("test"), tier=i % 3, enqueued_at=time.time())
                 for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -181,7 +180,7 @@ async def test_sigterm_busy_worker_finishes_running_and_hands_over_the_rest(kafk
     # the worker signalled runs two and still holds the rest of its partition.
     layout = new_layout(partitions=2)
     prompts, params = seeded_work(11, 24, (64, 96))
-    ref = make_engine(tiny_dir).generate(prompts, [engine_params(p) for p in params])
+    ref = make_engine(tiny_dir).generate(prompts, [p for p in params])
     async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path) as (bus, procs, replies):
         reqs = [InferenceRequest(f"t{i}", MODEL, p, sp, layout.reply_topic("test"), tier=1, enqueued_at=time.time())
                 for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -389,7 +388,7 @@ async def test_broker_restart_mid_generation_streams_exact(private_kafka, tiny_d
     monkeypatch.setattr(aiokafka.client.AIOKafkaClient, "_metadata_update", counted)
     engine = make_engine(tiny_dir)
     prompts, params = seeded_work(11, 8, (120, 160))
-    ref = engine.generate(prompts, [engine_params(p) for p in params])
+    ref = engine.generate(prompts, [p for p in params])
     layout = new_layout(partitions=2)
     async with connect(kafka_url(private_kafka.bootstrap)) as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
@@ -496,7 +495,7 @@ async def test_kill9_under_sampled_traffic_resumes_exactly(kafka_bootstrap: str,
     prompts = [tuple(rng.randrange(3, 500) for _ in range(rng.randint(8, 48))) for _ in range(n)]
     params = [SamplingParams(max_tokens=rng.randint(*lengths), temperature=0.8, ignore_eos=True,
                              seed=rng.randrange(2**32) if i % 2 else None).seeded() for i in range(n)]
-    ref = make_engine(tiny_dir, max_num_seqs=8).generate(prompts, [engine_params(p) for p in params])
+    ref = make_engine(tiny_dir, max_num_seqs=8).generate(prompts, [p for p in params])
     async with two_workers(kafka_bootstrap, tiny_dir, layout, tmp_path, max_num_seqs) as (bus, procs, replies):
         ports = {w: int(p.args[p.args.index("--metrics-port") + 1]) for w, p in procs.items()}
         reqs = [InferenceRequest(f"s{i}", MODEL, p, sp, layout.reply_topic("test"), tier=1, enqueued_at=time.time())

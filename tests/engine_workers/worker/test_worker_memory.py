@@ -32,7 +32,6 @@ from bus import (
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.convert import engine_params
 from tests.waiting import wait_until
 
 MODEL = "tiny"
@@ -117,7 +116,7 @@ async def test_streams_match_reference_and_commit(tiny_dir: Path, layout: TopicL
     caplog.set_level(logging.INFO, logger="engine_workers.worker.offsets.ledger")
     engine = make_engine(tiny_dir)
     prompts = [tuple(range(3 + i, 20 + 3 * i)) for i in range(6)]
-    ref = engine.generate(prompts, engine_params(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    ref = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     async with MemoryBus() as bus, Worker(WorkerConfig(MODEL, layout=layout, heartbeat_s=0.1, commit_interval_s=0), bus,
                                                         engine) as w:
         replies = Replies(bus, layout.reply_topic("test"))

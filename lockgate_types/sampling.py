@@ -1,14 +1,32 @@
-"""The wire form of how to sample one request, validated field by field: what an edge or a
-producer puts on the bus and a worker converts into the engine's own parameters. Pure; the
-check helpers serve every wire type (``bus.messages``)."""
+"""How to sample one request, and why a sequence stopped: one definition from the bus record to
+the sampler. The edge or a producer builds it, the bus record carries it (``bus.messages``), the
+worker hands the decoded value to the engine as it is, and the sampler reads it.
+
+Validated once, on construction, field by field: a bad value raises ``ValueError`` naming the field
+and its limit, whoever built it (the wire decoder, the CLI, a test). Pure (no torch, no I/O); the
+check helpers serve every wire type too.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import orjson
+
+
+class FinishReason:
+    STOP = "stop"  # EOS, stop string or stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the operator
+
+    ALL = (STOP, LENGTH, ABORT)
+
+
+LogitBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, ids ascending and unique
 
 
 def check_int(name: str, value: int, lo: int | None = None, hi: int | None = None) -> None:
@@ -41,8 +59,8 @@ class SamplingParams:
     (0..1) drops tokens below ``min_p`` times the top token's probability; ``repetition_penalty``
     (> 0) divides positive logits / multiplies negative ones of tokens seen in prompt or output;
     ``presence_penalty`` / ``frequency_penalty`` (-2..2) subtract once per distinct output token /
-    per occurrence; ``logit_bias`` is (token id, bias) pairs, bias in -100..100, at most 300 ids,
-    each once; ``min_tokens`` (0..max_tokens) suppresses EOS and ``stop_token_ids`` until that
+    per occurrence; ``logit_bias`` is (token id, bias) pairs (or a mapping), bias in -100..100, at
+    most 300 ids, each once, stored sorted by id; ``min_tokens`` (0..max_tokens) suppresses EOS and ``stop_token_ids`` until that
     many output tokens exist.
 
     Structured output (vLLM's names; at most one of them): ``guided_json`` a JSON schema (JSON
@@ -64,7 +82,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: LogitBias = ()
     min_tokens: int = 0
     guided_json: str | None = None
     guided_json_object: bool = False
@@ -74,7 +92,8 @@ class SamplingParams:
     # An embedding request: no token is sampled; the prompt's prefill ends the request and its
     # Finished carries the pooled, L2-normalised final hidden state: "last" (the last prompt
     # token's) or "mean" (the mean over every prompt token's; such a request skips the prefix-cache
-    # lookup, each row being summed); see docs/design.md, "Embeddings".
+    # lookup, rows it did not compute could not be summed: uses_prefix_cache); see docs/design.md,
+    # "Embeddings".
     pooling: str | None = None
 
     MAX_LOGPROBS = 20
@@ -146,10 +165,33 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
-    def guided(self) -> bool:
-        """True when one of the structured-output fields is set."""
-        return self.guided_json_object or any(
-            v is not None for v in (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar))
+    def penalised(self) -> bool:
+        """True when a repetition, presence or frequency penalty applies (the sampler then needs
+        the sequence's token counts)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether the request may start from cached prefix blocks: not a mean-pooled one, whose
+        vector sums the final states of every prompt row, cached or not."""
+        return self.pooling != "mean"
+
+    @property
+    def guided(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the request's output constraint, or ``None`` (so it is truthy exactly
+        when one guided_* field is set): the key the engine's grammar cache compiles (kinds
+        ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``)."""
+        if self.guided_json is not None:
+            return ("json", self.guided_json)
+        if self.guided_json_object:
+            return ("json_object", "")
+        if self.guided_regex is not None:
+            return ("regex", self.guided_regex)
+        if self.guided_choice is not None:
+            return ("choice", json.dumps(list(self.guided_choice)))
+        if self.guided_grammar is not None:
+            return ("grammar", self.guided_grammar)
+        return None
 
     def _check_guided(self) -> None:
         if not isinstance(self.guided_json_object, bool):
@@ -192,8 +234,10 @@ class SamplingParams:
         same tokens."""
         return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
 
-    def _checked_bias(self) -> tuple[tuple[int, float], ...]:
-        bias = self.logit_bias
+    def _checked_bias(self) -> LogitBias:
+        bias: Mapping[int, float] | Iterable[tuple[int, float]] = self.logit_bias
+        if isinstance(bias, Mapping):
+            bias = list(bias.items())
         if not isinstance(bias, (tuple, list)):
             raise ValueError(f"logit_bias must be a list of [token_id, bias] pairs, got {type(bias).__name__}")
         if len(bias) > self.MAX_LOGIT_BIAS:
@@ -212,4 +256,5 @@ class SamplingParams:
             if not -self.MAX_BIAS <= value <= self.MAX_BIAS:
                 raise ValueError(f"logit_bias[{tok}] must be in [-{self.MAX_BIAS:g}, {self.MAX_BIAS:g}], got {value}")
             out.append((tok, value))
-        return tuple(out)
+        # Sorted so equal biases give equal (hashable, comparable) params whatever order they came in.
+        return tuple(sorted(out))
