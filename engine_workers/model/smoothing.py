@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine_workers.model.batch import Chunk, ModelInput
 from engine_workers.model.llama import MLP, Attention, DecoderLayer, LlamaForPagedLM, RMSNorm
 from engine_workers.model.loader import LoadedModel, load_model, quantize_linears
 from engine_workers.model.runner import ModelRunner
@@ -207,7 +208,7 @@ def load_smoothed_w8a8(spec: str | Path | None, device: torch.device, block_size
     if ids:
         blocks = -(-len(ids) // block_size)
         probe = ModelRunner(loaded, blocks, block_size, device, torch.float32, cpu_kernels, torch.float32)
-        stats = input_maxima(loaded.model, lambda: probe.execute([(ids, 0, list(range(blocks)), True)]))
+        stats = input_maxima(loaded.model, lambda: probe.execute(ModelInput((Chunk(ids, 0, list(range(blocks)), True),))))
         del probe
         smooth(loaded.model, stats, len(ids))
     quantize_linears(loaded.model, "w8a8")

@@ -12,6 +12,7 @@ from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels.w8a8_linear import w8a8_problem
 from engine_workers.model import smoothing
+from engine_workers.model.batch import Chunk, ModelInput
 from engine_workers.model.llama import RMSNorm
 from engine_workers.model.loader import load_model, quantize_linears
 from engine_workers.model.runner import ModelRunner
@@ -25,7 +26,7 @@ needs_w8a8 = pytest.mark.skipif(w8a8_problem() is not None, reason=f"W8A8: {w8a8
 def logits(loaded, prompts: list[list[int]]) -> torch.Tensor:
     """Next-token logits of each prompt, run alone from position 0 on a runner of its own."""
     runner = ModelRunner(loaded, 64, BLOCK, CPU, torch.float32, True, torch.float32)
-    return torch.stack([runner.execute([(p, 0, list(range(-(-len(p) // BLOCK))), True)])[0].float()
+    return torch.stack([runner.execute(ModelInput((Chunk(p, 0, list(range(-(-len(p) // BLOCK))), True),))).logits[0].float()
                         for p in prompts])
 
 
@@ -65,7 +66,7 @@ def test_smoothing_keeps_the_float32_function(tiny_model_dir: str) -> None:
     norms = [n.weight.clone() for n in loaded.model.modules() if isinstance(n, RMSNorm)]
     ids = smoothing.calibration_ids(loaded.tokenizer)
     probe = ModelRunner(loaded, 64, BLOCK, CPU, torch.float32, True, torch.float32)
-    stats = smoothing.input_maxima(loaded.model, lambda: probe.execute([(ids, 0, list(range(-(-len(ids) // BLOCK))), True)]))
+    stats = smoothing.input_maxima(loaded.model, lambda: probe.execute(ModelInput((Chunk(ids, 0, list(range(-(-len(ids) // BLOCK))), True),))))
     n_layers = len(loaded.model.layers)
     assert len(stats) == 4 * n_layers and all(bool((v >= 0).all()) for v in stats.values())
     report = smoothing.smooth(loaded.model, stats, len(ids))
@@ -91,7 +92,7 @@ def test_smoothing_lowers_w8a8_error_on_outlier_channels(tiny_model_dir: str) ->
             ids = smoothing.calibration_ids(loaded.tokenizer)
             probe = ModelRunner(loaded, 64, BLOCK, CPU, torch.float32, True, torch.float32)
             stats = smoothing.input_maxima(
-                loaded.model, lambda: probe.execute([(ids, 0, list(range(-(-len(ids) // BLOCK))), True)]))
+                loaded.model, lambda: probe.execute(ModelInput((Chunk(ids, 0, list(range(-(-len(ids) // BLOCK))), True),))))
             smoothing.smooth(loaded.model, stats, len(ids))
         quantize_linears(loaded.model, "w8a8")
         return rel_l2(logits(loaded, prompts), want)
