@@ -132,6 +132,22 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i], token_ids[i * bs : (i + 1) * bs])
         self._num_committed[seq_id] = full
 
+    def truncate(self, seq_id: str, num_tokens: int) -> int:
+        """Give back the blocks of ``seq_id`` past the first ``num_tokens`` tokens (speculative
+        positions that were rejected). Only never-registered tail blocks go: a block registered in
+        the prefix index is full of computed tokens, so it lies within ``num_tokens`` whenever the
+        caller keeps every computed token. Returns how many blocks were freed."""
+        table = self.tables.get(seq_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return 0
+        if keep < self._num_committed.get(seq_id, 0):
+            raise ValueError(f"sequence {seq_id}: truncating to {num_tokens} tokens would drop registered blocks")
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(tail))
+        return len(tail)
+
     def free(self, seq_id: str) -> int:
         """Release every block of ``seq_id`` (tail first). Returns how many were held. Idempotent."""
         table = self.tables.pop(seq_id, None)

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from engine_workers.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig  # dataclasses only: cheap
+from engine_workers.engine.speculative import SpeculativeConfig  # json + dataclasses only: cheap
 
 
 def env_default(name: str, default: object) -> object:
@@ -65,6 +66,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=env_default("enforce-eager", False),
                    help="CUDA: run every step eager, no decode CUDA graphs (captured at start by default, one per "
                         "batch x table-width bucket); no effect on a CPU [LOCKGATE_ENFORCE_EAGER]")
+    g.add_argument("--speculative-config", type=_speculative, default=env_default("speculative-config", None),
+                   help="speculative decoding as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
+                        "method ngram (prompt lookup) only so far; optional disable_by_batch_size (default 8): "
+                        "no speculation while more sequences run. Tokens are those of plain decoding, greedy "
+                        "and seeded. Default: off [LOCKGATE_SPECULATIVE_CONFIG]")
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
                    help="a waiting request at least this much more urgent than the worst running one preempts it "
                         "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
@@ -77,6 +84,13 @@ def _margin(text: str) -> float | None:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a margin: {text!r} (a number > 0, or none)") from None
+
+
+def _speculative(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bytes(text: str) -> int:
@@ -102,4 +116,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "none")),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enforce_eager=getattr(args, "enforce_eager", False),
+        speculative_config=getattr(args, "speculative_config", None),
     )

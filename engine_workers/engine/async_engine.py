@@ -56,6 +56,9 @@ class EngineSnapshot:
     tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
     max_num_seqs: int = 0
     gpu_memory_utilization: float | None = None  # CUDA: device memory in use (0..1), refreshed <= 1/s; None on CPU
+    spec_num_drafts: int = 0  # speculative decoding counters (EngineStats.spec_*)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +284,8 @@ class AsyncEngine:
             prompt_tokens=e.stats.prompt_tokens, generated_tokens=e.stats.generated_tokens,
             last_batch_tokens=e.stats.last_batch_tokens, last_batch_seqs=e.stats.last_batch_seqs,
             tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs, gpu_memory_utilization=self._gpu_mem[1],
+            spec_num_drafts=e.stats.spec_num_drafts, spec_num_draft_tokens=e.stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=e.stats.spec_num_accepted_tokens,
         )
 
     # -- event-loop side --------------------------------------------------------------------------

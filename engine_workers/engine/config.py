@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_workers.engine.speculative import SpeculativeConfig  # json + dataclasses only: cheap
+
 QUANTIZATIONS = ("none", "int8", "q4_1", "w8a8")  # --quantization (kernels/cpu_linear.py plans them)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (model/runner.py resolves them)
 
@@ -45,6 +47,10 @@ class EngineConfig:
     # CUDA: no decode CUDA graphs, every step eager (vLLM's name). Without it decode steps replay
     # graphs captured at start (engine_workers/model/cudagraph); no effect on a CPU
     enforce_eager: bool = False
+    # Speculative decoding (vLLM's --speculative-config, engine.speculative): None = off. With it,
+    # a decoding request's proposed tokens are verified in the same forward as its decode token;
+    # the tokens produced are those plain decoding produces (docs/design.md, Speculative decoding)
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -64,6 +70,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be {names}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig, got {type(self.speculative_config).__name__}")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not implemented yet "
+                             "(the ranks' step codec carries no verification rows)")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

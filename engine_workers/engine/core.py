@@ -9,6 +9,21 @@ and finished sequences release their blocks at once. The engine is synchronous a
 on a thread of its own for the actors. Loading and ``step()`` hop onto the process's torch thread
 (:mod:`engine_workers.engine.torch_thread`), whichever thread calls them: torch's OpenMP pools slow every
 forward down once two threads have run torch work.
+
+Speculative decoding (``--speculative-config``, n-gram proposer only so far): before each schedule,
+every decoding request that may speculate (see :meth:`Engine._propose`) gets up to k proposed
+tokens. The scheduler runs them as extra positions of its decode chunk, the runner returns logits
+for every position of that chunk, each attending exactly as a single-token decode of its position
+would (``ModelInput.verify``), and the sampler draws every position with the draw plain decoding
+would use there (output position = tokens before it, the sequence's seed) and the penalties and
+``min_tokens`` state of the tokens before it. The longest prefix of proposals equal to those draws
+is accepted, then the draw at the first disagreement (or after the last proposal); each token goes
+through the stop checks one by one, so a request ends exactly where plain decoding ends it. Since
+each draw depends only on (seed, position) and logits identical bit for bit to plain decoding's,
+the accepted tokens are the plain-decoding tokens (docs/design.md, Speculative decoding). The K/V
+of rejected positions are rolled back: the computed count stops at the accepted tokens and the
+blocks past them are given back (never registered in the prefix cache: only blocks full of
+computed tokens are).
 """
 
 from __future__ import annotations
@@ -26,11 +41,13 @@ from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.guided import GrammarCache, Guide, GuidedSpec, LazyGrammars, MaskBuffer
+from engine_workers.engine.ngram import NgramProposer
 from engine_workers.engine.outputs import CompletedRequest, EngineStats, RequestOutput
 from engine_workers.engine.pooler import Pooler
-from engine_workers.engine.sampler import Sampler, TokenLogprobs
-from engine_workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine_workers.engine.sampler import Row, Sampler, SampleRow, TokenLogprobs
+from engine_workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
+from engine_workers.engine.speculative import SpecBackoff
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
 from engine_workers.model.batch import Chunk, ModelInput, RunnerOutput
@@ -47,13 +64,14 @@ log = logging.getLogger(__name__)
 
 
 class _Req:
-    __slots__ = ("seq", "detok", "pending_logprobs", "guide")
+    __slots__ = ("seq", "detok", "pending_logprobs", "guide", "backoff")
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, guide: Guide | None = None) -> None:
         self.seq = seq
         self.detok = detok
         self.pending_logprobs: list[TokenLogprobs] = []
         self.guide = guide  # the structured-output matcher of a guided_* request
+        self.backoff = SpecBackoff()  # when this request may speculate (low-acceptance rule)
 
 
 class Engine:
@@ -133,6 +151,9 @@ class Engine:
         self._masks = MaskBuffer(loaded.spec.vocab_size)
         self._num_guided = 0
         self.stats = EngineStats()
+        self.speculative = config.speculative_config
+        self._proposer = (NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+                          if self.speculative is not None else None)
         self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
         log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens, %s)",
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
@@ -289,6 +310,8 @@ class Engine:
         """schedule -> ``runner.execute(ModelInput)`` -> postprocess (pool, sample, finish)."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
+        if self._proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
         if sched.is_empty:
@@ -304,20 +327,48 @@ class Engine:
         self.stats.busy_s += time.monotonic() - started
         return outputs
 
+    def _propose(self) -> None:
+        """Proposals for this step's decoding requests (``Sequence.spec_token_ids``). A request
+        speculates when: no more than ``disable_by_batch_size`` sequences are running (a large
+        batch is compute-bound: verification rows would cost more than they save); its last draft
+        accepted something or its backoff has run out (``SpecBackoff``: the low-acceptance rule);
+        it is not guided (its grammar matcher is not rolled back yet) and not a pooling request.
+        Proposals never run past ``max_tokens`` or the context limit."""
+        spec = self.speculative
+        assert spec is not None and self._proposer is not None
+        running = self.scheduler.running
+        allowed = len(running) <= spec.disable_by_batch_size
+        step = self.stats.steps
+        for seq in running:
+            seq.spec_token_ids = []
+            if not allowed or seq.num_computed_tokens + 1 != seq.num_tokens:
+                continue
+            req = self._reqs.get(seq.seq_id)
+            if req is None or req.guide is not None or seq.params.pooling or not req.backoff.allows(step):
+                continue
+            k = min(spec.num_speculative_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                    self.max_model_len - seq.num_tokens)
+            if k > 0:
+                seq.spec_token_ids = self._proposer.propose(seq.all_token_ids, k)
+
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
         """The scheduler's decision with the KV manager's block tables: what the runner computes."""
         now = time.monotonic()
-        chunks = []
+        chunks: list[Chunk] = []
+        verify: list[int] = []
         for item in sched.scheduled:
             s = item.seq
             if s.times.first_scheduled is None:
                 s.times.first_scheduled = now
                 self.stats.prompt_tokens += s.num_prompt_tokens
             start = s.num_computed_tokens
-            chunks.append(Chunk(s.all_token_ids[start : start + item.num_new_tokens], start,
-                                self.kv.block_ids(s.seq_id), item.samples))
+            tokens = s.all_token_ids[start : start + item.num_new_tokens - item.num_spec]
+            if item.num_spec:
+                verify.append(len(chunks))
+                tokens += s.spec_token_ids[: item.num_spec]
+            chunks.append(Chunk(tokens, start, self.kv.block_ids(s.seq_id), item.samples))
         hidden, sum_chunks = self.pooler.wants(sched.scheduled)
-        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks)
+        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify))
 
     def _postprocess(self, sched: SchedulerOutput, batch: ModelInput, result: RunnerOutput,
                      outputs: list[RequestOutput]) -> None:
@@ -326,33 +377,84 @@ class Engine:
         computed gets one sampled token, and finished requests release their blocks."""
         if result.sums is not None:
             self.pooler.add_sums(batch, [item.seq.seq_id for item in sched.scheduled], result.sums)
-        sampling = [item.seq for item in sched.scheduled if item.samples]
+        # one logit row per sampling chunk, 1 + num_spec for a verification chunk (in chunk order)
+        items = [item for item in sched.scheduled if item.samples]
         logits = result.logits
-        if result.hidden is not None:
-            keep = [i for i, s in enumerate(sampling) if not s.params.pooling]
-            pooled = [i for i, s in enumerate(sampling) if s.params.pooling]
-            vectors = self.pooler.vectors([sampling[i] for i in pooled], result.hidden[pooled])
-            logits = logits[keep] if len(keep) < len(sampling) else logits
-            done = time.monotonic()
-            for i, vec in zip(pooled, vectors, strict=True):
-                self._pooled(sampling[i], vec, done, outputs)
-            sampling = [sampling[i] for i in keep]
+        if result.hidden is not None:  # pooling requests never speculate: their row is their own
+            firsts = [0]
+            for item in items:
+                firsts.append(firsts[-1] + 1 + item.num_spec)
+            pooled = [i for i, it in enumerate(items) if it.seq.params.pooling]
+            if pooled:
+                vectors = self.pooler.vectors([items[i].seq for i in pooled], result.hidden[[firsts[i] for i in pooled]])
+                done = time.monotonic()
+                for i, vec in zip(pooled, vectors, strict=True):
+                    self._pooled(items[i].seq, vec, done, outputs)
+                keep = [r for i, it in enumerate(items) if not it.seq.params.pooling
+                        for r in range(firsts[i], firsts[i + 1])]
+                logits = logits[keep]
+                items = [it for it in items if not it.seq.params.pooling]
+        # A verification chunk's row j draws as plain decoding would after the first j proposals:
+        # output position and penalty / min_tokens state include them (sampler.SampleRow).
+        rows: list[SampleRow] = []
+        for item in items:
+            s = item.seq
+            rows.append(s)
+            for j in range(1, item.num_spec + 1):
+                rows.append(Row(s.params, s.seed, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j]))
         mask = None
-        if self._num_guided and sampling:
-            guided = [(i, g) for i, s in enumerate(sampling) if (g := self._reqs[s.seq_id].guide) is not None]
+        if self._num_guided and rows:  # guided requests never speculate: row i is a whole request
+            guided = [(i, g) for i, s in enumerate(rows)
+                      if isinstance(s, Sequence) and (g := self._reqs[s.seq_id].guide) is not None]
             if guided:
                 def mask(x: torch.Tensor) -> None:
                     self._masks.apply(x, guided)
-        drawn = self.sampler(logits, sampling, mask) if sampling else None
+        drawn = self.sampler(logits, rows, mask) if rows else None
         now = time.monotonic()
         for item in sched.scheduled:
             if not item.samples:
                 self.kv.commit_computed(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens, item.seq.cache_extra)
-        if drawn is not None:  # None exactly when nothing samples
-            for i, seq in enumerate(sampling):
-                self._append_token(seq, drawn.token_ids[i], drawn.logprobs[i], now, outputs)
+        if drawn is None:  # None exactly when nothing samples
+            return
+        r = 0
+        for item in items:
+            if item.num_spec:
+                self._verify(item, drawn.token_ids[r : r + 1 + item.num_spec], drawn.logprobs[r : r + 1 + item.num_spec],
+                             now, outputs)
+            else:
+                self._append_token(item.seq, drawn.token_ids[r], drawn.logprobs[r], now, outputs)
+            r += 1 + item.num_spec
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float, outputs: list) -> None:
+    def _verify(self, item: ScheduledSeq, drawn: list[int], logprobs: list[TokenLogprobs | None], now: float,
+                outputs: list) -> None:
+        """Accept the proposals up to the first that differs from the target's draw there, then
+        that draw; each token passes the stop checks as it comes. The K/V of the positions after
+        the accepted tokens are rolled back (computed count, blocks past the known tokens)."""
+        seq = item.seq
+        proposed = seq.spec_token_ids[: item.num_spec]
+        start = seq.num_computed_tokens - item.num_new_tokens  # the decode token's position
+        accepted = 0
+        finished = False
+        for j, token in enumerate(drawn):
+            # the K/V of the decode token and the j proposals before this draw are valid
+            seq.num_computed_tokens = start + 1 + j
+            finished = self._append_token(seq, token, logprobs[j], now, outputs)
+            if j == len(proposed) or token != proposed[j]:
+                break
+            accepted += 1
+            if finished:
+                break
+        self.stats.spec_num_drafts += 1
+        self.stats.spec_num_draft_tokens += len(proposed)
+        self.stats.spec_num_accepted_tokens += accepted
+        seq.spec_token_ids = []
+        if not finished:
+            self._reqs[seq.seq_id].backoff.record(self.stats.steps, accepted)
+            self.kv.truncate(seq.seq_id, seq.num_tokens)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float,
+                      outputs: list) -> bool:
+        """Append one sampled token; True when it finished the request (then its blocks are free)."""
         req = self._reqs[seq.seq_id]
         seq.output_token_ids.append(token)
         self.stats.generated_tokens += 1
@@ -377,13 +479,14 @@ class Engine:
             del self._reqs[seq.seq_id]
             self.scheduler.remove(seq)
             self._finish(req, reason, now, outputs)
-            return
+            return True
         offset = req.detok.released
         outputs.append(RequestOutput(
             seq.seq_id, len(seq.output_token_ids) - 1, (token,), req.detok.release(final=False), offset,
             self._take_logprobs(req), False, None, seq.num_prompt_tokens, seq.num_cached_tokens, len(seq.output_token_ids),
             seed=seq.seed,
         ))
+        return False
 
     def _pooled(self, seq: Sequence, vector: tuple[float, ...], now: float, outputs: list) -> None:
         """An embedding request's prefill is done: it ends (``stop``, no output token) with its vector."""

@@ -54,3 +54,9 @@ class EngineStats:
     last_batch_tokens: int = 0
     last_batch_seqs: int = 0
     busy_s: float = 0.0  # wall seconds inside the steps that ran a batch (scheduling to the last output)
+    # speculative decoding (vLLM's spec_decode_* counters): verification chunks run, tokens they
+    # proposed, and of those the tokens accepted (the token each draft adds at its first
+    # disagreement, or after its last accepted token, is not counted)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0

@@ -3,9 +3,11 @@
 Pure (no torch, no asyncio). Every step builds one batch under two budgets — ``max_num_batched_tokens``
 tokens and ``max_num_seqs`` sequences — out of:
 
-1. running sequences, in admission order: one decode token each, or the next chunk of a prompt
-   still being prefilled (chunked prefill: a long prompt is split across steps, so it never stalls
-   the decodes of everyone else);
+1. running sequences, in admission order: one decode token each (plus its proposed speculative
+   tokens, ``Sequence.spec_token_ids``, when they fit the token budget and free blocks: each counts
+   as one token of the budget, and a sequence's speculation is dropped rather than preempting
+   anyone for it), or the next chunk of a prompt still being prefilled (chunked prefill: a long
+   prompt is split across steps, so it never stalls the decodes of everyone else);
 2. then waiting sequences, best priority first (lower value = more urgent, FIFO among equals),
    each reusing its longest cached prefix.
 
@@ -54,6 +56,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
     samples: bool  # True when this chunk reaches the end of the known tokens -> sample one token
+    # speculative tokens verified after the decode token (num_new_tokens = 1 + num_spec): the
+    # first num_spec of seq.spec_token_ids; the engine rolls back what the model rejects
+    num_spec: int = 0
 
 
 @dataclass(slots=True)
@@ -127,6 +132,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim.seq_id)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.add(victim)
@@ -151,6 +157,13 @@ class Scheduler:
             n = self._chunk(seq, seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            num_spec = 0
+            if seq.spec_token_ids and seq.num_computed_tokens + 1 == seq.num_tokens:
+                num_spec = min(len(seq.spec_token_ids), budget - 1)
+                # speculation only into free blocks: it never preempts another sequence
+                if num_spec and not self.kv.allocate(seq.seq_id, seq.num_tokens + num_spec):
+                    num_spec = 0
+                n += num_spec
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = max(self.running, key=lambda s: (s.priority, s.admit_order))
                 self._preempt(victim)
@@ -161,8 +174,8 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            samples = seq.num_computed_tokens + n == seq.num_tokens
-            scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples)
+            samples = seq.num_computed_tokens + n - num_spec == seq.num_tokens
+            scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, num_spec)
             budget -= n
 
         if not out.preempted:

@@ -51,6 +51,9 @@ class Sequence:
     # The seed the sampler's counter-based draws use (the request's own, or one the engine drew at
     # add_request): the draw for output position k depends only on (seed, k), see engine.sampler.
     seed: int = 0
+    # Speculative decoding: tokens proposed to follow this decoding sequence (engine.core sets
+    # them before each schedule; the scheduler runs them as extra positions when they fit).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -136,13 +136,17 @@ def build_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
     dtype: torch.dtype = torch.float32, decode_kernel: Callable | None = None,
     prefill_kernel: Callable | None = None, max_decode_groups: int = MAX_DECODE_GROUPS, seq_ends: bool = False,
+    decode_rows: frozenset[int] | set[int] = frozenset(),
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """``chunks``: per sequence ``(num_computed_before, num_new, block_ids)`` in batch order;
     ``dtype``: the model's (for the masks); ``decode_kernel``: attend decode rows with it (one
     group, no mask: the kernel reads each sequence's own length) instead of gather + SDPA;
     ``prefill_kernel``: attend prefill chunks with it (no masks: it is causal by construction);
     ``max_decode_groups``: at most this many gather + SDPA decode groups (see split_by_length);
-    ``seq_ends``: fill ``AttnMetadata.seq_ends``.
+    ``seq_ends``: fill ``AttnMetadata.seq_ends``; ``decode_rows``: indices of chunks whose every
+    row attends as a decode row of its own position (speculative verification: each row sees the
+    keys up to itself, as the single-token decode of that position would, and the K/V of the whole
+    chunk are in the cache before any layer attends).
 
     Returns the metadata and the positions tensor ``[T]``.
     """
@@ -155,12 +159,12 @@ def build_metadata(
     dec: list[tuple[int, int, list[int]]] = []  # (row, context length, blocks)
     prefill: list[PrefillChunk] = []
     row = 0
-    for start, n, blocks in chunks:
+    for i, (start, n, blocks) in enumerate(chunks):
         pos = range(start, start + n)
         positions.extend(pos)
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
-        if n == 1:
-            dec.append((row, start + 1, blocks))
+        if n == 1 or i in decode_rows:
+            dec.extend((row + j, start + j + 1, blocks) for j in range(n))
         elif start == 0:
             prefill.append(PrefillChunk(row, n, None, None))
         else:
@@ -189,9 +193,10 @@ def build_metadata(
                                           dev(ctx_lens)))
     max_context = max((start + n for start, n, _ in chunks), default=0)
     ends = None
-    if seq_ends:
-        ends = dev(torch.tensor([start + n for start, n, _ in chunks], dtype=torch.long)
-                   .repeat_interleave(torch.tensor([n for _, n, _ in chunks], dtype=torch.long)))
+    if seq_ends:  # a decode row's context ends at itself
+        ends = dev(torch.tensor([e for i, (start, n, _) in enumerate(chunks)
+                                 for e in (range(start + 1, start + n + 1) if i in decode_rows else [start + n] * n)],
+                                dtype=torch.long))
     meta = AttnMetadata(dev(torch.tensor(slots, dtype=torch.long)), block_size, tuple(groups), tuple(prefill),
                         decode_kernel, prefill_kernel, max_context, ends)
     return meta, dev(torch.tensor(positions, dtype=torch.long))

@@ -35,16 +35,24 @@ class ModelInput:
     ``hidden``: also return those rows' final-norm states (last-token pooling reads them).
     ``sum_chunks``: indices into ``chunks`` whose every row's final-norm state is summed (mean
     pooling adds the sums chunk by chunk). Both need the eager path: a step asking for either is
-    never replayed from a CUDA graph."""
+    never replayed from a CUDA graph.
+
+    ``verify``: indices into ``chunks`` of speculative verification chunks (a decode token and the
+    tokens proposed after it): every row of such a chunk is a logit row, and every row attends as
+    a decode row of its own position (the same attention path, bit for bit, as plain decoding of
+    that position: engine.core, "Speculative decoding"). Never replayed from a CUDA graph."""
 
     chunks: tuple[Chunk, ...]
     every_row: bool = False
     hidden: bool = False
     sum_chunks: tuple[int, ...] = ()
+    verify: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not all(0 <= i < len(self.chunks) for i in self.sum_chunks):
             raise ValueError(f"sum_chunks {self.sum_chunks} name chunks outside [0, {len(self.chunks)})")
+        if not all(0 <= i < len(self.chunks) and self.chunks[i].samples for i in self.verify):
+            raise ValueError(f"verify {self.verify} must name sampling chunks in [0, {len(self.chunks)})")
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +60,9 @@ class ModelInput:
 
     @property
     def num_logit_rows(self) -> int:
-        return self.num_tokens if self.every_row else sum(c.samples for c in self.chunks)
+        if self.every_row:
+            return self.num_tokens
+        return sum(c.samples for c in self.chunks) + sum(len(self.chunks[i].token_ids) - 1 for i in self.verify)
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,23 +150,26 @@ class ModelRunner:
     def execute(self, batch: ModelInput) -> RunnerOutput:
         """Run ``batch``'s one forward (:class:`~engine_workers.model.batch.ModelInput` says which
         rows come back and what with them)."""
-        if self.graphs is not None:
+        if self.graphs is not None and not batch.verify:
             out = self.graphs.run(batch.chunks, batch.every_row, batch.hidden, bool(batch.sum_chunks))
             if out is not None:
                 return RunnerOutput(out)
         ids: list[int] = []
         meta_in = []
-        logit_rows = []
+        logit_rows: list[int] = []
         firsts = []
-        for tokens, start, blocks, samples in batch.chunks:
+        verify = set(batch.verify)
+        for i, (tokens, start, blocks, samples) in enumerate(batch.chunks):
             firsts.append(len(ids))
             ids.extend(tokens)
             meta_in.append((start, len(tokens), blocks))
-            if samples:
+            if i in verify:
+                logit_rows.extend(range(firsts[-1], len(ids)))
+            elif samples:
                 logit_rows.append(len(ids) - 1)
         meta, positions = build_metadata(meta_in, self.block_size, self.device, self.dtype,
                                          self.decode_kernel, self.prefill_kernel, self.max_decode_groups,
-                                         seq_ends=self.model.needs_seq_ends)
+                                         seq_ends=self.model.needs_seq_ends, decode_rows=verify)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = (torch.arange(len(ids), device=self.device) if batch.every_row
                 else torch.tensor(logit_rows, dtype=torch.long, device=self.device))

@@ -20,6 +20,9 @@ dashboards port by a prefix swap:
 ``lockgate:request_success_total``        counter     model, finished_reason (vLLM's label name)
 ``lockgate:iteration_tokens_total``       histogram   model — tokens per engine step (vLLM's name)
 ``lockgate:iteration_seqs``               histogram   model — sequences per engine step
+``lockgate:spec_decode_num_drafts_total``  counter    model — speculative verification chunks run
+``lockgate:spec_decode_num_draft_tokens_total`` counter model — tokens proposed in them
+``lockgate:spec_decode_num_accepted_tokens_total`` counter model — of those, accepted
 ========================================  ==========  ==========================================
 
 Tier labels are ``p0``/``p1``/``p2``, as on the edge. Batch-size histograms are observed by the
@@ -103,6 +106,13 @@ class WorkerMetrics:
                                           buckets=BATCH_TOKEN_BUCKETS, registry=r)
         self.iteration_seqs = Histogram("lockgate:iteration_seqs", "Sequences per engine step.", m,
                                         buckets=BATCH_SEQ_BUCKETS, registry=r)
+        # speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens, mean
+        # accepted length = 1 + accepted / drafts
+        self.spec_drafts = Counter("lockgate:spec_decode_num_drafts", "Speculative drafts verified.", m, registry=r)
+        self.spec_draft_tokens = Counter("lockgate:spec_decode_num_draft_tokens", "Speculative tokens proposed.", m,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("lockgate:spec_decode_num_accepted_tokens",
+                                            "Speculative tokens accepted.", m, registry=r)
         self._last = EngineSnapshot()
 
     def resumed(self, tokens: int) -> None:
@@ -148,7 +158,11 @@ class WorkerMetrics:
             self.waiting.labels(self.model, tier_label(tier)).set(n)
         for counter, now, before in ((self.prefix_queries, snap.prefix_queries, last.prefix_queries),
                                      (self.prefix_hits, snap.prefix_hits, last.prefix_hits),
-                                     (self.preemptions, snap.preemptions, last.preemptions)):
+                                     (self.preemptions, snap.preemptions, last.preemptions),
+                                     (self.spec_drafts, snap.spec_num_drafts, last.spec_num_drafts),
+                                     (self.spec_draft_tokens, snap.spec_num_draft_tokens, last.spec_num_draft_tokens),
+                                     (self.spec_accepted_tokens, snap.spec_num_accepted_tokens,
+                                      last.spec_num_accepted_tokens)):
             if now > before:
                 counter.labels(self.model).inc(now - before)
 
