@@ -35,6 +35,12 @@ def _accuracy_modes(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _bench_spec(args: argparse.Namespace) -> int:
+    from benchmarks.engine.spec import run
+
+    return run(args)
+
+
 def _bench_e2e(args: argparse.Namespace) -> int:
     from benchmarks.serving.e2e import run
 
@@ -188,6 +194,13 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
                                         "SDPA, per layer, on serving-shaped batches")
     add_decode_args(b)
     b.set_defaults(func=_bench_decode)
+
+    from benchmarks.engine.spec import add_args as add_spec_args
+
+    b = bench.add_parser("spec", help="speculative decoding (n-gram) vs plain decoding: TPOT, tok/s, acceptance, "
+                                      "identical tokens, on a workload that quotes its prompt")
+    add_spec_args(b)
+    b.set_defaults(func=_bench_spec)
 
     from benchmarks.engine.moe import add_args as add_moe_args
 

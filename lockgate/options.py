@@ -66,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=env_default("enforce-eager", False),
                    help="CUDA: run every step eager, no decode CUDA graphs (captured at start by default, one per "
                         "batch x table-width bucket); no effect on a CPU [LOCKGATE_ENFORCE_EAGER]")
-    g.add_argument("--speculative-config", type=_speculative, default=env_default("speculative-config", None),
+    g.add_argument("--speculative-config", type=speculative_arg, default=env_default("speculative-config", None),
                    help="speculative decoding as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
                         "method ngram (prompt lookup) only so far; optional disable_by_batch_size (default 8): "
@@ -86,7 +86,7 @@ def _margin(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"not a margin: {text!r} (a number > 0, or none)") from None
 
 
-def _speculative(text: str) -> SpeculativeConfig | None:
+def speculative_arg(text: str) -> SpeculativeConfig | None:
     try:
         return SpeculativeConfig.from_json(text)
     except ValueError as exc:

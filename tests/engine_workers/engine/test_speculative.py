@@ -306,3 +306,21 @@ def test_default_model_tokens_equal_plain_decoding(default_model_dir):
     got = [c.token_ids for c in spec.generate([prompt] * len(params), params)]
     assert got == want
     assert spec.stats.spec_num_accepted_tokens > 0
+
+
+def test_spec_decode_counters_reach_the_workers_prometheus_registry(engines):
+    from engine_workers.engine.async_engine import AsyncEngine
+    from engine_workers.worker.health.metrics import WorkerMetrics
+
+    _, spec = engines
+    spec.generate([PROMPTS[0]], [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)])
+    st = spec.stats
+    assert st.spec_num_drafts > 0 and st.spec_num_accepted_tokens > 0
+    shell = AsyncEngine(spec)  # not started: only its snapshot of the engine's counters is used
+    shell._update_snapshot()
+    m = WorkerMetrics("m")
+    m.observe_snapshot(shell.snapshot, (0, 0, 0), (0, 0, 0))
+    text = m.render().decode()
+    for name, value in (("drafts", st.spec_num_drafts), ("draft_tokens", st.spec_num_draft_tokens),
+                        ("accepted_tokens", st.spec_num_accepted_tokens)):
+        assert f'lockgate:spec_decode_num_{name}_total{{model="m"}} {float(value)}' in text
