@@ -1,0 +1,30 @@
+"""``lockgate bench spec`` on the tiny model: both modes measured at each batch size, the tokens
+compared between them, and the command registered under ``lockgate bench``."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.engine.spec import add_args, run_bench
+
+
+def test_bench_spec_measures_both_modes_and_compares_tokens(tiny_model_dir):
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--model", tiny_model_dir, "--batches", "1,2", "--max-tokens", "12", "--repeat", "1",
+                         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                                 '"prompt_lookup_min": 1, "prompt_lookup_max": 2}'])
+    rows = run_bench(args)
+    assert [(r["batch"], r["mode"]) for r in rows] == [(1, "plain"), (1, "ngram"), (2, "plain"), (2, "ngram")]
+    for r in rows:
+        assert r["identical"] is True
+        assert r["generated"] == 12 * r["batch"] and r["tok_s"] > 0
+        if r["mode"] == "ngram":
+            assert 0.0 <= r["acceptance_rate"] <= 1.0 and r["tokens_per_verification"] >= 1.0
+
+
+def test_bench_spec_is_a_lockgate_bench_subcommand():
+    from lockgate.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "spec", "--batches", "1", "--max-tokens", "4"])
+    assert args.batches == "1" and args.max_tokens == 4 and callable(args.func)
