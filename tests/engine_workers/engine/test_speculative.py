@@ -324,3 +324,19 @@ def test_spec_decode_counters_reach_the_workers_prometheus_registry(engines):
     for name, value in (("drafts", st.spec_num_drafts), ("draft_tokens", st.spec_num_draft_tokens),
                         ("accepted_tokens", st.spec_num_accepted_tokens)):
         assert f'lockgate:spec_decode_num_{name}_total{{model="m"}} {float(value)}' in text
+
+
+def test_a_resumed_request_continues_exactly_with_speculation_on(engines):
+    """A worker that takes a request over mid-stream (resume_token_ids) reproduces plain
+    decoding's remaining tokens with speculation on, whichever position it resumes at."""
+    plain, spec = engines
+    params = SamplingParams(max_tokens=40, temperature=0.1, seed=3, ignore_eos=True)
+    want = plain.generate([PROMPTS[0]], [params])[0].token_ids
+    before = _accepted(spec)
+    for k in (1, 9, 17):
+        spec.add_request(f"resume-{k}", PROMPTS[0], params, resume_token_ids=want[:k])
+        got: list[int] = []
+        while spec.has_unfinished():
+            got += [t for o in spec.step() for t in o.token_ids]
+        assert tuple(got) == want[k:], f"resumed at {k}"
+    assert _accepted(spec) > before
