@@ -152,10 +152,14 @@ def test_speculation_never_preempts_and_rollback_frees_the_tail():
 # -- logits: a verification row is the decode row of its position, bit for bit --------------------
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False])
-def test_verification_rows_equal_single_step_decode_logits(tiny_model_dir, cpu_kernels):
-    engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=1 << 21, cpu_kernels=cpu_kernels))
-    runner, bs = engine.runner, engine.config.block_size
+@pytest.mark.parametrize("mode", [
+    {}, {"cpu_kernels": False}, {"dtype": "bfloat16"}, {"quantization": "int8"}, {"quantization": "q4_1"},
+    {"quantization": "w8a8"}, {"kv_cache_dtype": "bfloat16"},
+], ids=["fp32", "no-cpu-kernels", "bf16", "int8", "q4_1", "w8a8", "bf16-kv"])
+def test_verification_rows_equal_single_step_decode_logits(tiny_model_dir, mode):
+    """Every CPU weight / KV mode: the claim rests on the rows being batch-invariant in each."""
+    engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=1 << 21, **mode))
+    runner = engine.runner
     prompt = [(i * 37) % 500 + 3 for i in range(29)]
     drafts = [11, 200, 31, 7]
     other = [(i * 11) % 500 + 3 for i in range(40)]
@@ -173,7 +177,6 @@ def test_verification_rows_equal_single_step_decode_logits(tiny_model_dir, cpu_k
     assert out.shape[0] == 1 + 1 + len(drafts)
     for j, row in enumerate(plain):
         assert torch.equal(out[1 + j], row), f"position {j}: max diff {(out[1 + j] - row).abs().max()}"
-    del bs
 
 
 # -- the claim: tokens identical to plain decoding ----------------------------------------------
