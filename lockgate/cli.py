@@ -4,28 +4,31 @@ Each package has a ``commands`` module with ``register(sub, bench)``: ``sub`` ta
 subcommands, ``bench`` takes ``lockgate bench <name>``. Those modules import nothing heavy at
 module level (torch, transformers, aiokafka load inside the command), so ``lockgate --help`` is fast.
 Every flag has an environment variable twin ``LOCKGATE_<FLAG>`` (see README, Configuration).
+
+The product's command modules are imported here by name, so the import graph (and its contracts)
+sees every edge. Tools plug in the other way round: a distribution declares ``register`` functions
+under the ``lockgate.commands`` entry point group (pyproject.toml: ``bench = benchmarks.cli:register``),
+so the benchmarks import the CLI's flag helpers and the CLI never imports the benchmarks. The wheel
+leaves the benchmarks out (they run from a source checkout); there ``lockgate bench`` says so.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+from importlib.metadata import entry_points
 from typing import Any
 
+from lockgate import serve
+from lockgate.commands import bus, edge, engine, producers, worker
 from lockgate.options import env_default
 from lockgate.telemetry import add_tracing_flags
 
-COMMAND_MODULES = (
-    "lockgate.commands.engine",
-    "lockgate.commands.worker",
-    "lockgate.serve",
-    "lockgate.commands.bus",
-    "lockgate.commands.edge",
-    "lockgate.commands.producers",
-    "benchmarks.cli",
-)
+COMMANDS = (engine, worker, serve, bus, edge, producers)
+PLUGIN_GROUP = "lockgate.commands"  # entry points: ``name = "module:register"``, loaded after COMMANDS
+BENCH_MISSING = ("the benchmarks are not installed: they run from a source checkout "
+                 "(`make install`, then `lockgate bench ...`; docs/benchmarks.md)")
 
 
 class _DefaultsHelp(argparse.HelpFormatter):
@@ -60,15 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench_parser = sub.add_parser("bench", help="benchmarks (print measured figures)")
     bench = bench_parser.add_subparsers(dest="bench", metavar="BENCH")
-    for name in COMMAND_MODULES:
+    for module in COMMANDS:
+        module.register(sub, bench)
+    for plugin in entry_points(group=PLUGIN_GROUP):
         try:
-            module = importlib.import_module(name)
+            register = plugin.load()
         except ModuleNotFoundError as exc:
-            if exc.name != name:
+            # declared by the distribution, absent from this install (the wheel ships no tools)
+            if exc.name is None or not (plugin.module == exc.name or plugin.module.startswith(exc.name + ".")):
                 raise
             continue
-        module.register(sub, bench)
+        register(sub, bench)
+    if not bench.choices:
+        bench_parser.set_defaults(func=_bench_missing)
     return parser
+
+
+def _bench_missing(_args: argparse.Namespace) -> int:
+    print(f"lockgate bench: error: {BENCH_MISSING}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "tracing", "lockgate", "benchmarks")
+PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "tracing", "lockgate", "benchmarks", "devtools")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -47,6 +47,17 @@ def test_the_layer_contracts_are_kept() -> None:
     ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
     ("tracing/_probe.py", "import bus\n", "tracing imports nothing of ours"),
     ("bus/_probe.py", "import tracing\n", "bus imports nothing of ours"),
+    ("engine_workers/model/models/_probe.py", "import engine_workers.model.execution.runner\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("engine_workers/model/models/_probe.py", "import engine_workers.model.loading.loader\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("engine_workers/model/loading/_probe.py", "import engine_workers.model.execution.parallel.group\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("lockgate/_probe.py", "import benchmarks.cli\n", "The CLI never imports the benchmarks (they plug in through an entry point)"),
+    ("benchmarks/_probe.py", "import lockgate.cli\n", "The benchmarks plug into the CLI, never import it"),
+    ("edge/_probe.py", "import devtools.fake_worker\n", "Product code never imports the dev tools"),
+    ("lockgate/_probe.py", "import devtools.kafka_local\n", "Product code never imports the dev tools"),
+    ("devtools/_probe.py", "import lockgate.options\n", "The dev tools never import the CLI or the benchmarks"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from engine_workers.engine import torch_thread
 from engine_workers.engine.core import Engine, RequestOutput
 from engine_workers.engine.params import SamplingParams
-from engine_workers.model.runner import gpu_memory_utilization
+from engine_workers.model.execution.runner import gpu_memory_utilization
 
 log = logging.getLogger(__name__)
 

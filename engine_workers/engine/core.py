@@ -30,10 +30,10 @@ from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
-from engine_workers.model.loader import LoadedModel, load_model
-from engine_workers.model.parallel.group import TpGroup
-from engine_workers.model.parallel.runner import ParallelRunner, load_group
-from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
+from engine_workers.model.execution.parallel.group import TpGroup
+from engine_workers.model.execution.parallel.runner import ParallelRunner, load_group
+from engine_workers.model.execution.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
+from engine_workers.model.loading.loader import LoadedModel, load_model
 from kv_store import KVCacheManager
 from tokenization.prompts import PromptTokenizer
 

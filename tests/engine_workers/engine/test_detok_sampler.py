@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.params import SamplingParams
 from engine_workers.engine.sampler import Row, Sampler
-from lockgate.testing.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

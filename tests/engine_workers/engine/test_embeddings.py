@@ -12,7 +12,7 @@ from bus import SamplingParams as WireParams
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.engine.params import SamplingParams
-from engine_workers.model.runner import kv_block_bytes
+from engine_workers.model.execution.runner import kv_block_bytes
 
 
 def reference(model_dir: str, ids: list[int], pooling: str = "last") -> torch.Tensor:

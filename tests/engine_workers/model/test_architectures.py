@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from devtools.tiny_model import build_tiny_model, build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.engine.params import SamplingParams
-from lockgate.testing.tiny_model import build_tiny_model, build_tokenizer
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, rms_norm_eps=1e-5)

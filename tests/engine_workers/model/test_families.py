@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.engine.params import SamplingParams
-from lockgate.testing.tiny_model import build_tokenizer
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
@@ -105,8 +105,8 @@ def test_family_logits_close_to_hf(name, tmp_path):
     (both sum in different orders: differences seen are ~1e-5)."""
     from transformers import AutoModelForCausalLM
 
-    from engine_workers.model.loader import load_model
-    from engine_workers.model.runner import ModelRunner
+    from engine_workers.model.execution.runner import ModelRunner
+    from engine_workers.model.loading.loader import load_model
 
     path = save(name, tmp_path / name)
     prompt = random.Random(3).sample(range(3, 512), 70)
