@@ -9,7 +9,9 @@ The product's command modules are imported here by name, so the import graph (an
 sees every edge. Tools plug in the other way round: a distribution declares ``register`` functions
 under the ``lockgate.commands`` entry point group (pyproject.toml: ``bench = benchmarks.cli:register``),
 so the benchmarks import the CLI's flag helpers and the CLI never imports the benchmarks. The wheel
-leaves the benchmarks out (they run from a source checkout); there ``lockgate bench`` says so.
+leaves the benchmarks out (they run from a source checkout); there ``lockgate bench`` says so. A
+checkout that is not installed has no entry points: ``python -m benchmarks ...`` is this CLI with the
+benchmarks passed in (``main(argv, plugins)``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -26,6 +29,7 @@ from lockgate.options import env_default
 from lockgate.telemetry import add_tracing_flags
 
 COMMANDS = (engine, worker, serve, bus, edge, producers)
+Register = Callable[[argparse._SubParsersAction, argparse._SubParsersAction], None]  # a plugin's ``register(sub, bench)``
 PLUGIN_GROUP = "lockgate.commands"  # entry points: ``name = "module:register"``, loaded after COMMANDS
 BENCH_MISSING = ("the benchmarks are not installed: they run from a source checkout "
                  "(`make install`, then `lockgate bench ...`; docs/benchmarks.md)")
@@ -53,7 +57,10 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: Sequence[Register] = ()) -> argparse.ArgumentParser:
+    """The whole CLI: the product's commands, then ``plugins`` (a caller's own, e.g. ``python -m
+    benchmarks`` in a checkout that is not installed), then the installed ``lockgate.commands`` entry
+    points not among ``plugins``."""
     parser = _Parser(prog="lockgate", description="lockgate LLM inference platform")
     parser.add_argument("--log-level", default=env_default("log-level", "INFO"), help="logging level (env LOCKGATE_LOG_LEVEL)")
     parser.add_argument("--log-format", default=env_default("log-format", "text"), choices=("text", "json"),
@@ -65,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = bench_parser.add_subparsers(dest="bench", metavar="BENCH")
     for module in COMMANDS:
         module.register(sub, bench)
+    registers = list(plugins)
     for plugin in entry_points(group=PLUGIN_GROUP):
         try:
             register = plugin.load()
@@ -73,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name is None or not (plugin.module == exc.name or plugin.module.startswith(exc.name + ".")):
                 raise
             continue
+        if register not in registers:
+            registers.append(register)
+    for register in registers:
         register(sub, bench)
     if not bench.choices:
         bench_parser.set_defaults(func=_bench_missing)
@@ -84,8 +95,8 @@ def _bench_missing(_args: argparse.Namespace) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, plugins: Sequence[Register] = ()) -> int:
+    parser = build_parser(plugins)
     args = parser.parse_args(argv)
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     from lockgate.logformat import configure

@@ -81,3 +81,25 @@ def test_a_dev_command_without_devtools_names_the_tool(monkeypatch: pytest.Monke
     assert cli.main(["--log-level", "WARNING", "model", "tiny", str(tmp_path / "m")]) == 2
     assert "`lockgate model tiny` is a development tool" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_a_checkout_without_entry_points_passes_the_benchmarks_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m benchmarks`` (an uninstalled checkout: no entry points) and the installed entry
+    point together register each bench subcommand once."""
+    from benchmarks.cli import register
+
+    _with_plugins(monkeypatch)
+    assert cli.build_parser().parse_args(["bench"]).func is cli._bench_missing
+    assert cli.build_parser((register,)).parse_args(["bench", "engine"]).bench == "engine"
+    _with_plugins(monkeypatch, "benchmarks.cli:register")
+    assert cli.build_parser((register,)).parse_args(["bench", "engine"]).bench == "engine"
+
+
+def test_python_m_benchmarks_runs_the_cli_with_the_benchmarks() -> None:
+    import subprocess
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "bench", "engine", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "usage: lockgate bench engine" in run.stdout

@@ -147,7 +147,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     if rope_type in ("longrope", "dynamic"):
         log.warning("%s RoPE: a sequence is rotated by its context at each step; one whose chunks or decode cross "
                     "the original context keeps its earlier keys' rotation (transformers re-rotates them; "
-                    "docs/design.md, RoPE scaling)", rope_type)
+                    "docs/design-history.md, RoPE scaling)", rope_type)
     try:
         model.set_ropes(hf_config, max(length, 1), device)
     except ValueError as exc:

@@ -22,7 +22,7 @@ sequence's output does not depend on how it was chunked or whether its prefix ca
 
 Padding a whole mixed batch into one call instead wastes work in proportion to the spread of
 lengths, and serving prompts vary widely in length, so per-chunk prefill calls and length groups
-do the work one padded call would spend on padding (docs/design.md, Paged attention; figures in
+do the work one padded call would spend on padding (docs/design-history.md, Paged attention; figures in
 docs/benchmarks.md, Engine).
 """
 
@@ -305,7 +305,7 @@ def _windowed_attention(q, k, v, k_cache, v_cache, meta: AttnMetadata, scale: fl
                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A sliding-window layer in a step where some context is longer than the window: gather +
     SDPA under window masks (the engine's CPU kernels attend to the whole context). Every block
-    stays in the cache (docs/design.md, Sliding-window attention), so this reads the same tables
+    stays in the cache (docs/design-history.md, Sliding-window attention), so this reads the same tables
     as full attention and masks what lies outside the window."""
     t, hq, d = q.shape
     bs = meta.block_size

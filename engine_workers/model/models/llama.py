@@ -5,7 +5,7 @@ QK-norm, GELU gating, embedding scaling); checkpoints' names map onto these modu
 
 Our own small modules rather than transformers' modeling code: the whole mixed prefill+decode
 batch is one flat ``[T, hidden]`` tensor, Q/K/V and gate/up projections are fused into one GEMM
-each, and the LM head runs only on the rows that sample. See docs/design.md for the trade-offs.
+each, and the LM head runs only on the rows that sample. See docs/design-history.md for the trade-offs.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ key ``k_pe`` of ``qk_rope_head_dim`` dims shared by every head; per-head keys an
 (the layer's "K" tensor, ``[slots, 1, kv_lora_rank]``) and the rotated ``k_pe`` (its "V" tensor,
 ``[slots, 1, qk_rope_head_dim]``), never the per-head K/V. The block pool is untouched: a block is
 ``block_size`` slots whatever a slot holds; only the per-layer tensors' trailing shape differs
-(:attr:`MlaSpec.slot_shapes`, read by the runner). docs/design.md, "MLA cache layout", has the bytes.
+(:attr:`MlaSpec.slot_shapes`, read by the runner). docs/design-history.md, "MLA cache layout", has the bytes.
 
 Two ways to attend over that cache, one per kind of row:
 

@@ -13,7 +13,7 @@ not, in transformers, and lockgate reproduces them per sequence rather than per 
   fixed table; beyond it, the step's frequencies are computed for the sequence's context.
 
 In both, keys already in the cache keep the rotation they were written with, as transformers'
-cache keeps them; docs/design.md, "RoPE scaling", says what that means for long contexts.
+cache keeps them; docs/design-history.md, "RoPE scaling", says what that means for long contexts.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def interleave_rope_rows(w: torch.Tensor, heads: int, head_dim: int) -> torch.Te
 def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """``x`` ``[T, H, D]`` in the interleaved layout (any row stride), ``rot`` ``[T, 1, D/2]``
     complex: one complex multiply instead of HF's four multiplies, a negation and a concatenation
-    over strided views (docs/design.md, "RoPE as one complex multiply", has the figures)."""
+    over strided views (docs/design-history.md, "RoPE as one complex multiply", has the figures)."""
     t, h, d = x.shape
     if x.dtype == torch.float32:
         return torch.view_as_real(torch.view_as_complex(x.view(t, h, d // 2, 2)) * rot).view(t, h, d)

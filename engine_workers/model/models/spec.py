@@ -2,7 +2,7 @@
 config, and the refusal of any config field lockgate does not implement.
 
 One decoder (engine_workers.model.models.llama) serves every family; the spec's feature fields say which
-of its optional parts a family switches on (docs/design.md, "Model families"). A config field is
+of its optional parts a family switches on (docs/design-history.md, "Model families"). A config field is
 either *read* (it lands in the spec, its value checked where only some values are implemented),
 *inert* (it cannot change a forward pass: dropout, initialisation, token ids, the cache switch), or
 refused by name. A field a family's config class defines but that lockgate has not been taught is

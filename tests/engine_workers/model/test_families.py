@@ -37,7 +37,7 @@ FAMILIES = {
 }
 # transformers rotates a whole longrope sequence by its length (re-computing its cache when it
 # crosses the original context); lockgate rotates each chunk by the context it ends at, so a
-# chunked prompt longer than the original context differs (docs/design.md, RoPE scaling)
+# chunked prompt longer than the original context differs (docs/design-history.md, RoPE scaling)
 CHUNKING_CHANGES_ROPE = {"phi3-longrope"}
 
 

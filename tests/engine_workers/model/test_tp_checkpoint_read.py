@@ -99,7 +99,7 @@ def test_bin_checkpoint_still_loads_but_whole(tmp_path):
     torch.save(load_file(str(src / "model.safetensors")), out / "pytorch_model.bin")
     assert not list(out.glob("*.safetensors")) and list(out.glob("pytorch_model*.bin"))
     whole, per_rank = _check(out)
-    # a .bin file cannot be read in part: each rank loads it whole (docs/design.md, Loading)
+    # a .bin file cannot be read in part: each rank loads it whole (docs/design-history.md, Loading)
     assert all(r == whole for r in per_rank)
 
 

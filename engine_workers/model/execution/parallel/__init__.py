@@ -4,5 +4,5 @@
 child ranks and failure handling), :mod:`.follower` (the other ranks' loop), :mod:`.runner`
 (rank 0's runner). What each rank holds and how its shard is cut is :mod:`engine_workers.model.loading.sharding`
 (below the loader, which cuts a rank's shard at load; this package sits above it).
-docs/design.md, "Tensor parallelism", has the whole picture.
+docs/design-history.md, "Tensor parallelism", has the whole picture.
 """
