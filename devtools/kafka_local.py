@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]  # devtools/kafka_local.py -> the repository
+REPO = Path(__file__).resolve().parents[1]  # devtools/kafka_local.py -> the repository
 POM = REPO / "scripts" / "kafka" / "pom.xml"
 DEFAULT_DIR = Path(os.environ.get("LOCKGATE_KAFKA_DIR", "~/.cache/lockgate/kafka")).expanduser()
 CONTROLLER_PORT_OFFSET = 100

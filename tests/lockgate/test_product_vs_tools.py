@@ -103,3 +103,10 @@ def test_python_m_benchmarks_runs_the_cli_with_the_benchmarks() -> None:
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "usage: lockgate bench engine" in run.stdout
+
+
+def test_the_kafka_launcher_finds_the_checkout_it_lives_in() -> None:
+    from devtools import kafka_local
+
+    assert kafka_local.REPO == ROOT
+    assert (kafka_local.REPO / "scripts" / "kafka" / "pom.xml").is_file()
