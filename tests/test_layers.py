@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "tracing", "lockgate", "lockgate_types",
-            "benchmarks")
+            "benchmarks", "devtools")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -53,6 +53,17 @@ def test_the_layer_contracts_are_kept() -> None:
     ("lockgate_types/_probe.py", "import bus\n", "lockgate_types imports nothing of ours"),
     ("edge/_probe.py", "from lockgate_types import SamplingParams\n", "Only the bus and the engine import lockgate_types"),
     ("engine_workers/model/_probe.py", "import lockgate_types\n", "Only the bus and the engine import lockgate_types"),
+    ("engine_workers/model/models/_probe.py", "import engine_workers.model.execution.runner\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("engine_workers/model/models/_probe.py", "import engine_workers.model.loading.loader\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("engine_workers/model/loading/_probe.py", "import engine_workers.model.execution.parallel.group\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("lockgate/_probe.py", "import benchmarks.cli\n", "The CLI never imports the benchmarks (they plug in through an entry point)"),
+    ("benchmarks/_probe.py", "import lockgate.cli\n", "The benchmarks plug into the CLI, never import it"),
+    ("edge/_probe.py", "import devtools.fake_worker\n", "Product code never imports the dev tools"),
+    ("lockgate/_probe.py", "import devtools.kafka_local\n", "Product code never imports the dev tools"),
+    ("devtools/_probe.py", "import lockgate.options\n", "The dev tools never import the CLI or the benchmarks"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_workers.engine.config import EngineConfig
-from engine_workers.model.batch import Chunk, ModelInput
+from engine_workers.model.execution.batch import Chunk, ModelInput
 
 DATA = Path(__file__).parent.parent / "data"
 PROMPTS_FILE = DATA / "accuracy_prompts.json"

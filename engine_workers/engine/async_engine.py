@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from engine_workers.engine import torch_thread
 from engine_workers.engine.core import Engine, RequestOutput
-from engine_workers.model.runner import gpu_memory_utilization
+from engine_workers.model.execution.runner import gpu_memory_utilization
 from lockgate_types import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 QUANTIZATIONS = ("none", "int8", "q4_1", "w8a8")  # --quantization (kernels/cpu_linear.py plans them)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (model/runner.py resolves them)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (model/execution/runner.py resolves them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +39,11 @@ class EngineConfig:
     # tier step of the worker's priorities); None = never, the default (scheduler.py, "Priority
     # preemption"; off by default: under a saturating load it trades throughput for tier latency).
     priority_preemption_margin: float | None = None
-    # ranks of one tensor-parallel group (CPU, gloo; engine_workers/model/parallel): rank 0 is this
+    # ranks of one tensor-parallel group (CPU, gloo; engine_workers/model/execution/parallel): rank 0 is this
     # process, the others are child processes it starts; 1 = no group, nothing distributed
     tensor_parallel_size: int = 1
     # CUDA: no decode CUDA graphs, every step eager (vLLM's name). Without it decode steps replay
-    # graphs captured at start (engine_workers/model/cudagraph); no effect on a CPU
+    # graphs captured at start (engine_workers/model/execution/cudagraph); no effect on a CPU
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The offline engine: ``add_request`` / ``step`` / ``abort``.
 
 One ``step()`` = schedule -> execute -> postprocess: the scheduler decides a batch, the engine
-turns it into a typed :class:`~engine_workers.model.batch.ModelInput` (tokens, positions' start,
+turns it into a typed :class:`~engine_workers.model.execution.batch.ModelInput` (tokens, positions' start,
 block tables), the runner executes it in one forward and returns a ``RunnerOutput`` (logits, and
 for embedding requests final-norm states), then the pooler ends embedding requests with their
 vector, the sampler draws one token for every other sequence whose known tokens are all computed,
@@ -33,12 +33,12 @@ from engine_workers.engine.scheduler import Scheduler, SchedulerConfig, Schedule
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import cpu_weight_plan
-from engine_workers.model.batch import Chunk, ModelInput, RunnerOutput
-from engine_workers.model.loader import LoadedModel, load_model
-from engine_workers.model.parallel.group import TpGroup
-from engine_workers.model.parallel.runner import ParallelRunner, load_group
-from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
-from engine_workers.model.smoothing import load_smoothed_w8a8
+from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
+from engine_workers.model.execution.parallel.group import TpGroup
+from engine_workers.model.execution.parallel.runner import ParallelRunner, load_group
+from engine_workers.model.execution.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
+from engine_workers.model.execution.smoothing import load_smoothed_w8a8
+from engine_workers.model.loading.loader import LoadedModel, load_model
 from kv_store import KVCacheManager
 from lockgate_types import FinishReason, SamplingParams
 from tokenization.prompts import PromptTokenizer

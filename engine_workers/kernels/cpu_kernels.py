@@ -4,7 +4,7 @@
   context cut into 128-token units spread evenly over the threads (AVX-512 builds, head sizes
   32/64/128; one task per sequence otherwise). Through SDPA a decode step first gathered every context into a padded copy, and
   SDPA's kernel is built for long query blocks, so one-token decode queries spent far longer in it
-  than reading their K/V once takes (docs/design.md, Paged attention). Both attention kernels read
+  than reading their K/V once takes (docs/design-history.md, Paged attention). Both attention kernels read
   a float32 or a bf16 cache (``--kv-cache-dtype``; widened to float32 before any math,
   ``csrc/kv_elem.h``);
 * causal prefill attention (``csrc/prefill_attention.cpp``), for the short, few-headed chunks
@@ -23,11 +23,11 @@
   :func:`engine_workers.kernels.readiness.problems` builds and checks them all.
 
 All run on torch's own thread pool and release the GIL; figures in docs/benchmarks.md, design in
-docs/design.md. CUDA and other dtypes keep torch's ops.
+docs/design-history.md. CUDA and other dtypes keep torch's ops.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja, once; the kernel files include only ATen's
 tensor headers, which compile quickly, and only ``module.cpp``, which binds them to Python, pays
-for ``torch/extension.h``; build times in docs/design.md, Paged attention) into
+for ``torch/extension.h``; build times in docs/design-history.md, Paged attention) into
 ``$LOCKGATE_CACHE/ext/<ISA level>-<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
 cache ``~/.cache/lockgate``), so later processes load it in well under a second; a load also
 removes the builds beside it that nothing loaded for 14 days (one per source edit, venv or
@@ -38,7 +38,7 @@ that one.
 
 ISA levels (:func:`isa_level`): the module is built for ``avx512`` or ``avx2`` (or ``generic``, plain
 loops), the best the CPU's flags allow, chosen and logged once per process; ``LOCKGATE_CPU_ISA``
-forces a lower level (docs/design.md, "ISA levels").
+forces a lower level (docs/design-history.md, "ISA levels").
 """
 
 from __future__ import annotations

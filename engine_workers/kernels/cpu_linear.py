@@ -4,7 +4,7 @@ Why: ``F.linear`` on CPU calls a generic sgemm that re-packs the weight matrix i
 layout on every call. For decode batches (M = 1..64 rows) that repacking is most of the cost, so
 oneDNN with the weights reordered once (its blocked layout, any M) is much faster there. Large M
 gains too (prefill chunks of 512 rows), because the packed kernel reaches the CPU's fp32 FMA peak.
-The figures and the command are in docs/design.md ("Linear layers on CPU") and docs/benchmarks.md.
+The figures and the command are in docs/design-history.md ("Linear layers on CPU") and docs/benchmarks.md.
 
 The kernels are PyTorch's own (``torch.ops.mkldnn``, what ``torch.compile`` uses for frozen CPU
 linears), but they are not public API, so :func:`prepack_linears` checks them first: it packs a
@@ -24,7 +24,7 @@ Low-precision weights on CPU (``--dtype bfloat16``, ``--quantization int8``): :c
 keeps only a bf16 (or int8 + per-row scale) copy of each weight in the panel layout of
 ``csrc/small_m_lowp.cpp`` and runs every row count through that kernel, activations float32 in and
 out; :func:`cpu_weight_plan` decides, from the CPU's flags and the kernels' build, what an engine
-gets and logs why when it falls back to float32 weights. docs/design.md, "Precision and devices".
+gets and logs why when it falls back to float32 weights. docs/design-history.md, "Precision and devices".
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 # Rows up to which the small-batch kernel is used: the largest M at which it still beat oneDNN over
-# SmolLM2's layer shapes (docs/design.md, "Decode-sized batches").
+# SmolLM2's layer shapes (docs/design-history.md, "Decode-sized batches").
 SMALL_M_MAX = 32
 # oneDNN's kernel choice as it changes a row's sums (measured on torch's bundled oneDNN, AVX-512;
 # PackedLinear._onednn_invariant): a one-row input over more than ONEDNN_GEMV_K features, and
@@ -188,7 +188,7 @@ QUANTIZATIONS = ("none", "int8", "q4_1", "w8a8")  # --quantization values
 # bf16 weights through AVX512-BF16 dot products (x rounded to bf16) instead of widening each bf16
 # pair to float32 in registers and using FMAs. Off: on the benchmark machine (Xeon with
 # avx512_bf16, no AMX) the dot-product kernel was no faster at 1-2 rows and 1.4-1.5x slower at
-# 8-64 (docs/design.md, "Precision and devices"); kept, checked, for CPUs where it is faster.
+# 8-64 (docs/design-history.md, "Precision and devices"); kept, checked, for CPUs where it is faster.
 BF16_DOT_PRODUCTS = False
 
 

@@ -1,7 +1,7 @@
 """CPU ISA levels of the engine's kernels, as pure functions of the CPU's flags: which levels exist,
 which CPU flags each needs, the compiler flags of each, the best level a CPU runs, and the check of a
 forced level (``LOCKGATE_CPU_ISA``). No torch, no build: :mod:`engine_workers.kernels.cpu_kernels`
-builds and loads the module for the level chosen here (docs/design.md, "ISA levels")."""
+builds and loads the module for the level chosen here (docs/design-history.md, "ISA levels")."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_flag_turns_packing_off():
 
 @needs_onednn
 def test_tied_embeddings_get_a_packed_head_and_the_same_output(tmp_path):
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
     packed = Engine(EngineConfig(model=path, kv_cache_bytes=16 << 20))
@@ -242,7 +242,7 @@ ENGINE_MODES = {"float32": {}, "no-cpu-kernels": {"cpu_kernels": False}, "bf16":
 def wide_mlp_model(tmp_path_factory) -> str:
     """A tiny model whose down projection sums over 1536 features (SmolLM2's), past oneDNN's
     one-row threshold."""
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("wide-mlp"), intermediate_size=1536))
 

@@ -25,7 +25,7 @@ from engine_workers.engine.core import Engine
 from engine_workers.kernels import cpu_kernels as kernels
 from engine_workers.kernels import lowp_kernels
 from engine_workers.kernels.cpu_linear import LowpLinear, cpu_weight_plan, lowp_problem
-from engine_workers.model.batch import Chunk, ModelInput
+from engine_workers.model.execution.batch import Chunk, ModelInput
 from lockgate_types import SamplingParams
 
 # every test at each ISA level this host runs (tests/engine_workers/conftest.py)

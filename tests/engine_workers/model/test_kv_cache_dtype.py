@@ -1,4 +1,4 @@
-"""K/V cache in bf16 on CPU (``--kv-cache-dtype``; model/runner.py, model/attention.py, the CPU
+"""K/V cache in bf16 on CPU (``--kv-cache-dtype``; model/execution/runner.py, model/models/attention.py, the CPU
 attention kernels reading bf16 through csrc/kv_elem.h): the kernels and the torch path against
 torch references on a bf16 cache, the engine's logits and greedy tokens against a float32 cache
 within stated bounds, twice the blocks for one byte budget, bad values refused.
@@ -25,9 +25,9 @@ from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels import cpu_kernels
 from engine_workers.kernels.paged_reference import sdpa_decode
-from engine_workers.model.attention import build_metadata, paged_attention
-from engine_workers.model.batch import Chunk, ModelInput
-from engine_workers.model.runner import kv_block_bytes
+from engine_workers.model.execution.batch import Chunk, ModelInput
+from engine_workers.model.execution.runner import kv_block_bytes
+from engine_workers.model.models.attention import build_metadata, paged_attention
 from lockgate_types import SamplingParams
 from tests.engine_workers.kernels.test_lowp_weights import agreement, next_logits, rel_l2
 from tests.engine_workers.model.test_attention import dense_reference
@@ -227,7 +227,7 @@ def test_bad_values_refused(capsys, tiny_model_dir):
 
 
 def test_resolution():
-    from engine_workers.model.runner import resolve_kv_dtype
+    from engine_workers.model.execution.runner import resolve_kv_dtype
 
     cuda = torch.device("cuda")
     assert resolve_kv_dtype("auto", torch.float32, CPU) == torch.float32
