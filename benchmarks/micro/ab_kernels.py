@@ -28,10 +28,10 @@ def main() -> None:
     from engine_workers.engine import torch_thread
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from lockgate_types import SamplingParams
     from engine_workers.kernels import cpu_kernels
     from engine_workers.kernels.cpu_linear import PackedLinear
     from engine_workers.model.execution.runner import ModelRunner
+    from lockgate_types import SamplingParams
 
     def run() -> None:
         eng = Engine(EngineConfig(kv_cache_bytes=512 << 20))

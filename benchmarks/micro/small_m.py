@@ -62,8 +62,8 @@ def decode_steps(batches: list[int], steps: int, rounds: int) -> None:
     from engine_workers.engine import torch_thread
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from lockgate_types import SamplingParams
     from engine_workers.kernels.cpu_linear import PackedLinear
+    from lockgate_types import SamplingParams
 
     def main() -> None:
         eng = Engine(EngineConfig(kv_cache_bytes=512 << 20))
