@@ -11,7 +11,7 @@ import torch
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels.w8a8_linear import w8a8_problem
-from engine_workers.model import smoothing
+from engine_workers.model.execution import smoothing
 from engine_workers.model.execution.batch import Chunk, ModelInput
 from engine_workers.model.execution.runner import ModelRunner
 from engine_workers.model.loading.loader import load_model, quantize_linears
