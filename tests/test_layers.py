@@ -45,6 +45,10 @@ def test_the_layer_contracts_are_kept() -> None:
     ("edge/admission/_probe.py", "import edge.openai.tool_parsers\n", "Edge admission knows neither front end"),
     ("edge/_probe.py", "from bus.messages import Tier\n", "Code outside bus/ imports the bus through its facade"),
     ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
+    ("engine_workers/worker/offsets/_probe.py", "import engine_workers.worker.pipeline.admission\n",
+     "Inside the worker: actor > wiring > pipeline > the rooms below"),
+    ("engine_workers/worker/pipeline/gate.py", "import engine_workers.worker.pipeline.resume\n",
+     "The worker's pipeline stages import none of each other"),
     ("tracing/_probe.py", "import bus\n", "tracing imports nothing of ours"),
     ("bus/_probe.py", "import tracing\n", "bus imports nothing of ours"),
 ])
