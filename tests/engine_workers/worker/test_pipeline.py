@@ -10,8 +10,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import pytest
-
 from bus import (
     ErrorCode,
     FinishReason,
@@ -277,7 +275,6 @@ async def test_a_lost_partition_stops_its_requests_and_forgets_its_offsets() -> 
 # -- one walk through a real worker -----------------------------------------------------------------
 
 
-@pytest.mark.slow
 async def test_a_request_walks_each_stage_once_in_order(tiny_dir: Path, layout: TopicLayout) -> None:
     walk: list[str] = []
     async with MemoryBus() as bus:
