@@ -1,13 +1,14 @@
 """The pipeline's last stage: the intake queue, and admission from it into the engine, by
-effective priority, only while the engine has a free sequence slot and free KV blocks for the prompt (the head of the queue
-waits for room; no lower-priority request jumps it); and the intake's flow control, which pauses a
-tier's partitions while the intake holds ``prefetch_per_tier + free slots`` of that tier.
+effective priority, only while the engine has a free sequence slot and free KV blocks for the
+prompt (the head of the queue waits for room; no lower-priority request jumps it); and the
+intake's flow control, which pauses a tier's partitions while the intake holds
+``prefetch_per_tier + free slots`` of that tier.
 
 A request is handed to :class:`AsyncEngine` with its engine parameters (``worker.convert``) and,
 when another worker had started it, the tokens it already published (``resume_token_ids``). The
 engine refusing it (``ValueError``) answers ``invalid_request``; a refused resume runs the request
-from the start instead. Concurrency: event loop only; the engine thread reaches it through
-``call_soon_threadsafe``.
+from the start instead. Concurrency: event loop only; the engine's step loop (on the torch
+thread) reaches it through ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
