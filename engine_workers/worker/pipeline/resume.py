@@ -1,5 +1,5 @@
-"""Resume, not restart: a request that another worker had started continues from the last token
-it published, instead of from token 0.
+"""The pipeline's third stage. Resume, not restart: a request that another worker had started
+continues from the last token it published, instead of from token 0.
 
 Every token a worker publishes is durable on the request's reply topic, in the one partition its
 request id keys to (``bus.partitioner.partition_for_key``), in order. A worker that takes over a
@@ -45,6 +45,7 @@ from bus import (
     replies_of,
 )
 from engine_workers.worker.offsets.ledger import Job
+from engine_workers.worker.pipeline.handoff import Arrival, Stage
 
 log = logging.getLogger(__name__)
 
@@ -99,25 +100,23 @@ def decode_replies(values: Iterable[bytes]) -> list[Message]:
 
 
 class ResumeFinder:
-    """``accept(job, held)``: queue a request (``held`` True when it waited, here or at the reply
-    gate); ``answered(job, final)``: a request already answered (commit it without running);
+    """``answered(job, final)``: a request already answered (commit it without running);
     ``assigned_at(tp)``: when the partition was assigned here (wall clock; None: not owned), for
     :meth:`needs_lookup`; ``partition_count(topic)``: a reply topic's partition count where known
-    (the reply gate's cache; else the bus is asked); ``on_resumed(tokens)``: a request continues
-    after ``tokens`` already published."""
+    (the reply sender's cache; else the bus is asked); ``on_resumed(tokens)``: a request continues
+    after ``tokens`` already published; ``next_stage``: the intake checks."""
 
-    def __init__(self, bus: Bus, worker_id: str, accept: Callable[[Job, bool], None],
-                 answered: Callable[[Job, Finished | Error], None],
+    def __init__(self, bus: Bus, worker_id: str, answered: Callable[[Job, Finished | Error], None],
                  assigned_at: Callable[[TopicPartition], float | None],
                  partition_count: Callable[[str], int | None],
-                 on_resumed: Callable[[int], None] = lambda _n: None) -> None:
+                 on_resumed: Callable[[int], None], next_stage: Stage) -> None:
         self.bus = bus
         self.worker_id = worker_id
-        self.accept = accept
         self.answered = answered
         self.assigned_at = assigned_at
         self.partition_count = partition_count
         self.on_resumed = on_resumed
+        self.next_stage = next_stage
         self._waiting: dict[tuple[str, int], list[Job]] = {}  # reply partition -> jobs not yet read for
         self._tasks: set[asyncio.Task] = set()
 
@@ -130,11 +129,12 @@ class ResumeFinder:
         since = self.assigned_at(job.tp) if job.tp is not None else None
         return since is not None and job.req.enqueued_at <= since + CLOCK_SLACK_S
 
-    def submit(self, job: Job, held: bool) -> None:
-        """Queue ``job`` now (``held`` passed on), or once its reply partition has been read."""
-        if not self.needs_lookup(job):
-            self.accept(job, held)
+    def put(self, arrival: Arrival) -> None:
+        """Hand ``arrival`` on now, or once its reply partition has been read."""
+        if not self.needs_lookup(arrival.job):
+            self.next_stage.put(arrival)
             return
+        job = arrival.job
         task = asyncio.get_running_loop().create_task(self._hold(job), name=f"resume-{job.eid}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -191,7 +191,7 @@ class ResumeFinder:
             else:
                 job.resume = progress.token_ids
                 self.on_resumed(len(progress.token_ids))
-        self.accept(job, True)
+        self.next_stage.put(Arrival(job, waited=True))
 
     async def stop(self) -> None:
         """Cancel the lookups in flight; their requests stay uncommitted. Idempotent."""

@@ -1,14 +1,15 @@
-"""The worker's admission stage: from the intake into the engine, by effective priority, only
-while the engine has a free sequence slot and free KV blocks for the prompt (the head of the queue
-waits for room; no lower-priority request jumps it); and the intake's flow control, which pauses a
-tier's partitions while the intake holds ``prefetch_per_tier + free slots`` of that tier.
+"""The pipeline's last stage: the intake queue, and admission from it into the engine, by
+effective priority, only while the engine has a free sequence slot and free KV blocks for the
+prompt (the head of the queue waits for room; no lower-priority request jumps it); and the
+intake's flow control, which pauses a tier's partitions while the intake holds
+``prefetch_per_tier + free slots`` of that tier.
 
 A request is handed to :class:`AsyncEngine` with its decoded sampling parameters (one type from
 the record to the sampler, :mod:`lockgate_types`) and,
 when another worker had started it, the tokens it already published (``resume_token_ids``). The
 engine refusing it (``ValueError``) answers ``invalid_request``; a refused resume runs the request
-from the start instead. Concurrency: event loop only; the engine thread reaches it through
-``call_soon_threadsafe``.
+from the start instead. Concurrency: event loop only; the engine's step loop (on the torch
+thread) reaches it through ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -17,23 +18,26 @@ import asyncio
 import logging
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from bus import Consumer, ErrorCode, WorkerStatus
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.worker.intake.fair import request_cost
 from engine_workers.worker.intake.queue import NUM_TIERS, IntakePolicy, IntakeQueue, RateMeter, estimate_wait
 from engine_workers.worker.offsets.ledger import Job, RequestLedger
+from engine_workers.worker.pipeline.handoff import Arrival, Serving
 from engine_workers.worker.replies.answers import Answers
 
 log = logging.getLogger(__name__)
 
 
 class EngineAdmission:
-    """``serving()``: True while the worker takes work (started, not draining)."""
+    """``serving``: on while the worker takes work (started, not draining). Fed by :meth:`put`
+    (the intake checks), emptied by :meth:`admit` (after each fetch, each engine step, and at once
+    for a request that waited)."""
 
     def __init__(self, worker_id: str, aengine: AsyncEngine, ledger: RequestLedger, intake: IntakeQueue[Job],
-                 policy: IntakePolicy, answers: Answers, prefetch_per_tier: int, serving: Callable[[], bool]) -> None:
+                 policy: IntakePolicy, answers: Answers, prefetch_per_tier: int, serving: Serving) -> None:
         self.worker_id = worker_id
         self.aengine = aengine
         self.ledger = ledger
@@ -64,7 +68,7 @@ class EngineAdmission:
         depth = self.ledger.held_by_tier()
         for tier, topic in enumerate(topics):
             tps = {tp for tp in assigned if tp.topic == topic}
-            if not self.serving() or depth[tier] >= limit:
+            if not self.serving.on or depth[tier] >= limit:
                 if tps - paused:
                     c.pause(*(tps - paused))
             elif tps & paused:
@@ -72,7 +76,7 @@ class EngineAdmission:
 
     def admit(self) -> None:
         """Move requests from the intake into the engine while it has room. Sync, never blocks."""
-        if not self.serving():
+        if not self.serving.on:
             return
         now = time.time()
         for gone in self.intake.expire(now):
@@ -90,6 +94,20 @@ class EngineAdmission:
             job.pending = None
             if not self.submit(job):
                 break
+
+    def put(self, arrival: Arrival) -> None:
+        """Queue a request that passed the intake checks; admit at once when it ``waited`` (no
+        fetch's end will admit it)."""
+        self.enqueue(arrival.job)
+        if arrival.waited:
+            self.admit()
+
+    def drop_queued(self) -> None:
+        """Drain: empty the intake; those requests stay in flight in the offset tracker (never
+        committed here: the next owner runs them)."""
+        for p in self.intake.remove_if(lambda _p: True):
+            p.item.pending = None
+            self.ledger.forget(p.item)
 
     def enqueue(self, job: Job) -> None:
         """Queue ``job`` in the intake; under fair share charged to its tenant at its weight, for
