@@ -26,6 +26,8 @@ from aiohttp import web
 
 from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
+from edge.chat.tool_parsers import configured_parser
+from edge.chat.tools import prepare
 from edge.openai.embeddings import EmbeddingsRoutes
 from edge.openai.ops import OpsRoutes, Readiness
 from edge.openai.reply import (
@@ -41,8 +43,6 @@ from edge.openai.responses.routes import ResponsesRoutes
 from edge.openai.schema import OpenAIRequest, openai_param, parse_chat, parse_completion
 from edge.openai.stream import DONE, OpenAIStream, merged_response, merged_usage, sse
 from edge.openai.tokenize import TokenizeRoutes
-from edge.openai.tool_parsers import configured_parser
-from edge.openai.tools import prepare
 from edge.request import Generate, PromptEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class OpenAIServer:
                 adm.reject("model_not_found", API)
                 return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
                                       f"this server serves {adm.config.model!r}", "model")
-            if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.openai.tools
+            if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.chat.tools
                 g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)
         except ProtocolError as exc:
