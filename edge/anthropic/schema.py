@@ -23,7 +23,7 @@ How the fields map:
 * accepted as hints: ``cache_control`` anywhere (the prefix cache already serves a repeated prefix),
   ``metadata.user_id``, ``thinking`` (the configured reasoning parser splits the output;
   ``budget_tokens`` is checked, and ``max_tokens`` caps thinking and answer together),
-  ``service_tier``, ``output_config.effort``; unknown fields are ignored, as on the OpenAI routes.
+  ``service_tier``, ``output_config.effort``; the extension ``seed`` (as chat's); unknown fields are ignored, as on the OpenAI routes.
 * refused with a 400 naming the block or field: image, document and other non-text blocks, server
   tools, a final ``assistant`` turn (prefill), a ``tool_result`` that answers no ``tool_use`` of the
   turn before.
@@ -348,6 +348,7 @@ def parse_messages(obj: Any, count_only: bool = False) -> MessagesRequest:
     top_k = _int(obj, "top_k", 0)
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": _num(obj, "temperature"),
                               "top_p": _num(obj, "top_p"), "top_k": top_k,
+                              "seed": _int(obj, "seed", 0),  # an extension, as on the OpenAI routes
                               "stop": tuple(s for s in stop or () if s),
                               "guided_json": _output_format(obj.get("output_config"))}
     try:

@@ -304,3 +304,15 @@ async def test_message_start_leaves_with_the_first_token(encoder) -> None:
     assert first_any - sent >= 0.8 * (first_token - sent), (first_any - sent, first_token - sent)
     assert first_token - first_any <= SEND_S, "message_start left before the first token"
     assert first_token - sent >= PREFILL_S * 0.9  # the prefill delay really happened
+
+
+@pytest.mark.parametrize(("code", "status", "kind"), [("internal", 500, "api_error"),
+                                                      ("overloaded", 529, "overloaded_error")])
+async def test_a_worker_error_is_anthropics_error(encoder, code: str, status: int, kind: str) -> None:
+    async with running_edge(encoder, openai_port=0, worker_kw={"error": code}) as (edge, _):
+        got, reply = await _post(edge, {"model": MODEL, "max_tokens": 5, "messages": HELLO})
+        assert got == status and "fake error" in _shape(reply, kind)
+        events = await raw_events(edge, {"model": MODEL, "max_tokens": 5, "messages": HELLO})
+        # after the 200, the error is the stream's last event, in the same shape
+        assert [name for name, _, _ in events][-1] == "error"
+        assert "fake error" in _shape(events[-1][1], kind)
