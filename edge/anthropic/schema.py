@@ -24,8 +24,9 @@ How the fields map:
   ``metadata.user_id``, ``thinking`` (the configured reasoning parser splits the output;
   ``budget_tokens`` is checked, and ``max_tokens`` caps thinking and answer together),
   ``service_tier``, ``output_config.effort``; the extension ``seed`` (as chat's); unknown fields are ignored, as on the OpenAI routes.
-* refused with a 400 naming the block or field: image, document and other non-text blocks, server
-  tools, a final ``assistant`` turn (prefill), a ``tool_result`` that answers no ``tool_use`` of the
+* server tools (``web_search_…``, ``code_execution_…``: they run at Anthropic) are accepted and
+  not offered to the model.
+* refused with a 400 naming the block or field: image, document and other non-text blocks, a final ``assistant`` turn (prefill), a ``tool_result`` that answers no ``tool_use`` of the
   turn before.
 """
 
@@ -243,8 +244,11 @@ def parse_tools(obj: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str, b
                 raise ProtocolError(f"{where} must be {{name, description, input_schema}}", where)
             kind = t.get("type")
             if kind not in (None, "custom"):
-                raise ProtocolError(f"{where}: server tools ({str(kind)[:60]!r}) are not supported; define the tool "
-                                    "with name, description and input_schema", f"{where}.type")
+                # a server tool (web search, code execution, ...) runs at Anthropic, not in a model
+                # server: agents send them by default, so they are accepted and not offered
+                if not isinstance(kind, str):
+                    raise ProtocolError(f"{where}.type must be a string", f"{where}.type")
+                continue
             name = t.get("name")
             if not isinstance(name, str) or not _NAME.match(name):
                 raise ProtocolError(f"{where}.name must be 1-64 letters, digits, _ or -", f"{where}.name")

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -102,7 +103,11 @@ class OpenAIServer:
         except AuthError as exc:
             self.adm.reject("unauthorized", API)
             return error_response("unauthorized", str(exc))
-        return json_response(200, {"object": "list", "data": self._served()})
+        served = self._served()
+        # Anthropic's list fields too (the anthropic SDK's models.list reads this same route)
+        first, last = (served[0]["id"], served[-1]["id"]) if served else (None, None)
+        return json_response(200, {"object": "list", "data": served, "has_more": False, "first_id": first,
+                                   "last_id": last})
 
     async def model(self, request: web.Request) -> web.Response:
         try:
@@ -122,7 +127,10 @@ class OpenAIServer:
         if not live:
             return []
         created = int(min(s.ts for s in live))
-        return [{"id": self.adm.config.model, "object": "model", "created": created, "owned_by": "lockgate"}]
+        name = self.adm.config.model
+        # OpenAI's model object, with Anthropic's fields (type, display_name, created_at) besides
+        return [{"id": name, "object": "model", "created": created, "owned_by": "lockgate", "type": "model",
+                 "display_name": name, "created_at": datetime.fromtimestamp(created, UTC).isoformat()}]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)

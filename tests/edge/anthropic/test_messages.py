@@ -241,8 +241,8 @@ def _shape(body: dict, kind: str) -> str:
      400, "invalid_request_error", "messages[0].content[0].tool_use_id"),
     ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "x"}},
      400, "invalid_request_error", "tool_choice.name"),
-    ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
-     400, "invalid_request_error", "server tools"),
+    ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "tools": [{"name": "f", "input_schema": "x"}]},
+     400, "invalid_request_error", "tools[0].input_schema"),
     ({"model": MODEL, "max_tokens": 5, "messages": HELLO, "temperature": "hot"}, 400, "invalid_request_error",
      "temperature"),
     ({"model": "claude-opus-4", "max_tokens": 5, "messages": HELLO}, 404, "not_found_error", "claude-opus-4"),
@@ -316,3 +316,16 @@ async def test_a_worker_error_is_anthropics_error(encoder, code: str, status: in
         # after the 200, the error is the stream's last event, in the same shape
         assert [name for name, _, _ in events][-1] == "error"
         assert "fake error" in _shape(events[-1][1], kind)
+
+
+async def test_server_tools_are_accepted_not_offered_and_models_list(encoder) -> None:
+    async with api(encoder) as (edge, fw, client):
+        tools: list[Any] = [TOOLS[0], {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}]
+        m = await client.messages.create(model=MODEL, max_tokens=2, messages=HELLO, tools=tools)
+        assert m.usage.output_tokens == 2
+        prompt = encoder.tokenizer.decode(list(fw.seen[-1].prompt_token_ids))
+        assert "get_weather" in prompt and "web_search" not in prompt
+        # the anthropic SDK's models.list / retrieve read the edge's /v1/models
+        models = [x async for x in client.models.list()]
+        assert [x.id for x in models] == [MODEL] and models[0].type == "model"
+        assert (await client.models.retrieve(MODEL)).display_name == MODEL
