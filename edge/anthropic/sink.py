@@ -51,6 +51,7 @@ class MessagesSink:
         self.pending: list[bytes] = []
         self.blocks: list[dict[str, Any]] = []
         self._args: dict[int, str] = {}  # block index -> a tool_use block's input JSON text so far
+        self._calls: dict[int, int] = {}  # ToolStream's call index -> its block index
         self._open: str | None = None  # the kind of the block being written
         self._last_token: int | None = None
         self.stop_reason: str | None = None
@@ -127,10 +128,13 @@ class MessagesSink:
                 self._start("tool_use", {"type": "tool_use", "id": "toolu_" + c["id"].removeprefix("call_"),
                                          "name": c["function"]["name"], "input": {}})
                 self._args[len(self.blocks) - 1] = ""
-            elif self._open == "tool_use" and c["function"].get("arguments"):
-                frag = c["function"]["arguments"]
-                self._args[len(self.blocks) - 1] += frag
-                self._emit("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                self._calls[c["index"]] = len(self.blocks) - 1
+                continue
+            block, frag = self._calls.get(c["index"]), c["function"].get("arguments")
+            # a call's fragments follow its head, before the next block opens (ToolStream's order)
+            if block is not None and block == len(self.blocks) - 1 and self._open == "tool_use" and frag:
+                self._args[block] += frag
+                self._emit("content_block_delta", {"type": "content_block_delta", "index": block,
                                                    "delta": {"type": "input_json_delta", "partial_json": frag}})
 
     def _start(self, kind: str, block: dict[str, Any]) -> None:

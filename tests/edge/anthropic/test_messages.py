@@ -170,6 +170,13 @@ async def test_disable_parallel_tool_use_keeps_the_first_call(encoder) -> None:
         one = await client.messages.create(model=MODEL, max_tokens=200, messages=HELLO, tools=TOOLS,
                                            tool_choice={"type": "auto", "disable_parallel_tool_use": True})
         assert [b.type for b in one.content] == ["text", "tool_use"] and one.stop_reason == "tool_use"
+        assert one.content[1].input == {"city": "Paris", "unit": "c"}  # type: ignore[union-attr]
+        assert both.content[2].input == {"a": 1}  # type: ignore[union-attr]
+        async with client.messages.stream(model=MODEL, max_tokens=200, messages=HELLO, tools=TOOLS,
+                                          tool_choice={"type": "auto", "disable_parallel_tool_use": True}) as s:
+            final = await s.get_final_message()
+        assert [b.type for b in final.content] == ["text", "tool_use"]
+        assert final.content[1].input == {"city": "Paris", "unit": "c"}  # type: ignore[union-attr]
 
 
 async def test_thinking_blocks_via_the_reasoning_parser(encoder) -> None:
