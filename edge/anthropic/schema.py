@@ -22,7 +22,8 @@ How the fields map:
   send their model's output ceiling, not this model's), unlike OpenAI's optional field.
 * accepted as hints: ``cache_control`` anywhere (the prefix cache already serves a repeated prefix),
   ``metadata.user_id``, ``thinking`` (the configured reasoning parser splits the output;
-  ``budget_tokens`` is checked, and ``max_tokens`` caps thinking and answer together),
+  ``budget_tokens`` is checked, and ``max_tokens`` caps thinking and answer together; ``display``
+  ``omitted`` sends thinking blocks without their text),
   ``service_tier``, ``output_config.effort``; the extension ``seed`` (as chat's); unknown fields are ignored, as on the OpenAI routes.
 * server tools (``web_search_…``, ``code_execution_…``: they run at Anthropic) are accepted and
   not offered to the model.
@@ -59,7 +60,7 @@ class MessagesRequest:
     stream: bool
     tools: ToolRequest | None
     parallel_tool_calls: bool
-    thinking: bool  # the client asked for thinking (the reasoning parser splits the output either way)
+    thinking_shown: bool = True  # thinking.display "omitted": thinking blocks come without their text
 
 
 def _tname(v: object) -> str:
@@ -290,8 +291,9 @@ def parse_tools(obj: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], str, b
 
 
 def _thinking(v: object) -> bool:
+    """``thinking`` checked; whether the thinking text is shown (``display`` not ``omitted``)."""
     if v is None:
-        return False
+        return True
     if not isinstance(v, dict) or v.get("type") not in THINKING_TYPES:
         raise ProtocolError(f"thinking must be {{\"type\": one of {list(THINKING_TYPES)}}} (enabled with "
                             "budget_tokens)", "thinking")
@@ -299,7 +301,10 @@ def _thinking(v: object) -> bool:
         b = v.get("budget_tokens")
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise ProtocolError("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
-    return v["type"] != "disabled"
+    display = v.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise ProtocolError("thinking.display must be 'summarized' or 'omitted'", "thinking.display")
+    return display != "omitted"
 
 
 def _output_format(v: object) -> str | None:
@@ -344,7 +349,7 @@ def parse_messages(obj: Any, count_only: bool = False) -> MessagesRequest:
     if meta is not None and (not isinstance(meta, dict)
                              or not isinstance(meta.get("user_id", ""), (str, type(None)))):
         raise ProtocolError("metadata must be an object whose user_id is a string", "metadata")
-    thinking = _thinking(obj.get("thinking"))
+    shown = _thinking(obj.get("thinking"))
     history = _history(obj.get("messages"), _system(obj.get("system")))
     tools, choice, parallel = parse_tools(obj)
     tool_turns = any("tool_calls" in h or h["role"] == "tool" for h in history)
@@ -366,4 +371,4 @@ def parse_messages(obj: Any, count_only: bool = False) -> MessagesRequest:
     msgs = tuple(ChatMessage(h["role"], h["content"]) for h in history)
     # max_tokens_given=False: clamped to the context, not refused (see the module docstring)
     g = Generate("", sampling, messages=msgs, model=model, max_tokens_given=False)
-    return MessagesRequest(g, stream, tool_req, parallel, thinking)
+    return MessagesRequest(g, stream, tool_req, parallel, shown)

@@ -109,7 +109,10 @@ class MessagesSink:
     def _feed(self, parts: list[tuple[str, str]]) -> None:
         for kind, part in parts:
             if kind == REASONING:
-                self._delta("thinking", "thinking_delta", part)
+                if self.req.thinking_shown:
+                    self._delta("thinking", "thinking_delta", part)
+                elif self._open != "thinking" and part:  # display "omitted": the block, not its text
+                    self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             elif self.tools is None:
                 self._delta("text", "text_delta", part)
             else:

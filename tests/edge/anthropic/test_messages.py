@@ -199,6 +199,10 @@ async def test_thinking_blocks_via_the_reasoning_parser(encoder) -> None:
         events = await raw_events(edge, kw)
         assert {d["delta"]["type"] for name, d, _ in events if name == "content_block_delta"} \
             == {"thinking_delta", "text_delta"}
+        hidden = await client.messages.create(**{**kw, "thinking": {"type": "enabled", "budget_tokens": 1024,
+                                                                   "display": "omitted"}})
+        assert [b.type for b in hidden.content] == ["thinking", "text"]
+        assert hidden.content[0].thinking == "" and hidden.content[1].text == "It is sunny."  # type: ignore[union-attr]
 
 
 async def test_count_tokens(encoder) -> None:
@@ -336,3 +340,33 @@ async def test_server_tools_are_accepted_not_offered_and_models_list(encoder) ->
         models = [x async for x in client.models.list()]
         assert [x.id for x in models] == [MODEL] and models[0].type == "model"
         assert (await client.models.retrieve(MODEL)).display_name == MODEL
+
+
+async def test_a_coding_agent_style_request_is_accepted(encoder) -> None:
+    """What Claude-style coding agents send: cached system blocks, a strict-schema tool, a huge
+    max_tokens, thinking, beta headers and query, fields this server does not know."""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+              "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}}, "required": ["command"]}
+    body = {"model": MODEL, "max_tokens": 32000, "stream": True, "temperature": 1,
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>context</system-reminder>"},
+                {"type": "text", "text": "list the files", "cache_control": {"type": "ephemeral"}}]}],
+            "tools": [{"name": "Bash", "description": "Run a command", "input_schema": schema}],
+            "metadata": {"user_id": "user_abc_account_x_session_y"},
+            "thinking": {"type": "enabled", "budget_tokens": 4000},
+            "context_management": {"edits": []}, "container": None}
+    async with running_edge(encoder, openai_port=0) as (edge, fw):
+        async with aiohttp.ClientSession() as h, h.post(
+                f"{base_url(edge)}/v1/messages?beta=true", json=body,
+                headers={"x-api-key": KEY, "anthropic-version": "2023-06-01",
+                         "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"}) as r:
+            assert r.status == 200, await r.text()
+            raw = await r.read()
+        assert b"event: message_stop" in raw
+        assert fw is not None
+        seen = fw.seen[-1]
+        # max_tokens past the context is clamped to what fits, not refused
+        assert seen.sampling.max_tokens == encoder.context_len - len(seen.prompt_token_ids)
+        prompt = encoder.tokenizer.decode(list(seen.prompt_token_ids))
+        assert "<system-reminder>context</system-reminder>\nlist the files" in prompt and "Bash" in prompt
