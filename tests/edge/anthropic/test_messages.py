@@ -288,6 +288,12 @@ async def test_keys_headers_and_sdk_errors(encoder) -> None:
         assert e.value.status_code == 400 and "image" in e.value.message
         with pytest.raises(anthropic.NotFoundError):
             await client.messages.create(model="nope", max_tokens=2, messages=HELLO)
+        # the SDK's beta surface (what agents use): the same routes, ?beta=true and anthropic-beta headers
+        beta = await client.beta.messages.create(model=MODEL, max_tokens=2, messages=HELLO,
+                                                 betas=["interleaved-thinking-2025-05-14"])
+        assert beta.usage.output_tokens == 2 and beta.content[0].type == "text"
+        counted = await client.beta.messages.count_tokens(model=MODEL, messages=HELLO, betas=["token-counting-2024-11-01"])
+        assert counted.input_tokens == len(chat_ids(encoder, HELLO))
 
 
 async def test_key_limit_is_429_rate_limit_error(encoder) -> None:
