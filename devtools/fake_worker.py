@@ -88,6 +88,7 @@ class FakeWorker:
         step_phase_s: float | None = None,
         diverge_on_replay: bool = False,
         first_token_s: float = 0.0,
+        stop_after: int | None = None,
     ) -> None:
         self.bus = bus
         self.model = model
@@ -104,6 +105,7 @@ class FakeWorker:
             raise ValueError(f"step_phase_s must be in [0, step_s), got {step_phase_s}")
         self.step_phase_s = step_phase_s
         self.first_token_s = first_token_s
+        self.stop_after = stop_after  # end each request with "stop" after this many tokens (as at a stop string)
         self._prefills: set[asyncio.TimerHandle] = set()  # owned: cancelled by stop()
         self.est_wait_s: list[float] = [0.0, 0.0, 0.0]
         self.queue_depth: list[int] = [0, 0, 0]
@@ -261,6 +263,9 @@ class FakeWorker:
                 if run.pos >= req.sampling.max_tokens:
                     del self.running[rid]
                     self._finish(run, FinishReason.LENGTH)
+                elif self.stop_after is not None and run.pos >= self.stop_after:
+                    del self.running[rid]
+                    self._finish(run, FinishReason.STOP)
             next_at += self.step_s
             delay = next_at - loop.time()
             if delay < 0:

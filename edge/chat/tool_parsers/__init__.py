@@ -1,6 +1,6 @@
 """Tool-call parsers: model output text -> OpenAI ``tool_calls``, one parser per model family."""
 
-from edge.openai.tool_parsers.parsers import (
+from edge.chat.tool_parsers.parsers import (
     HERMES_HEAD,
     PARSERS,
     HermesParser,

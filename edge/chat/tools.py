@@ -3,7 +3,7 @@ turns with ``tool_calls`` and ``tool`` results), the prompt (the model's chat te
 Hermes-style system prompt when the template ignores tools), the forcing grammar for
 ``tool_choice`` ``required`` / named, and the output read back into OpenAI ``tool_calls``
 (:class:`ToolStream`, incremental for SSE). The call format is the served model's
-(:mod:`edge.openai.tool_parsers`). See docs/protocol.md, "Tool calling".
+(:mod:`edge.chat.tool_parsers`). See docs/protocol.md, "Tool calling".
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
+from edge.chat.tool_parsers import HERMES_HEAD, ToolCall, ToolParser
 from edge.guided import MAX_SCHEMA_DEPTH, schema_depth
-from edge.openai.tool_parsers import HERMES_HEAD, ToolCall, ToolParser
 from edge.request import Generate, PromptEncoder, ProtocolError
 
 MAX_TOOLS = 128
