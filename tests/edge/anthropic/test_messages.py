@@ -15,8 +15,8 @@ import orjson
 import pytest
 
 from bus import ChatMessage
+from devtools.fake_worker import FakeWorker, expected_text
 from edge.server import Edge
-from lockgate.testing.fake_worker import FakeWorker, expected_text
 from tests.edge.conftest import KEY, MODEL, running_edge
 
 HELLO: list[Any] = [{"role": "user", "content": "hello there"}]
