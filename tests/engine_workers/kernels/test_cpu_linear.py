@@ -199,7 +199,14 @@ def _mode_linear(mode: str, w: torch.Tensor, b: torch.Tensor | None) -> nn.Modul
     why = lowp_problem(kind)
     if why is not None:
         pytest.skip(f"{mode} kernel: {why}")
-    if mode in ("bf16", "int8"):
+    if mode == "bf16":  # the engine's bf16 layer: on AMX tiles at the amx ISA level, else LowpLinear
+        from engine_workers.kernels.amx_linear import AmxLinear, amx
+        from engine_workers.kernels.cpu_linear import bf16_layer
+
+        lin = bf16_layer(w, b)
+        assert isinstance(lin, AmxLinear) == amx()  # no silent fallback where AMX was meant
+        return lin
+    if mode == "int8":
         return LowpLinear.from_weight(kind, w, b)
     if mode == "w8a8":
         from engine_workers.kernels.w8a8_linear import W8A8Linear
@@ -261,6 +268,10 @@ def test_every_weight_mode_gives_a_sequence_the_same_logits_alone_and_in_a_mixed
         pytest.skip(f"{mode} kernel: {lowp_problem(kind)}")
     eng = Engine(EngineConfig(model=wide_mlp_model, device="cpu", kv_cache_bytes=16 << 20, **kw))
     assert eng.weight_format == {"no-cpu-kernels": "float32", "bf16": "bfloat16"}.get(mode, mode)
+    if mode == "bf16":  # the amx level's bf16 runs on AMX tiles: that is the path checked there
+        from engine_workers.kernels.amx_linear import AmxLinear, amx
+
+        assert amx() == any(isinstance(m, AmxLinear) for m in eng.loaded.model.modules())
     run, bs = eng.runner.execute, eng.kv.block_size
     gen = torch.Generator().manual_seed(38)
     a, b, c, d = (torch.randint(3, 500, (n,), generator=gen).tolist() for n in (40, 7, 60, 33))
