@@ -415,7 +415,8 @@ def isa_level() -> str:
         forced = os.environ.get(ISA_ENV, "")
         level = parse_isa(forced) if forced else host_isa()
         _isa.append(level)
-        _states.setdefault(level, _state)  # the first level decided owns the dict resolved so far
+        if not _states:  # the first level decided owns the dict resolved so far; later ones get
+            _states[level] = _state  # their own in use_isa (a setdefault here gave the env's level the current one's)
         log.info("CPU kernels: ISA level %s (%s)", level,
                  f"forced by {ISA_ENV}; the CPU's best is {host_isa()}" if forced else "the best this CPU supports")
     return _isa[0]
