@@ -230,11 +230,6 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
 
     if not cpu_kernels:
         return "needs the engine's CPU kernels, turned off by --no-cpu-kernels"
-    if kind == "bfloat16":
-        from engine_workers.kernels.amx_linear import amx
-
-        if amx():  # oneDNN on AMX tiles (bf16_layer); a shape it fails falls back to the kernel below
-            return None
     if kind == "w8a8":  # its own kernels (and oneDNN's int8 GEMM)
         from engine_workers.kernels.w8a8_linear import w8a8_problem
 
@@ -242,6 +237,11 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     slow = kernels.fast_isa_problem(kind)  # below AVX2 + FMA: plain loops, far slower than float32
     if slow is not None:
         return slow
+    if kind == "bfloat16" and kernels.isa_level() == "amx" and "amx_bf16" in kernels.cpu_flags():
+        from engine_workers.kernels.amx_linear import amx
+
+        if amx():  # oneDNN on AMX tiles (bf16_layer); a shape it fails falls back to the kernel below
+            return None
     flags = kernels.cpu_flags()
     if kind == "q4_1":
         from engine_workers.kernels.cpu_blocks import block_problem
