@@ -24,6 +24,22 @@ import pytest
 TEST_TOPIC = re.compile(r"t[.\-0-9a-f]")
 
 
+def _pin_float32_default_on_amx_hosts() -> None:
+    """On a CPU with AMX, ``--dtype auto`` (every test's EngineConfig default) runs bf16 linears on
+    AMX tiles, whose outputs differ from float32 in the third digit; the suite's parity tests (HF
+    float32, exact references) are written for the float32 default. So the suite runs at the
+    ``avx512`` level unless LOCKGATE_CPU_ISA says otherwise, and the amx level is tested where a
+    test asks for it: the ``isa`` fixture (tests/engine_workers/conftest.py) and
+    tests/engine_workers/kernels/test_amx_linear.py switch to it in process."""
+    from engine_workers.kernels.isa import ISA_ENV, host_isa
+
+    if host_isa() == "amx" and not os.environ.get(ISA_ENV):
+        os.environ[ISA_ENV] = "avx512"
+
+
+_pin_float32_default_on_amx_hosts()
+
+
 async def _with_bus(addr: str, use):
     from bus import connect
 

@@ -64,6 +64,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("bf16-kv", {"kv_cache_dtype": "bfloat16"}, "float32"),
     Mode("w8a8", {"quantization": "w8a8"}, "w8a8"),
     Mode("w8a8-bf16kv", {"quantization": "w8a8", "kv_cache_dtype": "bfloat16"}, "w8a8"),  # the fastest mode
+    Mode("auto", {"dtype": "auto"}, None),  # what the engine runs with no precision flags on this host
 )}
 
 

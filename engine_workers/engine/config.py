@@ -12,7 +12,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype
 class EngineConfig:
     model: str | None = None  # None/"default" = SmolLM2-135M-Instruct (converted on first use)
     device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; bfloat16 on CPU = bf16 linear weights, fp32 rest
+    dtype: str = "auto"  # auto = bf16 on CUDA; on CPU bf16 linears with AMX, else fp32 (cpu_linear.auto_cpu_dtype); bfloat16 on CPU = bf16 linears, fp32 rest
     # none | int8 (CPU: weight-only int8, per output row) | q4_1 (CPU: Q4_1 blocks of 32, head Q8_0,
     # from the GGUF the model came from where it did); both with float32 activations | w8a8 (CPU:
     # int8 weights and int8 activations per row, int32 sums on VNNI)

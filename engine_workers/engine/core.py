@@ -32,7 +32,7 @@ from engine_workers.engine.sampler import Sampler, TokenLogprobs
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.kernels import cpu_malloc
-from engine_workers.kernels.cpu_linear import cpu_weight_plan
+from engine_workers.kernels.cpu_linear import auto_cpu_dtype, cpu_weight_plan
 from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
 from engine_workers.model.execution.parallel.group import TpGroup
 from engine_workers.model.execution.parallel.runner import ParallelRunner, load_group
@@ -75,8 +75,11 @@ class Engine:
             cpu_malloc.tune()
         # On a CPU, bf16 / int8 are weight formats of the linear layers; everything else runs in
         # float32 (engine_workers/kernels/cpu_linear.py, cpu_weight_plan). weight_format says which.
-        self.dtype, lowp = cpu_weight_plan(resolve_dtype(config.dtype, self.device), config.quantization,
-                                           self.device, config.cpu_kernels)
+        dtype = resolve_dtype(config.dtype, self.device)
+        if config.dtype == "auto" and self.device.type == "cpu":  # per host: the fastest accurate mode
+            dtype, why = auto_cpu_dtype(config.quantization, config.cpu_kernels)
+            log.info("--dtype auto on this CPU: %s (%s)", str(dtype).removeprefix("torch."), why)
+        self.dtype, lowp = cpu_weight_plan(dtype, config.quantization, self.device, config.cpu_kernels)
         self.weight_format = lowp or str(self.dtype).removeprefix("torch.")
         # K/V storage (auto = the compute dtype); checked before the model loads, so a refused
         # combination costs nothing

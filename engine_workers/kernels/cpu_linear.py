@@ -237,6 +237,11 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     slow = kernels.fast_isa_problem(kind)  # below AVX2 + FMA: plain loops, far slower than float32
     if slow is not None:
         return slow
+    if kind == "bfloat16" and kernels.isa_level() == "amx" and "amx_bf16" in kernels.cpu_flags():
+        from engine_workers.kernels.amx_linear import amx
+
+        if amx():  # oneDNN on AMX tiles (bf16_layer); a shape it fails falls back to the kernel below
+            return None
     flags = kernels.cpu_flags()
     if kind == "q4_1":
         from engine_workers.kernels.cpu_blocks import block_problem
@@ -250,6 +255,39 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     if kind == "bfloat16" and BF16_DOT_PRODUCTS and not ops.bf16_native:
         return "the kernels were built without AVX512-BF16 (compiler or CPU lacks avx512_bf16)"
     return None
+
+
+def bf16_layer(weight: torch.Tensor, bias: torch.Tensor | None, lowp_ops: Any = None) -> nn.Module:
+    """The ``--dtype bfloat16`` layer of ``weight`` on this CPU: on AMX tiles (oneDNN, bf16
+    activations; :class:`engine_workers.kernels.amx_linear.AmxLinear`) at the ``amx`` ISA level
+    where its shape passes the batch-invariance check, else :class:`LowpLinear` (float32
+    activations), with a warning where AMX was meant."""
+    from engine_workers.kernels import amx_linear
+
+    if amx_linear.amx():
+        why = amx_linear.shape_problem(*weight.shape)
+        if why is None:
+            return amx_linear.AmxLinear.from_weight(weight, bias)
+        log.warning("bf16 layer off AMX tiles (engine's bf16 kernel instead, float32 activations): %s", why)
+    return LowpLinear.from_weight("bfloat16", weight, bias, lowp_ops)
+
+
+def auto_cpu_dtype(quantization: str, cpu_kernels: bool = True) -> tuple[torch.dtype, str]:
+    """``--dtype auto`` on a CPU: ``(dtype, why)``, the fastest mode measured accurate on this kind
+    of host (docs/benchmarks.md, "Which mode runs where"). With AMX (the ``amx`` ISA level, oneDNN's
+    bf16 GEMMs checked): ``bfloat16`` (bf16 linears on AMX tiles, perplexity within 0.5 % of
+    float32, several times float32's GEMM speed); elsewhere ``float32`` (without AMX bf16 arithmetic
+    is slower than float32 FMAs, and bf16 weights alone gained ~10 %). A quantization keeps
+    float32 (it computes outside the linears in float32)."""
+    if quantization != "none":
+        return torch.float32, f"--quantization {quantization} computes outside the linear layers in float32"
+    if not cpu_kernels:
+        return torch.float32, "--no-cpu-kernels: oneDNN float32 linears"
+    from engine_workers.kernels.amx_linear import amx, amx_problem
+
+    if amx():
+        return torch.bfloat16, "AMX tiles: bf16 linears on oneDNN's AMX kernel, the fastest accurate CPU mode here"
+    return torch.float32, f"no bf16 on AMX tiles ({amx_problem()}): without AMX bf16 arithmetic does not pay"
 
 
 class LowpLinear(nn.Module):

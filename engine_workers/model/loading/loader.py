@@ -184,6 +184,12 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
     if kind == "w8a8":
         ops = w8a8_ops()
         make, acts = (lambda w, b: W8A8Linear.from_weight(w, b, ops)), "int8 per row"
+    elif kind == "bfloat16":  # on AMX tiles where the ISA level has them (cpu_linear.bf16_layer)
+        from engine_workers.kernels.amx_linear import amx
+        from engine_workers.kernels.cpu_linear import bf16_layer
+
+        lowp_ops = None if amx() else lowp_kernels.lowp()
+        make, acts = (lambda w, b: bf16_layer(w, b, lowp_ops)), ("bf16 (AMX tiles)" if amx() else "float32")
     else:
         lowp_ops = lowp_kernels.lowp()
         make, acts = (lambda w, b: LowpLinear.from_weight(kind, w, b, lowp_ops)), "float32"
@@ -202,7 +208,9 @@ def _lowp(model: LlamaForPagedLM, kind: str) -> None:
     if model.lm_head is None:  # tied: a low-precision copy of the embedding matrix as the head
         model.lm_head = make(model.embed_tokens.weight, None)
         n += 1
-    size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (LowpLinear, W8A8Linear)))
+    from engine_workers.kernels.amx_linear import AmxLinear
+
+    size = sum(m.weight_bytes() for m in model.modules() if isinstance(m, (LowpLinear, W8A8Linear, AmxLinear)))
     log.info("%d linear layers with %s weights (%.0f MB) on the engine's CPU kernels; activations %s",
              n, kind, size / 1e6, acts)
 

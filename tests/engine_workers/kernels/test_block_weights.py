@@ -287,7 +287,7 @@ def tiny_gguf_dirs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_model_dir: str, tiny_gguf_dirs: dict[str, str], isa: str) -> dict[str, Engine]:
     def engine(model: str, quantization: str = "none") -> Engine:
-        return Engine(EngineConfig(model=model, device="cpu", quantization=quantization, max_num_seqs=8,
+        return Engine(EngineConfig(model=model, device="cpu", dtype="float32", quantization=quantization, max_num_seqs=8,
                                    kv_cache_bytes=16 << 20, enable_prefix_caching=False))
 
     # no prefix caching: next_logits writes KV blocks behind the cache's back
@@ -368,7 +368,7 @@ def test_default_model_q4_1_from_gguf_matches_float32(default_model_dir: str) ->
     """SmolLM2-135M, chat prompts: the 4-bit engine computes with the float32 model's exact
     weights, so logits differ by summation order and greedy tokens agree (>= 99 %)."""
     agreement, greedy, next_logits, rel_l2 = _helpers()
-    ref = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20,
+    ref = Engine(EngineConfig(model=default_model_dir, dtype="float32", device="cpu", kv_cache_bytes=64 << 20,
                               enable_prefix_caching=False))
     eng = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20, quantization="q4_1",
                               enable_prefix_caching=False))

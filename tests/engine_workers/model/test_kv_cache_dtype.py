@@ -242,7 +242,7 @@ def test_resolution():
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: str, isa: str) -> dict[str, Engine]:
-    cfg = dict(model=tiny_model_dir, device="cpu", max_num_seqs=8, kv_cache_bytes=8 << 20)
+    cfg = dict(model=tiny_model_dir, dtype="float32", device="cpu", max_num_seqs=8, kv_cache_bytes=8 << 20)
     return {"float32": Engine(EngineConfig(**cfg)), "bfloat16": Engine(EngineConfig(**cfg, kv_cache_dtype="bfloat16")),
             "bfloat16-torch": Engine(EngineConfig(**cfg, kv_cache_dtype="bfloat16", cpu_kernels=False))}
 
@@ -320,8 +320,9 @@ def test_prefix_cache_hit_gives_the_same_tokens_on_a_bf16_cache(engines):
 @pytest.mark.slow
 def test_default_model_bf16_cache_close_to_float32(default_model_dir: str) -> None:
     """SmolLM2-135M, chat prompts: next-token logits and 24 greedy tokens, bf16 vs float32 cache."""
-    ref = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20))
-    eng = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20, kv_cache_dtype="bfloat16"))
+    ref = Engine(EngineConfig(model=default_model_dir, dtype="float32", device="cpu", kv_cache_bytes=64 << 20))
+    eng = Engine(EngineConfig(model=default_model_dir, dtype="float32", device="cpu", kv_cache_bytes=64 << 20,
+                              kv_cache_dtype="bfloat16"))
     chats = ["What is the capital of France?", "Write a haiku about rain.", "Explain what a hash table is.",
              "Translate 'good morning' into German."]
     prompts = [ref.encode_prompt(messages=[{"role": "user", "content": c}]) for c in chats]
