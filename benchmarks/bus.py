@@ -67,7 +67,7 @@ def local_broker_pids(url: str) -> list[int] | None:
     if not url.startswith("kafka://"):
         return None
     from bus import kafka_bootstrap
-    from lockgate.testing import kafka_local
+    from devtools import kafka_local
 
     try:
         hosts = kafka_bootstrap(url)

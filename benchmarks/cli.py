@@ -1,5 +1,6 @@
-"""``lockgate bench ...``: the benchmarks' subcommands. ``lockgate.cli`` finds this module by name
-and skips it where the benchmarks are not installed; nothing heavy is imported at module level."""
+"""``lockgate bench ...``: the benchmarks' subcommands, plugged into the CLI through the
+``lockgate.commands`` entry point (pyproject.toml; ``lockgate.cli`` never imports the benchmarks, they
+import its flag helpers). Nothing heavy is imported at module level."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ class EdgeConfig:
     reuse_port: bool = False
     # the OpenAI-compatible HTTP API's port (same host); None = not served, 0 = any free port
     openai_port: int | None = None
-    # the tool-call format of /v1/chat/completions (edge.openai.tool_parsers: hermes, llama3_json, mistral);
+    # the tool-call format of /v1/chat/completions (edge.chat.tool_parsers: hermes, llama3_json, mistral);
     # None = the served model's (by its name)
     tool_call_parser: str | None = None
     # the reasoning format of the OpenAI API (edge.reasoning: deepseek_r1, qwen3): <think>...</think>

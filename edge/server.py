@@ -14,7 +14,8 @@ HTTP on the same port (``process_request``): ``/healthz``, ``/readyz``, ``/metri
 WebSocket handshake on ``/`` or ``/ws`` is authenticated here (401), shed (503) or accepted.
 
 With ``config.openai_port`` set, the OpenAI-compatible HTTP API (:mod:`edge.openai.routes`) listens
-on that port too, on the same event loop. Both APIs admit through one
+on that port too, on the same event loop, with the Anthropic Messages API (:mod:`edge.anthropic.routes`)
+added to the same application (one ``base_url`` for both SDKs). Every API admits through one
 :class:`~edge.admission.gate.Admission` (keys, limits, shedding, metrics, the cancel outbox).
 """
 
@@ -38,6 +39,7 @@ from bus import Bus, DecodeError, WorkerStatus, decode
 from edge.admission.auth import AuthError, Principal, extract_key, select_subprotocol
 from edge.admission.gate import Admission
 from edge.admission.router import checkpoint
+from edge.anthropic.routes import MessagesRoutes
 from edge.config import EdgeConfig
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
 from edge.openai.routes import OpenAIServer
@@ -110,6 +112,7 @@ class Edge:
                     close_timeout=cfg.close_timeout_s, backlog=4096, reuse_port=cfg.reuse_port or None)
                 if cfg.openai_port is not None:
                     self.openai = OpenAIServer(self.admission, cfg.host, cfg.openai_port, self.readiness)
+                    MessagesRoutes(self.admission).add_to(self.openai.app)
                     await self.openai.start()
             except BaseException:
                 if self._server is not None:

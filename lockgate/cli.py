@@ -4,28 +4,35 @@ Each package has a ``commands`` module with ``register(sub, bench)``: ``sub`` ta
 subcommands, ``bench`` takes ``lockgate bench <name>``. Those modules import nothing heavy at
 module level (torch, transformers, aiokafka load inside the command), so ``lockgate --help`` is fast.
 Every flag has an environment variable twin ``LOCKGATE_<FLAG>`` (see README, Configuration).
+
+The product's command modules are imported here by name, so the import graph (and its contracts)
+sees every edge. Tools plug in the other way round: a distribution declares ``register`` functions
+under the ``lockgate.commands`` entry point group (pyproject.toml: ``bench = benchmarks.cli:register``),
+so the benchmarks import the CLI's flag helpers and the CLI never imports the benchmarks. The wheel
+leaves the benchmarks out (they run from a source checkout); there ``lockgate bench`` says so. A
+checkout that is not installed has no entry points: ``python -m benchmarks ...`` is this CLI with the
+benchmarks passed in (``main(argv, plugins)``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
+from lockgate import serve
+from lockgate.commands import bus, edge, engine, producers, worker
 from lockgate.options import env_default
 from lockgate.telemetry import add_tracing_flags
 
-COMMAND_MODULES = (
-    "lockgate.commands.engine",
-    "lockgate.commands.worker",
-    "lockgate.serve",
-    "lockgate.commands.bus",
-    "lockgate.commands.edge",
-    "lockgate.commands.producers",
-    "benchmarks.cli",
-)
+COMMANDS = (engine, worker, serve, bus, edge, producers)
+Register = Callable[[argparse._SubParsersAction, argparse._SubParsersAction], None]  # a plugin's ``register(sub, bench)``
+PLUGIN_GROUP = "lockgate.commands"  # entry points: ``name = "module:register"``, loaded after COMMANDS
+BENCH_MISSING = ("the benchmarks are not installed: they run from a source checkout "
+                 "(`make install`, then `lockgate bench ...`; docs/benchmarks.md)")
 
 
 class _DefaultsHelp(argparse.HelpFormatter):
@@ -50,7 +57,10 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: Sequence[Register] = ()) -> argparse.ArgumentParser:
+    """The whole CLI: the product's commands, then ``plugins`` (a caller's own, e.g. ``python -m
+    benchmarks`` in a checkout that is not installed), then the installed ``lockgate.commands`` entry
+    points not among ``plugins``."""
     parser = _Parser(prog="lockgate", description="lockgate LLM inference platform")
     parser.add_argument("--log-level", default=env_default("log-level", "INFO"), help="logging level (env LOCKGATE_LOG_LEVEL)")
     parser.add_argument("--log-format", default=env_default("log-format", "text"), choices=("text", "json"),
@@ -60,19 +70,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench_parser = sub.add_parser("bench", help="benchmarks (print measured figures)")
     bench = bench_parser.add_subparsers(dest="bench", metavar="BENCH")
-    for name in COMMAND_MODULES:
+    for module in COMMANDS:
+        module.register(sub, bench)
+    registers = list(plugins)
+    for plugin in entry_points(group=PLUGIN_GROUP):
         try:
-            module = importlib.import_module(name)
+            register = plugin.load()
         except ModuleNotFoundError as exc:
-            if exc.name != name:
+            # declared by the distribution, absent from this install (the wheel ships no tools)
+            if exc.name is None or not (plugin.module == exc.name or plugin.module.startswith(exc.name + ".")):
                 raise
             continue
-        module.register(sub, bench)
+        if register not in registers:
+            registers.append(register)
+    for register in registers:
+        register(sub, bench)
+    if not bench.choices:
+        bench_parser.set_defaults(func=_bench_missing)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def _bench_missing(_args: argparse.Namespace) -> int:
+    print(f"lockgate bench: error: {BENCH_MISSING}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None, plugins: Sequence[Register] = ()) -> int:
+    parser = build_parser(plugins)
     args = parser.parse_args(argv)
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     from lockgate.logformat import configure

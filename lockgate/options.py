@@ -32,8 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=env_default("model", "default"), help="HF folder, hub id, or 'default' (SmolLM2-135M-Instruct) [LOCKGATE_MODEL]")
     g.add_argument("--device", default=env_default("device", "auto"), help="auto|cpu|cuda[:N] [LOCKGATE_DEVICE]")
     g.add_argument("--dtype", default=env_default("dtype", "auto"),
-                   help="auto (bf16 on CUDA, fp32 on CPU)|float32|bfloat16|float16; bfloat16 on a CPU: bf16 weights "
-                        "in the linear layers (needs AVX2 + FMA), float32 everything else [LOCKGATE_DTYPE]")
+                   help="auto (bf16 on CUDA; on a CPU the fastest accurate mode measured for its kind: bfloat16 with "
+                        "AMX, else float32)|float32|bfloat16|float16; bfloat16 on a CPU: bf16 linear layers (AMX "
+                        "tiles with bf16 activations where the CPU has AMX, else bf16 weights and float32 "
+                        "activations, needs AVX2 + FMA), float32 everything else [LOCKGATE_DTYPE]")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=env_default("quantization", "none"),
                    help="int8: weight-only int8 linear weights (per output row scales); q4_1: 4-bit weights in "
                         "ggml Q4_1 blocks of 32 (head Q8_0), read from the GGUF the model was converted from "

@@ -44,7 +44,7 @@ def freeze_heap() -> None:
     # Objects created after start-up (10,000 connections' state) are long-lived too; with the
     # default thresholds (700, 10, 10) the young generations are collected every few hundred
     # allocations and a full collection traverses every connection, a stop-the-world pause that
-    # grows with the connection count and made up the edge's whole p99 tail (docs/design.md,
+    # grows with the connection count and made up the edge's whole p99 tail (docs/design-history.md,
     # "Garbage collector policy of the servers"). Reference counting frees nearly everything a server allocates
     # per frame, so collecting far less often costs little memory and takes the pauses away.
     gc.set_threshold(GC_GEN0_THRESHOLD, 50, 1000)

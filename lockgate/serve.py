@@ -80,6 +80,8 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
             if edge.openai_port is not None:
                 print(f"OpenAI-compatible API: {openai_base_url(args.host, edge.openai_port)}  (model {name!r})",
                       flush=True)
+                print(f"Anthropic Messages API: {openai_base_url(args.host, edge.openai_port).removesuffix('/v1')}",
+                      flush=True)
             if ready is not None and not ready.done():
                 ready.set_result(edge.port)
             # until a stop, or the engine's step loop crashes (a tensor-parallel rank died): then

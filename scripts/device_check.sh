@@ -32,7 +32,7 @@ timeout 60 python3 scripts/gpu/random_like.py .gpu/smol /tmp/smol 2>&1 | tail -3
 for mode in graphs eager; do
   stage "bench engine, lockgate alone, bf16 on cuda, $mode"
   extra=(); [ "$mode" = eager ] && extra=(--enforce-eager)
-  timeout 120 python3 -m lockgate.cli --log-level INFO bench engine --model /tmp/smol --device cuda --kv-cache-bytes 8G \
+  timeout 120 python3 -m benchmarks --log-level INFO bench engine --model /tmp/smol --device cuda --kv-cache-bytes 8G \
     --num-requests 128 --skip-hf --no-ablation "${extra[@]}" 2>"$OUT/bench_$mode.stderr" | tee "$OUT/bench_$mode.log" | tail -8
   grep -h "CUDA graphs" "$OUT/bench_$mode.stderr" | tail -3
 done

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("bus", "edge", "producers", "engine_workers", "kv_store", "tokenization", "tracing", "lockgate", "lockgate_types",
-            "benchmarks")
+            "benchmarks", "devtools")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 
@@ -40,19 +40,34 @@ def test_the_layer_contracts_are_kept() -> None:
     ("kv_store/_probe.py", "import lockgate.cli\n", "Product packages never import the composition root or the benchmarks"),
     ("bus/_probe.py", "import bus.kafka\n", "No import cycles between the modules or subpackages of any package"),
     ("edge/ws/_probe.py", "import edge.openai.routes\n",
-     "The edge's WebSocket and OpenAI front ends are independent"),
+     "The edge's WebSocket, OpenAI and Anthropic front ends are independent"),
     ("edge/openai/_probe.py", "import edge.ws.session\n",
-     "The edge's WebSocket and OpenAI front ends are independent"),
-    ("edge/admission/_probe.py", "import edge.openai.tool_parsers\n", "Edge admission knows neither front end"),
+     "The edge's WebSocket, OpenAI and Anthropic front ends are independent"),
+    ("edge/admission/_probe.py", "import edge.anthropic.routes\n", "Edge admission knows neither front end"),
     ("edge/admission/lifecycle.py", "import edge.admission.router\n", "Inside edge admission: gate > router > lifecycle"),
     ("edge/openai/stream.py", "import edge.admission.gate\n", "Edge reply sinks know the stream lifecycle, not admission"),
     ("edge/_probe.py", "from bus.messages import Tier\n", "Code outside bus/ imports the bus through its facade"),
     ("engine_workers/worker/_probe.py", "import bus.kafka.bus\n", "Code outside bus/ imports the bus through its facade"),
+    ("engine_workers/worker/offsets/_probe.py", "import engine_workers.worker.pipeline.admission\n",
+     "Inside the worker: actor > wiring > pipeline > the rooms below"),
+    ("engine_workers/worker/pipeline/gate.py", "import engine_workers.worker.pipeline.resume\n",
+     "The worker's pipeline stages import none of each other"),
     ("tracing/_probe.py", "import bus\n", "tracing imports nothing of ours"),
     ("bus/_probe.py", "import tracing\n", "bus imports nothing of ours"),
     ("lockgate_types/_probe.py", "import bus\n", "lockgate_types imports nothing of ours"),
     ("edge/_probe.py", "from lockgate_types import SamplingParams\n", "Only the bus and the engine import lockgate_types"),
     ("engine_workers/model/_probe.py", "import lockgate_types\n", "Only the bus and the engine import lockgate_types"),
+    ("engine_workers/model/models/_probe.py", "import engine_workers.model.execution.runner\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("engine_workers/model/models/_probe.py", "import engine_workers.model.loading.loader\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("engine_workers/model/loading/_probe.py", "import engine_workers.model.execution.parallel.group\n",
+     "Inside engine_workers.model: execution > loading > models"),
+    ("lockgate/_probe.py", "import benchmarks.cli\n", "The CLI never imports the benchmarks (they plug in through an entry point)"),
+    ("benchmarks/_probe.py", "import lockgate.cli\n", "The benchmarks plug into the CLI, never import it"),
+    ("edge/_probe.py", "import devtools.fake_worker\n", "Product code never imports the dev tools"),
+    ("lockgate/_probe.py", "import devtools.kafka_local\n", "Product code never imports the dev tools"),
+    ("devtools/_probe.py", "import lockgate.options\n", "The dev tools never import the CLI or the benchmarks"),
 ])
 def test_a_forbidden_import_breaks_its_contract(tmp_path: Path, module: str, line: str, contract: str) -> None:
     for pkg in PACKAGES:

@@ -5,7 +5,7 @@ before it reaches the bus).
 A constraint is a :data:`GuidedSpec` ``(kind, text)``: ``json`` (a JSON schema's text),
 ``json_object`` (any JSON object), ``regex``, ``choice`` (a JSON array of the strings) or
 ``grammar`` (EBNF, xgrammar's dialect). :class:`GrammarCache` compiles specs for one tokenizer on a
-small thread pool and keeps them per spec. See docs/design.md, "Structured output".
+small thread pool and keeps them per spec. See docs/design-history.md, "Structured output".
 """
 
 from __future__ import annotations

@@ -72,11 +72,11 @@ class _Shard:
 
     async def start(self) -> int:
         import bus as busmod
+        from devtools.fake_worker import FakeWorker
+        from devtools.tiny_model import build_tokenizer
         from edge.config import EdgeConfig
         from edge.request import PromptEncoder
         from edge.server import Edge
-        from lockgate.testing.fake_worker import FakeWorker
-        from lockgate.testing.tiny_model import build_tokenizer
 
         tok = await asyncio.to_thread(build_tokenizer)
         self.bus = busmod.connect("memory://")

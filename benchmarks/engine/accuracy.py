@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_workers.engine.config import EngineConfig
-from engine_workers.model.batch import Chunk, ModelInput
+from engine_workers.model.execution.batch import Chunk, ModelInput
 
 DATA = Path(__file__).parent.parent / "data"
 PROMPTS_FILE = DATA / "accuracy_prompts.json"
@@ -64,6 +64,7 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("bf16-kv", {"kv_cache_dtype": "bfloat16"}, "float32"),
     Mode("w8a8", {"quantization": "w8a8"}, "w8a8"),
     Mode("w8a8-bf16kv", {"quantization": "w8a8", "kv_cache_dtype": "bfloat16"}, "w8a8"),  # the fastest mode
+    Mode("auto", {"dtype": "auto"}, None),  # what the engine runs with no precision flags on this host
 )}
 
 

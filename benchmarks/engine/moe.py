@@ -4,7 +4,7 @@ same active parameters.
 Two parts, same machine, same process:
 
 - **block**: one MoE layer on ``T`` tokens. Peers on the same weights and inputs: ``grouped``
-  (:class:`engine_workers.model.moe.SparseMoeBlock`: tokens sorted by expert, one GEMM pair per
+  (:class:`engine_workers.model.models.moe.SparseMoeBlock`: tokens sorted by expert, one GEMM pair per
   active expert), ``hf`` (transformers' ``Qwen3MoeSparseMoeBlock``, its default experts
   implementation), ``dense`` (one gated MLP of intermediate ``top_k * I``: what the same active
   parameters cost without routing). Best of ``--rounds`` rounds, peers alternated.
@@ -70,7 +70,7 @@ def bench_block(shape: MoeShape, token_counts: tuple[int, ...], rounds: int) -> 
     from transformers import AutoConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    from engine_workers.model.moe import RouterSpec, SparseMoeBlock
+    from engine_workers.model.models.moe import RouterSpec, SparseMoeBlock
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model("qwen3_moe", hidden_size=shape.hidden, num_experts=shape.experts,
@@ -111,7 +111,7 @@ def _save(model_type: str, out: Path, **kw) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lockgate.testing.tiny_model import build_tokenizer
+    from devtools.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     cfg = AutoConfig.for_model(model_type, vocab_size=512, num_hidden_layers=4, num_attention_heads=8,

@@ -183,7 +183,7 @@ async def start_worker(bus, model_spec: str | None, name: str, fake: bool, engin
     an :class:`EngineConfig` for ``model_spec``), or the edge's FakeWorker (no model; for harness
     tests) when ``fake``. The caller stops it."""
     if fake:
-        from lockgate.testing.fake_worker import FakeWorker
+        from devtools.fake_worker import FakeWorker
 
         fw = FakeWorker(bus, name)
         await fw.start()

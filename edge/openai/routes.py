@@ -20,12 +20,15 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
 from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
+from edge.chat.tool_parsers import configured_parser
+from edge.chat.tools import prepare
 from edge.openai.embeddings import EmbeddingsRoutes
 from edge.openai.ops import OpsRoutes, Readiness
 from edge.openai.reply import (
@@ -41,8 +44,6 @@ from edge.openai.responses.routes import ResponsesRoutes
 from edge.openai.schema import OpenAIRequest, openai_param, parse_chat, parse_completion
 from edge.openai.stream import DONE, OpenAIStream, merged_response, merged_usage, sse
 from edge.openai.tokenize import TokenizeRoutes
-from edge.openai.tool_parsers import configured_parser
-from edge.openai.tools import prepare
 from edge.request import Generate, PromptEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,11 @@ class OpenAIServer:
         except AuthError as exc:
             self.adm.reject("unauthorized", API)
             return error_response("unauthorized", str(exc))
-        return json_response(200, {"object": "list", "data": self._served()})
+        served = self._served()
+        # Anthropic's list fields too (the anthropic SDK's models.list reads this same route)
+        first, last = (served[0]["id"], served[-1]["id"]) if served else (None, None)
+        return json_response(200, {"object": "list", "data": served, "has_more": False, "first_id": first,
+                                   "last_id": last})
 
     async def model(self, request: web.Request) -> web.Response:
         try:
@@ -122,7 +127,10 @@ class OpenAIServer:
         if not live:
             return []
         created = int(min(s.ts for s in live))
-        return [{"id": self.adm.config.model, "object": "model", "created": created, "owned_by": "lockgate"}]
+        name = self.adm.config.model
+        # OpenAI's model object, with Anthropic's fields (type, display_name, created_at) besides
+        return [{"id": name, "object": "model", "created": created, "owned_by": "lockgate", "type": "model",
+                 "display_name": name, "created_at": datetime.fromtimestamp(created, UTC).isoformat()}]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -147,7 +155,7 @@ class OpenAIServer:
                 adm.reject("model_not_found", API)
                 return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
                                       f"this server serves {adm.config.model!r}", "model")
-            if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.openai.tools
+            if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.chat.tools
                 g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)
         except ProtocolError as exc:

@@ -10,7 +10,7 @@ Policy on fields (see docs/protocol.md, "OpenAI-compatible API"):
 * supported: OpenAI's sampling fields and vLLM's extras (``top_k``, ``ignore_eos``,
   ``stop_token_ids``); ``max_completion_tokens`` wins over ``max_tokens``; structured output
   (``response_format``, ``guided_*``: edge.guided); chat ``tools`` / ``tool_choice`` and tool turns
-  (edge.openai.tools);
+  (edge.chat.tools);
 * refused with a 400 naming the field when set to something the platform cannot honour
   (``best_of`` > 1, ``suffix``, ``echo`` with ``logprobs``, ``functions``, ``tools`` on completions): silently
   ignoring them would return something the client did not ask for;
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bus import ChatMessage, ErrorCode, SamplingParams
+from edge.chat.tools import ToolRequest, history_message, parse_tools
 from edge.guided import FieldError, guided_fields
-from edge.openai.tools import ToolRequest, history_message, parse_tools
 from edge.request import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -97,7 +97,7 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None
-    tools: ToolRequest | None = None  # chat with tools or tool turns in the history (edge.openai.tools)
+    tools: ToolRequest | None = None  # chat with tools or tool turns in the history (edge.chat.tools)
     n: int = 1  # choices: n requests on the bus, seeds seed, seed + 1, ... (edge.openai.routes)
     prompts: tuple[Generate, ...] = ()  # completions with a batch of prompts: each one's Generate (else empty)
     echo: bool = False  # completions: the prompt's text precedes each choice's

@@ -20,11 +20,11 @@ from typing import Any
 import orjson
 
 from edge.admission.lifecycle import Done, End, Failed, Stream
+from edge.chat.reasoning import REASONING, ReasoningStream
+from edge.chat.tool_parsers import configured_parser
+from edge.chat.tools import ToolStream, message_calls
 from edge.config import EdgeConfig
-from edge.openai.reasoning import REASONING, ReasoningStream
 from edge.openai.schema import ErrorReply, OpenAIRequest, error_reply
-from edge.openai.tool_parsers import configured_parser
-from edge.openai.tools import ToolStream, message_calls
 from edge.request import PromptEncoder
 
 DONE = b"data: [DONE]\n\n"
@@ -67,7 +67,7 @@ class OpenAIStream:
         self._prefix = b""
         self._suffix = b""
         self._text_offset = 0
-        # tools offered: the output is read for calls (streamed: incrementally, edge.openai.tools)
+        # tools offered: the output is read for calls (streamed: incrementally, edge.chat.tools)
         self.tools = ToolStream(configured_parser(config.tool_call_parser, config.model, config.model_path)) if req.tools is not None and req.tools.active else None
         # --reasoning-parser (chat): <think>...</think> goes to reasoning_content, the rest is the answer
         parser = config.reasoning_parser

@@ -1,18 +1,23 @@
-"""Run an :class:`Engine` on its own thread and talk to it from asyncio.
+"""Run an :class:`Engine` off the event loop and talk to it from asyncio.
 
-The step loop runs off the event loop (torch releases the GIL inside kernels), so the event loop —
-Kafka I/O, heartbeats, cancels, WebSockets — never waits on a forward pass. An engine thread waits
-for work; while there is some, the steps run back to back on the process's torch thread
-(:mod:`engine_workers.engine.torch_thread`), which returns to the engine thread when the engine is idle or
-another caller waits for the torch thread.
+The step loop runs on the process's torch thread (:mod:`engine_workers.engine.torch_thread`; torch
+releases the GIL inside kernels), so the event loop — Kafka I/O, heartbeats, cancels, WebSockets —
+never waits on a forward pass. The flow is vLLM v1's engine core: a bounded input queue of commands
+(adds; aborts beside it, unbounded so that nothing can block one), the step loop, and each step's
+outputs handed back to the event loop. No thread waits between the event loop and the torch thread:
+a command that finds the loop idle posts a *turn* of it to the torch thread; a turn applies the
+commands, steps back to back while the engine has work, and ends when it is idle (the next command
+posts a new turn) or when another job waits for the torch thread (it posts its own continuation
+behind that job, so another engine of the process gets its turn between two steps).
 
 Contracts:
-* ``submit``/``abort`` may be called from the event loop at any time; they are queued and applied
-  between two steps (so an abort frees its blocks within one step).
+* ``submit``/``abort`` may be called from the event loop (or any thread) at any time; they are
+  queued and applied between two steps (so an abort frees its blocks within one step).
 * Each step's outputs are handed to the event loop in one ``call_soon_threadsafe`` call, in step
   order; per request, outputs arrive in token order.
-* ``stop()`` stops the thread after the step in progress; requests still inside are dropped
-  (callers that need them finished drain first). ``stop`` is idempotent.
+* At most one turn of an engine is queued or running at a time (``_scheduled``, under ``_sched``).
+* ``stop()`` returns once the turn in progress has ended, after its current step; requests still
+  inside are dropped (callers that need them finished drain first). ``stop`` is idempotent.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 from engine_workers.engine import torch_thread
 from engine_workers.engine.core import Engine, RequestOutput
-from engine_workers.model.runner import gpu_memory_utilization
+from engine_workers.model.execution.runner import gpu_memory_utilization
 from lockgate_types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -69,7 +74,7 @@ class _Add:
 
 
 class AsyncEngine:
-    """``engine`` stepped on its own thread (see the module docstring). Hooks, all settable later:
+    """``engine`` stepped on the torch thread (see the module docstring). Hooks, all settable later:
 
     * ``on_outputs(outputs)`` — on the event loop, with each step's outputs.
     * ``on_step(batched tokens, sequences)`` — on the torch thread after each step (cheap and
@@ -89,9 +94,12 @@ class AsyncEngine:
         self.on_step: Callable[[int, int], None] | None = None
         self._commands: queue.Queue[_Add] = queue.Queue(maxsize=max_commands)
         self._aborts: collections.deque[str] = collections.deque()
-        self._wake = threading.Event()
+        self._sched = threading.Lock()  # guards _started and _scheduled
+        self._started = False
+        self._scheduled = False  # a turn of the step loop is queued or running on the torch thread
+        self._idle = threading.Event()  # set while no turn is
+        self._idle.set()
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._compiling: dict[str, bool] = {}  # request id -> aborted, while its grammar compiles
@@ -106,20 +114,21 @@ class AsyncEngine:
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self._thread is not None:
+        if self._started:
             return
         self._loop = asyncio.get_running_loop()
         self._crash = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, name="lockgate-engine", daemon=True)
-        self._thread.start()
+        with self._sched:
+            self._started = True
+        self._kick()  # what was submitted before the start
 
     async def stop(self) -> None:
-        if self._thread is None:
+        if not self._started:
             return
         self._stopping.set()
-        self._wake.set()
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
+        await asyncio.to_thread(self._idle.wait)
+        with self._sched:
+            self._started = False
 
     async def crashed(self) -> BaseException:
         """Wait until the step loop crashes (a tensor-parallel rank died, a kernel failed); returns
@@ -153,7 +162,7 @@ class AsyncEngine:
             compiling.add_done_callback(lambda _f: self._compiled(add))
             return fut
         self._commands.put_nowait(add)
-        self._wake.set()
+        self._kick()
         return fut
 
     def _compiled(self, add: _Add) -> None:
@@ -168,7 +177,7 @@ class AsyncEngine:
         except queue.Full as exc:
             if add.future.set_running_or_notify_cancel():
                 add.future.set_exception(exc)
-        self._wake.set()
+        self._kick()
 
     async def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> None:
         await asyncio.wrap_future(self.submit(request_id, prompt, params, **kwargs))
@@ -181,7 +190,7 @@ class AsyncEngine:
         # Aborts bypass the bounded command queue (an unbounded deque, appended from any thread): a
         # full queue must never stop a cancel, a rebalance or a deadline from freeing KV.
         self._aborts.append(request_id)
-        self._wake.set()
+        self._kick()
 
     async def generate(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. Cancelling the iteration aborts the request."""
@@ -207,7 +216,16 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
 
-    # -- the engine thread ------------------------------------------------------------------------
+    # -- the step loop, on the torch thread -------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Any thread: make sure a turn of the step loop is queued or running (one at most)."""
+        with self._sched:
+            if self._scheduled or not self._started or self._stopping.is_set() or self.error is not None:
+                return
+            self._scheduled = True
+            self._idle.clear()
+        torch_thread.post(self._turn)
 
     def _drain_commands(self) -> None:
         """Adds, then aborts: an abort always follows its request's add (the caller submitted it
@@ -231,28 +249,43 @@ class AsyncEngine:
             else:
                 cmd.future.set_result(None)
 
-    def _run(self) -> None:
+    def _turn(self) -> None:
+        """One turn of the step loop (a job of the torch thread); a crash fails everything loudly."""
         try:
-            while not self._stopping.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
-                    continue
-                torch_thread.call(self._steps)
-        except BaseException as exc:  # a crash of the step loop: fail everything loudly
+            more = self._steps()
+        except BaseException as exc:
             log.exception("engine step loop crashed")
-            self.error = exc
+            self.error = exc  # set before the turn ends: no command posts another
+            self._end_turn()
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(self._fail_all, exc)
+            return
+        if more:
+            torch_thread.post(self._turn)  # behind the job that waits: still this engine's turn next
 
-    def _steps(self) -> None:
-        """On the torch thread: step back to back while there is work. Handing each step to the
-        torch thread on its own cost two thread wake-ups a step, and on cores busy with the bus
-        (broker, event loop) each wake-up waited for a core, adding up over a batch (docs/design.md,
-        "One torch thread"). Returns when the engine is idle, a stop is asked, or another call waits for
-        the torch thread (another engine of the process then gets its turn between two steps)."""
+    def _end_turn(self) -> None:
+        with self._sched:
+            self._scheduled = False
+            self._idle.set()
+
+    def _steps(self) -> bool:
+        """Apply the commands and step back to back while there is work (handing each step to the
+        torch thread on its own cost a thread wake-up a step, and on cores busy with the bus each
+        wake-up waited for a core, adding up over a batch: docs/design.md, "One torch thread").
+        Returns True when it yields to another job of the torch thread with work left, False once
+        the turn has ended (idle, stopping)."""
         while True:
+            self._drain_commands()  # between two steps: aborts free KV here
+            if self._stopping.is_set():
+                self._end_turn()
+                return False
+            if not self.engine.has_unfinished():
+                with self._sched:  # a command queued after the drain finds _scheduled set: take it
+                    if self._commands.empty() and not self._aborts:
+                        self._scheduled = False
+                        self._idle.set()
+                        return False
+                continue
             steps_before = self.engine.stats.steps
             if self.before_step is not None:
                 self.before_step()
@@ -261,13 +294,10 @@ class AsyncEngine:
             if self.on_step is not None and self.engine.stats.steps > steps_before:
                 self.on_step(self.engine.stats.last_batch_tokens, self.engine.stats.last_batch_seqs)
             if outputs:
-                assert self._loop is not None  # set by start(), before the thread that steps
+                assert self._loop is not None  # set by start(), before the first turn
                 self._loop.call_soon_threadsafe(self._deliver, outputs)
-            if self._stopping.is_set() or torch_thread.others_waiting():
-                return
-            self._drain_commands()  # between two steps, as on the engine thread: aborts free KV here
-            if not self.engine.has_unfinished():
-                return
+            if torch_thread.others_waiting():
+                return True
 
     def _update_snapshot(self) -> None:
         e = self.engine

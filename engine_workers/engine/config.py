@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from engine_workers.engine.speculative import SpeculativeConfig  # json + dataclasses only: cheap
 
 QUANTIZATIONS = ("none", "int8", "q4_1", "w8a8")  # --quantization (kernels/cpu_linear.py plans them)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (model/runner.py resolves them)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # --kv-cache-dtype (model/execution/runner.py resolves them)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None/"default" = SmolLM2-135M-Instruct (converted on first use)
     device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; bfloat16 on CPU = bf16 linear weights, fp32 rest
+    dtype: str = "auto"  # auto = bf16 on CUDA; on CPU bf16 linears with AMX, else fp32 (cpu_linear.auto_cpu_dtype); bfloat16 on CPU = bf16 linears, fp32 rest
     # none | int8 (CPU: weight-only int8, per output row) | q4_1 (CPU: Q4_1 blocks of 32, head Q8_0,
     # from the GGUF the model came from where it did); both with float32 activations | w8a8 (CPU:
     # int8 weights and int8 activations per row, int32 sums on VNNI)
@@ -41,15 +41,15 @@ class EngineConfig:
     # tier step of the worker's priorities); None = never, the default (scheduler.py, "Priority
     # preemption"; off by default: under a saturating load it trades throughput for tier latency).
     priority_preemption_margin: float | None = None
-    # ranks of one tensor-parallel group (CPU, gloo; engine_workers/model/parallel): rank 0 is this
+    # ranks of one tensor-parallel group (CPU, gloo; engine_workers/model/execution/parallel): rank 0 is this
     # process, the others are child processes it starts; 1 = no group, nothing distributed
     tensor_parallel_size: int = 1
     # CUDA: no decode CUDA graphs, every step eager (vLLM's name). Without it decode steps replay
-    # graphs captured at start (engine_workers/model/cudagraph); no effect on a CPU
+    # graphs captured at start (engine_workers/model/execution/cudagraph); no effect on a CPU
     enforce_eager: bool = False
     # Speculative decoding (vLLM's --speculative-config, engine.speculative): None = off. With it,
     # a decoding request's proposed tokens are verified in the same forward as its decode token;
-    # the tokens produced are those plain decoding produces (docs/design.md, Speculative decoding)
+    # the tokens produced are those plain decoding produces (docs/design-history.md, Speculative decoding)
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The offline engine: ``add_request`` / ``step`` / ``abort``.
 
 One ``step()`` = schedule -> execute -> postprocess: the scheduler decides a batch, the engine
-turns it into a typed :class:`~engine_workers.model.batch.ModelInput` (tokens, positions' start,
+turns it into a typed :class:`~engine_workers.model.execution.batch.ModelInput` (tokens, positions' start,
 block tables), the runner executes it in one forward and returns a ``RunnerOutput`` (logits, and
 for embedding requests final-norm states), then the pooler ends embedding requests with their
 vector, the sampler draws one token for every other sequence whose known tokens are all computed,
@@ -20,7 +20,7 @@ would use there (output position = tokens before it, the sequence's seed) and th
 is accepted, then the draw at the first disagreement (or after the last proposal); each token goes
 through the stop checks one by one, so a request ends exactly where plain decoding ends it. Since
 each draw depends only on (seed, position) and logits identical bit for bit to plain decoding's,
-the accepted tokens are the plain-decoding tokens (docs/design.md, Speculative decoding). The K/V
+the accepted tokens are the plain-decoding tokens (docs/design-history.md, Speculative decoding). The K/V
 of rejected positions are rolled back: the computed count stops at the accepted tokens and the
 blocks past them are given back (never registered in the prefix cache: only blocks full of
 computed tokens are).
@@ -49,13 +49,13 @@ from engine_workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerCo
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.engine.speculative import SpecBackoff
 from engine_workers.kernels import cpu_malloc
-from engine_workers.kernels.cpu_linear import cpu_weight_plan
-from engine_workers.model.batch import Chunk, ModelInput, RunnerOutput
-from engine_workers.model.loader import LoadedModel, load_model
-from engine_workers.model.parallel.group import TpGroup
-from engine_workers.model.parallel.runner import ParallelRunner, load_group
-from engine_workers.model.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
-from engine_workers.model.smoothing import load_smoothed_w8a8
+from engine_workers.kernels.cpu_linear import auto_cpu_dtype, cpu_weight_plan
+from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
+from engine_workers.model.execution.parallel.group import TpGroup
+from engine_workers.model.execution.parallel.runner import ParallelRunner, load_group
+from engine_workers.model.execution.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
+from engine_workers.model.execution.smoothing import load_smoothed_w8a8
+from engine_workers.model.loading.loader import LoadedModel, load_model
 from kv_store import KVCacheManager
 from lockgate_types import FinishReason, SamplingParams
 from tokenization.prompts import PromptTokenizer
@@ -93,8 +93,11 @@ class Engine:
             cpu_malloc.tune()
         # On a CPU, bf16 / int8 are weight formats of the linear layers; everything else runs in
         # float32 (engine_workers/kernels/cpu_linear.py, cpu_weight_plan). weight_format says which.
-        self.dtype, lowp = cpu_weight_plan(resolve_dtype(config.dtype, self.device), config.quantization,
-                                           self.device, config.cpu_kernels)
+        dtype = resolve_dtype(config.dtype, self.device)
+        if config.dtype == "auto" and self.device.type == "cpu":  # per host: the fastest accurate mode
+            dtype, why = auto_cpu_dtype(config.quantization, config.cpu_kernels)
+            log.info("--dtype auto on this CPU: %s (%s)", str(dtype).removeprefix("torch."), why)
+        self.dtype, lowp = cpu_weight_plan(dtype, config.quantization, self.device, config.cpu_kernels)
         self.weight_format = lowp or str(self.dtype).removeprefix("torch.")
         # K/V storage (auto = the compute dtype); checked before the model loads, so a refused
         # combination costs nothing

@@ -20,7 +20,7 @@ import torch
 
 from engine_workers.engine.scheduler import ScheduledSeq
 from engine_workers.engine.sequence import Sequence
-from engine_workers.model.batch import ModelInput
+from engine_workers.model.execution.batch import ModelInput
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup
 DEFAULT_LOOKUP = 5
 # lockgate's default for disable_by_batch_size (vLLM has none): on a CPU a verification pass costs
 # k + 1 rows per sequence, which pays at small batches and not once the step is compute-bound
-# (docs/design.md, Speculative decoding)
+# (docs/design-history.md, Speculative decoding)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

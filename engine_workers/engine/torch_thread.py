@@ -8,14 +8,16 @@ parallel regions in a forward pass pays a futex wake-up: a single matmul on a se
 enough to slow every later step noticeably (figures in ``docs/design.md``, "One torch thread").
 
 So :func:`call` runs ``fn`` on the process's torch thread and waits for its result, whichever thread
-asks; on the torch thread itself it simply calls ``fn`` (re-entrant). The hand-off costs two thread
-wake-ups: tens of microseconds on idle cores, but each waits for a core when the cores are busy, so
-``AsyncEngine`` runs its steps back to back in one call and returns the thread when
-:func:`others_waiting` says another call is queued.
+asks; on the torch thread itself it simply calls ``fn`` (re-entrant). :func:`post` queues ``fn``
+there without waiting: ``AsyncEngine``'s step loop runs as such posted turns, so no thread of its own
+sits between the event loop and torch. A hand-off costs a thread wake-up: tens of microseconds on
+idle cores, but it waits for a core when the cores are busy, so a turn runs its steps back to back
+and returns the thread only when the engine is idle or :func:`others_waiting` says another job is
+queued.
 
 Contracts:
 * Exceptions raised by ``fn`` re-raise in the caller, with their traceback.
-* Calls run one at a time in submission order; a long call delays the others (they would share the
+* Calls and posts run one at a time in submission order; a long call delays the others (they would share the
   same cores anyway).
 * Thread-local torch state (grad mode, ``inference_mode``) of the caller does *not* carry over:
   ``fn`` must set what it needs itself (the runner's ``execute`` is ``inference_mode``).
@@ -68,6 +70,16 @@ def _ensure_started() -> None:
         if _thread is None:
             _thread = threading.Thread(target=_serve, name="lockgate-torch", daemon=True)
             _thread.start()
+
+
+def post(fn: Callable[..., T], *args, **kwargs) -> concurrent.futures.Future:
+    """Queue ``fn(*args, **kwargs)`` on the torch thread and return at once; the future holds its
+    result or exception. From the torch thread itself it is queued too (behind the jobs waiting),
+    never run inline: a job that posts its own continuation gives the others their turn."""
+    _ensure_started()
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    _jobs.put((fut, fn, args, kwargs))
+    return fut
 
 
 def call(fn: Callable[..., T], *args, **kwargs) -> T:

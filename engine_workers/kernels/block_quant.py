@@ -9,7 +9,7 @@ each output row keeps its own float16 scale ``d`` (and, in Q4_1, float16 offset 
 * Q8_0: int8 codes, ``w = d * q``. 8.5 bits per weight.
 
 :class:`BlockWeight` keeps exactly those codes and scales (the GGUF's nibble order included), so
-blocks read from a GGUF file (:mod:`engine_workers.model.gguf_blocks`) are used unchanged, and
+blocks read from a GGUF file (:mod:`engine_workers.model.loading.gguf_blocks`) are used unchanged, and
 :func:`quantize` makes the same blocks from a float weight the way ggml's reference quantizers do.
 The dequantized weight is exact in float32 (``d * q`` has at most 11 + 8 significant bits, so
 ``d * q + m`` rounds once, as an FMA does): this is how the default model's float32 folder was made

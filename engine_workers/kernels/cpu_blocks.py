@@ -9,10 +9,10 @@ uses the weights at once; from 5 rows (larger decode batches, prefill chunks) it
 at a time into an L1 buffer that every row tile reuses, i.e. a float32 micro-GEMM on a
 dequantized tile. Measured on SmolLM2's shapes, that matched or beat both float32 oneDNN and
 dequantizing the whole weight for torch's GEMM at every row count up to 1024
-(scripts/bench_block_linear.py, docs/benchmarks.md "4-bit weights"), so there is no separate
+(benchmarks/micro/block_linear.py, docs/benchmarks.md "4-bit weights"), so there is no separate
 prefill path; the whole-weight dequantization (:meth:`BlockLinear.dequantized`) serves the load-time
 check. Results equal F.linear of the dequantized weight up to float32 summation order. Design:
-docs/design.md ("Precision and devices").
+docs/design-history.md ("Precision and devices").
 
 The kernel is part of the engine's extension module (:mod:`engine_workers.kernels.cpu_kernels`
 builds it) and is checked against ``F.linear`` on random blocks before use; where it cannot build

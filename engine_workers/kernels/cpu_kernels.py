@@ -4,7 +4,7 @@
   context cut into 128-token units spread evenly over the threads (AVX-512 builds, head sizes
   32/64/128; one task per sequence otherwise). Through SDPA a decode step first gathered every context into a padded copy, and
   SDPA's kernel is built for long query blocks, so one-token decode queries spent far longer in it
-  than reading their K/V once takes (docs/design.md, Paged attention). Both attention kernels read
+  than reading their K/V once takes (docs/design-history.md, Paged attention). Both attention kernels read
   a float32 or a bf16 cache (``--kv-cache-dtype``; widened to float32 before any math,
   ``csrc/kv_elem.h``);
 * causal prefill attention (``csrc/prefill_attention.cpp``), for the short, few-headed chunks
@@ -23,11 +23,11 @@
   :func:`engine_workers.kernels.readiness.problems` builds and checks them all.
 
 All run on torch's own thread pool and release the GIL; figures in docs/benchmarks.md, design in
-docs/design.md. CUDA and other dtypes keep torch's ops.
+docs/design-history.md. CUDA and other dtypes keep torch's ops.
 
 Built with ``torch.utils.cpp_extension`` (g++ and ninja, once; the kernel files include only ATen's
 tensor headers, which compile quickly, and only ``module.cpp``, which binds them to Python, pays
-for ``torch/extension.h``; build times in docs/design.md, Paged attention) into
+for ``torch/extension.h``; build times in docs/design-history.md, Paged attention) into
 ``$LOCKGATE_CACHE/ext/<ISA level>-<hash of sources, checkout, venv, flags, torch version and CPU>`` (default
 cache ``~/.cache/lockgate``), so later processes load it in well under a second; a load also
 removes the builds beside it that nothing loaded for 14 days (one per source edit, venv or
@@ -38,7 +38,7 @@ that one.
 
 ISA levels (:func:`isa_level`): the module is built for ``avx512`` or ``avx2`` (or ``generic``, plain
 loops), the best the CPU's flags allow, chosen and logged once per process; ``LOCKGATE_CPU_ISA``
-forces a lower level (docs/design.md, "ISA levels").
+forces a lower level (docs/design-history.md, "ISA levels").
 """
 
 from __future__ import annotations
@@ -56,7 +56,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine_workers.kernels.isa import ISA_ENV, ISA_LEVELS, ISA_NEEDS, cpu_flags, host_isa, level_cflags, parse_isa
+from engine_workers.kernels.isa import (
+    ISA_ENV,
+    ISA_LEVELS,
+    ISA_NEEDS,
+    build_level,
+    cpu_flags,
+    host_isa,
+    level_cflags,
+    parse_isa,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +94,9 @@ _lock = threading.Lock()
 _states: dict[str, dict[str, Any]] = {}
 _state: dict[str, Any] = {}
 _isa: list[str] = []  # the chosen level once decided (isa_level)
+# Per build level (isa.build_level: amx runs the avx512 build): (module or None, why not). Two
+# levels that share a build share its module: loading one extension name twice in a process fails.
+_modules: dict[str, tuple[Any, str | None]] = {}
 
 T = TypeVar("T")
 
@@ -344,7 +356,10 @@ def _module() -> tuple[Any, str | None]:
     if os.environ.get("LOCKGATE_NO_CPU_KERNELS", "") not in ("", "0"):  # read on every resolve
         return None, "off (LOCKGATE_NO_CPU_KERNELS)"
     if "module" not in _state:
-        level = isa_level()
+        level = build_level(isa_level())
+        if level in _modules:
+            _state["module"], _state["module_problem"] = _modules[level]
+            return _state["module"], _state["module_problem"]
         try:
             from torch.utils.cpp_extension import load
 
@@ -362,6 +377,7 @@ def _module() -> tuple[Any, str | None]:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             _state["module"] = None
             _state["module_problem"] = f"cannot build {CSRC.name}/ for {level}: {type(exc).__name__}: {first}"
+        _modules[level] = (_state["module"], _state["module_problem"])
     return _state["module"], _state["module_problem"]
 
 
@@ -399,7 +415,8 @@ def isa_level() -> str:
         forced = os.environ.get(ISA_ENV, "")
         level = parse_isa(forced) if forced else host_isa()
         _isa.append(level)
-        _states.setdefault(level, _state)  # the first level decided owns the dict resolved so far
+        if not _states:  # the first level decided owns the dict resolved so far; later ones get
+            _states[level] = _state  # their own in use_isa (a setdefault here gave the env's level the current one's)
         log.info("CPU kernels: ISA level %s (%s)", level,
                  f"forced by {ISA_ENV}; the CPU's best is {host_isa()}" if forced else "the best this CPU supports")
     return _isa[0]

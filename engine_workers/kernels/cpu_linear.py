@@ -4,7 +4,7 @@ Why: ``F.linear`` on CPU calls a generic sgemm that re-packs the weight matrix i
 layout on every call. For decode batches (M = 1..64 rows) that repacking is most of the cost, so
 oneDNN with the weights reordered once (its blocked layout, any M) is much faster there. Large M
 gains too (prefill chunks of 512 rows), because the packed kernel reaches the CPU's fp32 FMA peak.
-The figures and the command are in docs/design.md ("Linear layers on CPU") and docs/benchmarks.md.
+The figures and the command are in docs/design-history.md ("Linear layers on CPU") and docs/benchmarks.md.
 
 The kernels are PyTorch's own (``torch.ops.mkldnn``, what ``torch.compile`` uses for frozen CPU
 linears), but they are not public API, so :func:`prepack_linears` checks them first: it packs a
@@ -24,7 +24,7 @@ Low-precision weights on CPU (``--dtype bfloat16``, ``--quantization int8``): :c
 keeps only a bf16 (or int8 + per-row scale) copy of each weight in the panel layout of
 ``csrc/small_m_lowp.cpp`` and runs every row count through that kernel, activations float32 in and
 out; :func:`cpu_weight_plan` decides, from the CPU's flags and the kernels' build, what an engine
-gets and logs why when it falls back to float32 weights. docs/design.md, "Precision and devices".
+gets and logs why when it falls back to float32 weights. docs/design-history.md, "Precision and devices".
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 # Rows up to which the small-batch kernel is used: the largest M at which it still beat oneDNN over
-# SmolLM2's layer shapes (docs/design.md, "Decode-sized batches").
+# SmolLM2's layer shapes (docs/design-history.md, "Decode-sized batches").
 SMALL_M_MAX = 32
 # oneDNN's kernel choice as it changes a row's sums (measured on torch's bundled oneDNN, AVX-512;
 # PackedLinear._onednn_invariant): a one-row input over more than ONEDNN_GEMV_K features, and
@@ -188,7 +188,7 @@ QUANTIZATIONS = ("none", "int8", "q4_1", "w8a8")  # --quantization values
 # bf16 weights through AVX512-BF16 dot products (x rounded to bf16) instead of widening each bf16
 # pair to float32 in registers and using FMAs. Off: on the benchmark machine (Xeon with
 # avx512_bf16, no AMX) the dot-product kernel was no faster at 1-2 rows and 1.4-1.5x slower at
-# 8-64 (docs/design.md, "Precision and devices"); kept, checked, for CPUs where it is faster.
+# 8-64 (docs/design-history.md, "Precision and devices"); kept, checked, for CPUs where it is faster.
 BF16_DOT_PRODUCTS = False
 
 
@@ -237,6 +237,11 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     slow = kernels.fast_isa_problem(kind)  # below AVX2 + FMA: plain loops, far slower than float32
     if slow is not None:
         return slow
+    if kind == "bfloat16" and kernels.isa_level() == "amx" and "amx_bf16" in kernels.cpu_flags():
+        from engine_workers.kernels.amx_linear import amx
+
+        if amx():  # oneDNN on AMX tiles (bf16_layer); a shape it fails falls back to the kernel below
+            return None
     flags = kernels.cpu_flags()
     if kind == "q4_1":
         from engine_workers.kernels.cpu_blocks import block_problem
@@ -250,6 +255,39 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     if kind == "bfloat16" and BF16_DOT_PRODUCTS and not ops.bf16_native:
         return "the kernels were built without AVX512-BF16 (compiler or CPU lacks avx512_bf16)"
     return None
+
+
+def bf16_layer(weight: torch.Tensor, bias: torch.Tensor | None, lowp_ops: Any = None) -> nn.Module:
+    """The ``--dtype bfloat16`` layer of ``weight`` on this CPU: on AMX tiles (oneDNN, bf16
+    activations; :class:`engine_workers.kernels.amx_linear.AmxLinear`) at the ``amx`` ISA level
+    where its shape passes the batch-invariance check, else :class:`LowpLinear` (float32
+    activations), with a warning where AMX was meant."""
+    from engine_workers.kernels import amx_linear
+
+    if amx_linear.amx():
+        why = amx_linear.shape_problem(*weight.shape)
+        if why is None:
+            return amx_linear.AmxLinear.from_weight(weight, bias)
+        log.warning("bf16 layer off AMX tiles (engine's bf16 kernel instead, float32 activations): %s", why)
+    return LowpLinear.from_weight("bfloat16", weight, bias, lowp_ops)
+
+
+def auto_cpu_dtype(quantization: str, cpu_kernels: bool = True) -> tuple[torch.dtype, str]:
+    """``--dtype auto`` on a CPU: ``(dtype, why)``, the fastest mode measured accurate on this kind
+    of host (docs/benchmarks.md, "Which mode runs where"). With AMX (the ``amx`` ISA level, oneDNN's
+    bf16 GEMMs checked): ``bfloat16`` (bf16 linears on AMX tiles, perplexity within 0.5 % of
+    float32, several times float32's GEMM speed); elsewhere ``float32`` (without AMX bf16 arithmetic
+    is slower than float32 FMAs, and bf16 weights alone gained ~10 %). A quantization keeps
+    float32 (it computes outside the linears in float32)."""
+    if quantization != "none":
+        return torch.float32, f"--quantization {quantization} computes outside the linear layers in float32"
+    if not cpu_kernels:
+        return torch.float32, "--no-cpu-kernels: oneDNN float32 linears"
+    from engine_workers.kernels.amx_linear import amx, amx_problem
+
+    if amx():
+        return torch.bfloat16, "AMX tiles: bf16 linears on oneDNN's AMX kernel, the fastest accurate CPU mode here"
+    return torch.float32, f"no bf16 on AMX tiles ({amx_problem()}): without AMX bf16 arithmetic does not pay"
 
 
 class LowpLinear(nn.Module):

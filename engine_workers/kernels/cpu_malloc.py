@@ -5,7 +5,7 @@ every layer (a 512-token prefill chunk: 1-6 MiB activations). glibc serves block
 threshold with fresh ``mmap`` pages and gives freed heap tops back to the kernel, so each of those
 tensors page-faults all its pages in again (the kernel zeroes every page). That makes elementwise
 ops, which should be bound by their memory traffic, pay for page faults instead, and prefill steps
-with them (figures in docs/design.md, "glibc malloc on the CPU engine", and docs/benchmarks.md).
+with them (figures in docs/design-history.md, "glibc malloc on the CPU engine", and docs/benchmarks.md).
 
 :func:`tune` raises the mmap threshold to glibc's maximum (32 MiB) and stops trimming below
 1 GiB, so freed activations are reused in place: the process keeps up to that much freed memory

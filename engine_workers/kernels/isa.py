@@ -1,18 +1,25 @@
 """CPU ISA levels of the engine's kernels, as pure functions of the CPU's flags: which levels exist,
 which CPU flags each needs, the compiler flags of each, the best level a CPU runs, and the check of a
 forced level (``LOCKGATE_CPU_ISA``). No torch, no build: :mod:`engine_workers.kernels.cpu_kernels`
-builds and loads the module for the level chosen here (docs/design.md, "ISA levels")."""
+builds and loads the module for the level chosen here (docs/design-history.md, "ISA levels")."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 ISA_ENV = "LOCKGATE_CPU_ISA"
-ISA_LEVELS = ("avx2", "avx512")  # the levels LOCKGATE_CPU_ISA accepts, lowest first
+ISA_LEVELS = ("avx2", "avx512", "amx")  # the levels LOCKGATE_CPU_ISA accepts, lowest first
 # the CPU flags (/proc/cpuinfo names) each level needs, and its compiler flags
-ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")}
+_AVX512 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": _AVX512,
+             # AMX tiles with bf16 dot products (Sapphire Rapids and later); amx_tile alone is not
+             # enough: the tiles' bf16 GEMMs (oneDNN's, through torch) need amx_bf16 as well
+             "amx": (*_AVX512, "amx_tile", "amx_bf16")}
 ISA_CFLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
               "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
+# The amx level's own code is oneDNN's (bf16 GEMMs on AMX tiles, engine_workers/kernels/amx_linear.py):
+# the engine's C++ kernels are the avx512 build, shared by both levels (one build, one module).
+BUILD_LEVEL = {"amx": "avx512"}
 # extensions an avx512 build also enables where the CPU has them (the kernels test their macros:
 # AVX512-BF16 dot products, AVX512-FP16 prefill values; VNNI for oneDNN-style int8 code)
 ISA_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"),
@@ -56,7 +63,13 @@ def parse_isa(value: str, flags: set[str] | None = None) -> str:
     return level
 
 
+def build_level(level: str) -> str:
+    """The level whose C++ build ``level`` runs (``amx`` runs the ``avx512`` build; the others their own)."""
+    return BUILD_LEVEL.get(level, level)
+
+
 def level_cflags(level: str, flags: set[str]) -> list[str]:
     """The ISA compiler flags of a ``level`` build on a CPU with ``flags``: the level's own, plus the
-    optional extensions (:data:`ISA_OPTIONAL`) this CPU has."""
+    optional extensions (:data:`ISA_OPTIONAL`) this CPU has (``amx``: those of its build level)."""
+    level = build_level(level)
     return [*ISA_CFLAGS[level], *(opt for flag, opt in ISA_OPTIONAL.get(level, ()) if flag in flags)]

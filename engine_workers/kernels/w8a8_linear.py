@@ -71,7 +71,7 @@ def w8a8_problem() -> str | None:
     """Why ``--quantization w8a8`` cannot run here, or ``None`` (``--no-cpu-kernels`` is checked by
     the caller, :func:`engine_workers.kernels.cpu_linear.lowp_problem`)."""
     # no VNNI is no refusal: at the avx2 level the GEMM is csrc/int8_gemm.cpp's (vpmaddwd on int16,
-    # exact) and the elementwise kernels have avx2 forms (docs/design.md, ISA levels)
+    # exact) and the elementwise kernels have avx2 forms (docs/design-history.md, ISA levels)
     slow = kernels.fast_isa_problem("w8a8")
     if slow is not None:
         return slow

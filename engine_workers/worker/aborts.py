@@ -3,8 +3,12 @@ a rebalance moved to another worker (docs/worker.md, "Cancel" and "Offsets, cras
 
 A request is queued in the intake (removed from it), admitted (aborted in the engine: its KV is
 freed before the next step and its final output follows), or not yet either (held for its reply
-topic's check or its resume lookup: the worker's intake check reads :meth:`Aborts.cancelled` when
-they let it go).
+topic's check or its resume lookup: the pipeline's intake checks read :meth:`Aborts.cancelled`
+when those let it go).
+
+:class:`Aborts` is also the group consumer's rebalance listener (:meth:`Aborts.on_revoked`,
+:meth:`Aborts.on_assigned`): it asks the ledger which partitions were lost and stops their
+requests; the ledger itself calls nothing back.
 Runs on the event loop.
 """
 
@@ -53,9 +57,21 @@ class Aborts:
                 n += 1
         return n
 
+    async def on_revoked(self, tps: set[TopicPartition]) -> None:
+        """The consumer's rebalance, phase 1: commit what is done there (:meth:`RequestLedger.on_revoked`)."""
+        await self.ledger.on_revoked(tps)
+
+    async def on_assigned(self, tps: set[TopicPartition]) -> None:
+        """The consumer's rebalance, phase 2: stop the requests of the partitions lost, then
+        forget their offsets (synchronously: no output or acknowledgement lands half-way)."""
+        lost = self.ledger.reassigned(tps)
+        if lost:
+            self.release(lost)
+            self.ledger.forget_partitions(lost)
+
     def release(self, lost: Set[TopicPartition]) -> None:
-        """The ledger's ``on_lost`` (rebalance moved ``lost`` away): drop their queued requests,
-        abort the admitted ones and publish nothing more for them; the new owner re-runs them."""
+        """A rebalance moved ``lost`` away: drop their queued requests, abort the admitted ones and
+        publish nothing more for them; the new owner re-runs them."""
         for p in self.intake.remove_if(lambda p: p.item.tp in lost):
             p.item.pending = None
             self.ledger.forget(p.item)

@@ -92,7 +92,12 @@ def _topic_args(p: argparse.ArgumentParser, verb: str) -> None:
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    from lockgate.testing import kafka_local
+    try:
+        from devtools import kafka_local  # a dev tool: a source checkout has it, the wheel does not
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "devtools":
+            raise
+        raise ValueError("`lockgate kafka` is a development tool: it runs from a source checkout (`make install`)") from None
 
     base = Path(args.dir).expanduser()
     try:

@@ -41,7 +41,12 @@ def _model_fetch(args: argparse.Namespace) -> int:
 
 
 def _model_tiny(args: argparse.Namespace) -> int:
-    from lockgate.testing.tiny_model import build_tiny_model
+    try:
+        from devtools.tiny_model import build_tiny_model  # a dev tool: a source checkout has it, the wheel does not
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "devtools":
+            raise
+        raise ValueError("`lockgate model tiny` is a development tool: it runs from a source checkout (`make install`)") from None
 
     print(build_tiny_model(args.out, num_layers=args.layers))
     return 0

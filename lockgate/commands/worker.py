@@ -1,7 +1,7 @@
 """CLI of the worker: ``lockgate worker`` (``lockgate bench e2e`` and ``bench priority`` are
 :mod:`benchmarks.cli`'s).
 
-Listed in ``lockgate.cli.COMMAND_MODULES``; nothing heavy is imported at module level.
+Listed in ``lockgate.cli.COMMANDS``; nothing heavy is imported at module level.
 """
 
 from __future__ import annotations

@@ -21,15 +21,15 @@ stage "random weights at the default model's shape"
 timeout 60 python3 scripts/gpu/random_like.py .gpu/smol /tmp/smol || exit 1
 
 stage "bench engine: lockgate vs HF static vs HF continuous, bf16 on cuda"
-timeout 150 python3 -m lockgate.cli --log-level WARNING bench engine --model /tmp/smol --device cuda --kv-cache-bytes 8G --num-requests 128 2>&1 | tee "$OUT/bench_engine.log" | tail -12
+timeout 150 python3 -m benchmarks --log-level WARNING bench engine --model /tmp/smol --device cuda --kv-cache-bytes 8G --num-requests 128 2>&1 | tee "$OUT/bench_engine.log" | tail -12
 
 stage "bench engine: lockgate alone, larger batches"
 for seqs in 64 256; do
-  timeout 120 python3 -m lockgate.cli --log-level WARNING bench engine --model /tmp/smol --device cuda --kv-cache-bytes 8G --num-requests 512 --skip-hf \
+  timeout 120 python3 -m benchmarks --log-level WARNING bench engine --model /tmp/smol --device cuda --kv-cache-bytes 8G --num-requests 512 --skip-hf \
     --max-num-seqs $seqs --max-num-batched-tokens $((seqs * 16)) 2>&1 | tee "$OUT/bench_engine_seqs$seqs.log" | head -4
 done
 
 stage "bench e2e: memory bus + worker vs in-process, cuda"
-timeout 120 python3 -m lockgate.cli --log-level WARNING bench e2e --model /tmp/smol --device cuda --kv-cache-bytes 8G --bus memory:// --num-requests 128 --repeat 2 \
+timeout 120 python3 -m benchmarks --log-level WARNING bench e2e --model /tmp/smol --device cuda --kv-cache-bytes 8G --bus memory:// --num-requests 128 --repeat 2 \
   2>&1 | tee "$OUT/bench_e2e.log" | tail -14
 stage done

@@ -26,7 +26,7 @@ from benchmarks.engine.bench import make_workload, sync_device
 from bus import SamplingParams
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.batch import Chunk, ModelInput
+from engine_workers.model.execution.batch import Chunk, ModelInput
 
 DEV = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a dry run of the script itself
 

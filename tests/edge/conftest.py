@@ -11,10 +11,10 @@ import websockets
 from websockets.asyncio.client import connect
 
 from bus import MemoryBus
+from devtools.fake_worker import FakeWorker
 from edge.config import EdgeConfig, KeyEntry, hash_key
 from edge.request import PromptEncoder
 from edge.server import Edge
-from lockgate.testing.fake_worker import FakeWorker
 from tests.waiting import wait_until
 
 MODEL = "tiny"
@@ -24,7 +24,7 @@ KEY_P0 = "lg-test-key-p0"
 
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory) -> str:
-    from lockgate.testing.tiny_model import build_tokenizer
+    from devtools.tiny_model import build_tokenizer
 
     # Only the tokenizer and config are needed at the edge: skip the (slower) model weights.
     out = tmp_path_factory.mktemp("tiny")

@@ -17,10 +17,10 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from bus import TopicLayout, connect
+from devtools import kafka_local
+from devtools.fake_worker import FakeWorker
 from edge.config import EdgeConfig
 from edge.server import Edge
-from lockgate.testing import kafka_local
-from lockgate.testing.fake_worker import FakeWorker
 from tests.edge.conftest import MODEL, collect, send
 from tests.waiting import wait_until
 

@@ -340,7 +340,7 @@ async def test_fake_worker_steps_on_its_phase_grid():
     """`bench edge --workers N`: worker k steps at k * step / N + j * step of the monotonic clock, so a
     fleet's bursts interleave; without a phase a worker steps as soon as work arrives."""
     from bus import MemoryBus
-    from lockgate.testing.fake_worker import FakeWorker
+    from devtools.fake_worker import FakeWorker
 
     bus = MemoryBus()
     at_once = FakeWorker(bus, "m", step_s=0.02)

@@ -21,7 +21,7 @@ from bus import TopicLayout
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("producers") / "tiny-llama")
 
@@ -47,7 +47,7 @@ async def serving(bus, model_dir: Path, layout: TopicLayout, **worker_kw) -> Asy
     """One worker for ``model_dir`` on ``bus`` under ``layout``; stopped on exit."""
     name = model_dir.name
     if fake_worker_mode():
-        from lockgate.testing.fake_worker import FakeWorker
+        from devtools.fake_worker import FakeWorker
 
         w = FakeWorker(bus, name, layout, step_s=worker_kw.get("step_s", 0.0))
     else:

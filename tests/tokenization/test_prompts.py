@@ -1,4 +1,4 @@
-"""tokenization.prompts.PromptTokenizer on the tiny BPE tokenizer (lockgate/testing/tiny_model.py):
+"""tokenization.prompts.PromptTokenizer on the tiny BPE tokenizer (devtools/tiny_model.py):
 the context length it reads (config.json, else the tokenizer's own), chat messages through the chat template, raw prompts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bus import ChatMessage
-from lockgate.testing.tiny_model import build_tokenizer
+from devtools.tiny_model import build_tokenizer
 from tokenization.prompts import PromptTokenizer
 
 

@@ -3,7 +3,7 @@
 background responses).
 
 A request runs as the chat request it translates into (:mod:`edge.openai.responses.schema`): the
-same tool prompt and forcing grammar (:func:`edge.openai.tools.prepare`), the same
+same tool prompt and forcing grammar (:func:`edge.chat.tools.prepare`), the same
 :meth:`~edge.admission.gate.Admission.admit` (keys, tiers, limits, shedding, ``api="openai"`` metrics),
 the same bus path and exact resume; only the sink differs (:mod:`edge.openai.responses.sink`).
 A client that goes away cancels its request as on chat (aiohttp's handler cancellation ends the
@@ -20,14 +20,14 @@ from aiohttp import web
 
 from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
+from edge.chat.tool_parsers import configured_parser
+from edge.chat.tools import prepare
 from edge.openai.reply import API, error_response, failed_response, json_response, principal, read_json, refusal
 from edge.openai.responses.items import page
 from edge.openai.responses.schema import ResponsesRequest, parse_responses
 from edge.openai.responses.sink import ResponsesSink
 from edge.openai.responses.store import ResponseStore
 from edge.openai.schema import openai_param
-from edge.openai.tool_parsers import configured_parser
-from edge.openai.tools import prepare
 from edge.request import ProtocolError
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

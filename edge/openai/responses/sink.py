@@ -10,7 +10,7 @@ items) in one ``response`` object, or, streamed, OpenAI's event sequence:
 ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it,
 ``response.failed`` on an error). Every event carries ``sequence_number``.
 
-The output is read through the chat path's :class:`~edge.openai.tools.ToolStream` in both modes,
+The output is read through the chat path's :class:`~edge.chat.tools.ToolStream` in both modes,
 so the non-streamed response is exactly what the streamed events add up to. Concurrency and
 bounds as :mod:`edge.openai.stream`: ``on_delta``/``on_end`` only append and wake the handler, and
 never call back into admission; ``pending`` over ``max_pending`` events has ``on_delta`` answer
@@ -27,13 +27,13 @@ from typing import Any
 import orjson
 
 from edge.admission.lifecycle import Done, End, Failed, Stream
+from edge.chat.reasoning import REASONING, ReasoningStream
+from edge.chat.tool_parsers import configured_parser
+from edge.chat.tools import ToolStream
 from edge.config import EdgeConfig
-from edge.openai.reasoning import REASONING, ReasoningStream
 from edge.openai.responses.items import item_id
 from edge.openai.responses.schema import ResponsesRequest
 from edge.openai.schema import ErrorReply, error_reply
-from edge.openai.tool_parsers import configured_parser
-from edge.openai.tools import ToolStream
 
 
 def event(kind: str, seq: int, **fields: Any) -> bytes:

@@ -95,7 +95,7 @@ class WorkerMetrics:
         self.dead_letters = Counter("lockgate:dead_letters", "Records sent to the dead-letter topic: undecodable, or naming a reply topic that does not exist.", registry=r)
         self.resumed_requests = Counter(
             "lockgate:resumed_requests", "Requests taken over from another worker that continued after the tokens "
-            "already published for them (engine_workers.worker.offsets.resume).", registry=r)
+            "already published for them (engine_workers.worker.pipeline.resume).", registry=r)
         self.resumed_tokens = Counter(
             "lockgate:resumed_tokens", "Output tokens already published by another worker, not generated again.",
             registry=r)

@@ -1,3 +1,3 @@
 """What the worker holds and commits: the ledger of held records (``ledger``), the per-partition
-low-watermark commits (``watermark``), resuming a request another worker started (``resume``), and
-dead letters committed once acknowledged (``dead_letters``)."""
+low-watermark commits (``watermark``), and dead letters committed once acknowledged
+(``dead_letters``)."""

@@ -2,7 +2,7 @@
 
 A record goes to the dead-letter topic when no worker can ever answer it: undecodable, not a
 request, a request whose reply topic does not exist, or one whose replies failed every time
-(:mod:`engine_workers.worker.replies.failures`). Its offset is finished (and so committed) only once
+(:mod:`engine_workers.worker.pipeline.failures`). Its offset is finished (and so committed) only once
 the dead letter is acknowledged, so a lost letter never leaves a gap in the log.
 
 A dead-letter topic that cannot be written (its leader down, the topic deleted on a broker

@@ -8,16 +8,16 @@ waiting/running per tier). Per partition, its :class:`OffsetTracker` turns "answ
 offset the group may commit: the low watermark (a record is finished when its final reply is
 acknowledged).
 
-Rebalance (the group consumer's callbacks, bound to :meth:`RequestLedger.on_revoked` /
-:meth:`RequestLedger.on_assigned`):
+Rebalance (the group consumer's callbacks are the worker's ``Aborts``, which drive these):
 
-* ``on_revoked`` — eager rebalance, phase 1: wait up to ``revoke_flush_s`` for final replies in
-  flight on those partitions, then commit what is done there. Their requests keep running: the
-  partitions may well come straight back.
-* ``on_assigned`` — phase 2: the partitions revoked and not assigned again are *lost*. ``on_lost``
-  (the worker; synchronous, so no output or acknowledgement lands half-way) aborts their requests
-  and publishes nothing more for them; their offsets are forgotten (the new owner re-runs them
-  from the committed offset).
+* :meth:`RequestLedger.on_revoked` — eager rebalance, phase 1: wait up to ``revoke_flush_s`` for
+  final replies in flight on those partitions, then commit what is done there. Their requests keep
+  running: the partitions may well come straight back.
+* :meth:`RequestLedger.reassigned` — phase 2: returns the partitions revoked and not assigned
+  again, the *lost* ones. The caller aborts their requests and publishes nothing more for them
+  (synchronously, so no output or acknowledgement lands half-way), then
+  :meth:`RequestLedger.forget_partitions` forgets their offsets (the new owner re-runs them from
+  the committed offset). The ledger calls nothing outside itself.
 
 Commits go only to partitions the consumer still owns; a failed commit is logged and retried with
 the next one (the low watermark only moves forward).
@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Set
+from collections.abc import Set
 from dataclasses import dataclass
 
 from bus import BusError, Consumer, InferenceRequest, TopicPartition
@@ -77,15 +77,12 @@ class Job:
 
 
 class RequestLedger:
-    """See the module docstring. ``on_lost(partitions)`` is called from :meth:`on_assigned`, before
-    their offsets are forgotten; ``consumer`` is set by the worker once it created the group
+    """See the module docstring. ``consumer`` is set by the worker once it created the group
     consumer (no commit happens before)."""
 
-    def __init__(self, worker_id: str, revoke_flush_s: float,
-                 on_lost: Callable[[Set[TopicPartition]], None]) -> None:
+    def __init__(self, worker_id: str, revoke_flush_s: float) -> None:
         self.worker_id = worker_id
         self.revoke_flush_s = revoke_flush_s
-        self.on_lost = on_lost
         self.consumer: Consumer | None = None
         self.offsets: OffsetTracker[TopicPartition] = OffsetTracker()
         self.in_engine = 0  # jobs admitted whose final output was not seen yet
@@ -208,7 +205,10 @@ class RequestLedger:
             await asyncio.sleep(0.01)
         await self.commit(tps)
 
-    async def on_assigned(self, tps: set[TopicPartition]) -> None:
+    def reassigned(self, tps: set[TopicPartition]) -> set[TopicPartition]:
+        """Eager rebalance, phase 2: ``tps`` are this worker's now. Returns the partitions revoked
+        and not assigned again (lost): the caller stops their requests, then
+        :meth:`forget_partitions`."""
         # One line a rebalance: which partitions this worker now reads (what an operator looks for
         # when requests seem stuck on one worker).
         log.info("worker %s assigned %d partitions: %s", self.worker_id, len(tps),
@@ -216,9 +216,10 @@ class RequestLedger:
         lost, self._revoking = self._revoking - tps, set()
         now = time.time()
         self.assigned_at = {tp: self.assigned_at.get(tp, now) for tp in tps}
-        if not lost:
-            return
-        self.on_lost(lost)
+        return lost
+
+    def forget_partitions(self, lost: Set[TopicPartition]) -> None:
+        """Forget the offsets of partitions moved away (their requests already stopped)."""
         self.offsets.forget(lost)
         log.info("worker %s lost %d partitions; their requests were aborted here", self.worker_id, len(lost))
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bus import BusError, TopicSpec, UnknownTopicError, connect
-from lockgate.testing import kafka_local
+from devtools import kafka_local
 
 
 def closed_port() -> int:

@@ -64,8 +64,8 @@ async def test_a_partition_whose_leader_is_down_is_not_a_missing_topic(three_bro
     import os
     import signal
 
+    from devtools import kafka_local
     from engine_workers.worker.replies.sender import ReplySender
-    from lockgate.testing import kafka_local
     from tests.waiting import wait_until
 
     name = f"t.{uuid.uuid4().hex[:12]}"

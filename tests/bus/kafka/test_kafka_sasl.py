@@ -1,4 +1,4 @@
-"""SASL against a real broker: a private single-node Kafka (the jars of lockgate/testing/kafka_local.py)
+"""SASL against a real broker: a private single-node Kafka (the jars of devtools/kafka_local.py)
 with one SASL_PLAINTEXT listener taking PLAIN and SCRAM-SHA-256, started by this module on free
 loopback ports and stopped after it. Every client the bus creates (producer, admin, group
 consumer, group-less partition reader) must authenticate, or the broker refuses it.
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from bus import BusError, TopicSpec, connect
-from lockgate.testing import kafka_local
+from devtools import kafka_local
 
 pytestmark = pytest.mark.kafka
 

@@ -43,10 +43,10 @@ async def test_a_topic_backlog_sheds_new_requests_within_a_heartbeat(tiny_dir: P
                 noticed = time.monotonic() - published
                 # once the worker's admission rate is established (a few requests a second), its
                 # estimate without the lag would be within the objective: the lag is what sheds
-                await wait_for(lambda: w.admission.rate.rate(time.time()) >= 3.0, timeout=20)
+                await wait_for(lambda: w.stages.pipeline.admission.rate.rate(time.time()) >= 3.0, timeout=20)
                 status = w.status()
                 assert sum(status.lag) > 100  # most of the backlog still on the topic
-                blind = w.admission.status(w.config.worker_id, MODEL, False)
+                blind = w.stages.pipeline.admission.status(w.config.worker_id, MODEL, False)
                 assert blind.est_wait_s[1] <= 5.0 < status.est_wait_s[1], (blind.est_wait_s, status.est_wait_s)
                 # a new client of the shed tier is refused at the handshake (503 + Retry-After)
                 with pytest.raises(InvalidStatus) as refused:

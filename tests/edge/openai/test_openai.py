@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from bus import ChatMessage
+from devtools.fake_worker import FakeWorker, expected_text
 from edge.server import Edge
-from lockgate.testing.fake_worker import FakeWorker, expected_text
 from tests.edge.conftest import KEY, MODEL, keys, running_edge
 from tests.waiting import wait_until
 

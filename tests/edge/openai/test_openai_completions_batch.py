@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from lockgate.testing.fake_worker import expected_text
+from devtools.fake_worker import expected_text
 from tests.edge.conftest import MODEL
 from tests.edge.openai.test_openai import api
 

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from lockgate.testing.fake_worker import expected_text
+from devtools.fake_worker import expected_text
 from tests.edge.conftest import MODEL, running_edge
 
 STREAMS = 500

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge.openai.reasoning import ReasoningStream, split
+from edge.chat.reasoning import ReasoningStream, split
 from tests.edge.conftest import MODEL
 from tests.edge.openai.test_openai import api
 

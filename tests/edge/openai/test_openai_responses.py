@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from bus import ChatMessage
+from devtools.fake_worker import expected_text
 from edge.openai.responses.store import ResponseStore
-from lockgate.testing.fake_worker import expected_text
 from tests.edge.conftest import MODEL
 from tests.edge.openai.test_openai import api
 from tests.engine_workers.engine.test_guided import MODEL as TINY

@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from bus import SamplingParams
+from edge.chat.tool_parsers import PARSERS, ToolCall, get_parser, parser_for_model
+from edge.chat.tools import ToolRequest, ToolStream, prepare, render_prompt
 from edge.openai.schema import parse_chat
-from edge.openai.tool_parsers import PARSERS, ToolCall, get_parser, parser_for_model
-from edge.openai.tools import ToolRequest, ToolStream, prepare, render_prompt
 from edge.request import Generate, PromptEncoder, ProtocolError
 from tests.engine_workers.engine.test_guided import MODEL, platform, sdk
 

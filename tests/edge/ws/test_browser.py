@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lockgate.testing.fake_worker import expected_text
+from devtools.fake_worker import expected_text
 from tests.edge.conftest import KEY, running_edge
 
 CHROMIUM = "/usr/bin/chromium"

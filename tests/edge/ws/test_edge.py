@@ -11,7 +11,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bus import Cancel, decode
-from lockgate.testing.fake_worker import expected_text
+from devtools.fake_worker import expected_text
 from tests.edge.conftest import (
     KEY,
     KEY_P0,
@@ -329,9 +329,9 @@ async def test_slow_client_is_disconnected(encoder):
 
 async def test_start_stop_idempotent_and_embeddable(encoder):
     from bus import MemoryBus
+    from devtools.fake_worker import FakeWorker
     from edge.config import EdgeConfig
     from edge.server import Edge
-    from lockgate.testing.fake_worker import FakeWorker
 
     bus = MemoryBus()
     await bus.start()

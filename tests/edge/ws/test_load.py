@@ -8,7 +8,7 @@ import time
 import orjson
 from websockets.asyncio.client import connect
 
-from lockgate.testing.fake_worker import expected_text
+from devtools.fake_worker import expected_text
 from tests.edge.conftest import running_edge, url
 from tests.waiting import wait_until
 

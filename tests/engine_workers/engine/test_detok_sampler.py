@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.sampler import Row, Sampler
-from lockgate.testing.tiny_model import build_tokenizer
 from lockgate_types import SamplingParams
 
 

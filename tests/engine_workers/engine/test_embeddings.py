@@ -11,7 +11,7 @@ import torch
 from bus import SamplingParams as WireParams
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.runner import kv_block_bytes
+from engine_workers.model.execution.runner import kv_block_bytes
 from lockgate_types import SamplingParams
 
 

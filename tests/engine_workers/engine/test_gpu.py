@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.batch import Chunk, ModelInput
+from engine_workers.model.execution.batch import Chunk, ModelInput
 from lockgate_types import SamplingParams
 
 pytestmark = pytest.mark.gpu

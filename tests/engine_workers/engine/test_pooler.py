@@ -10,7 +10,7 @@ import torch
 from engine_workers.engine.pooler import Pooler
 from engine_workers.engine.scheduler import ScheduledSeq
 from engine_workers.engine.sequence import Sequence
-from engine_workers.model.batch import Chunk, ModelInput
+from engine_workers.model.execution.batch import Chunk, ModelInput
 from lockgate_types import SamplingParams
 
 

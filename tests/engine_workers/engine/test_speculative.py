@@ -14,7 +14,7 @@ from engine_workers.engine.ngram import NgramProposer
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
 from engine_workers.engine.sequence import Sequence
 from engine_workers.engine.speculative import MAX_BACKOFF_STEPS, SpecBackoff, SpeculativeConfig
-from engine_workers.model.batch import Chunk, ModelInput
+from engine_workers.model.execution.batch import Chunk, ModelInput
 from kv_store import KVCacheManager
 from lockgate.options import add_engine_args, engine_config_from_args
 from lockgate_types import SamplingParams

@@ -112,3 +112,46 @@ async def test_two_async_engines_take_turns_on_the_torch_thread(tiny_model_dir) 
     assert counts == [60, 60]
     # interleaved: each engine produced output before the other one finished
     assert times[0][0] < times[1][-1] and times[1][0] < times[0][-1]
+
+
+def test_post_queues_behind_the_waiting_jobs_even_from_the_torch_thread() -> None:
+    order: list[str] = []
+
+    def first() -> None:
+        torch_thread.post(order.append, "posted")  # from the torch thread: queued, not run inline
+        order.append("first")
+
+    torch_thread.call(first)
+    assert torch_thread.post(order.append, "last").result(10) is None
+    assert order == ["first", "posted", "last"]
+    with pytest.raises(ZeroDivisionError):
+        torch_thread.post(lambda: 1 / 0).result(10)
+
+
+async def test_async_engine_steps_on_the_torch_thread_and_holds_no_thread_of_its_own(tiny_model_dir) -> None:
+    """No engine thread sits between the event loop and the torch thread: the step loop runs as
+    turns posted there. An idle engine holds no turn; the next command posts one."""
+    from engine_workers.engine.async_engine import AsyncEngine
+    from engine_workers.engine.config import EngineConfig
+    from engine_workers.engine.core import Engine
+    from engine_workers.engine.params import SamplingParams
+    from tests.waiting import wait_until
+
+    engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20))
+    stepped_on: set[str] = set()
+    ae = AsyncEngine(engine, before_step=lambda: stepped_on.add(threading.current_thread().name))
+    before = {t.ident for t in threading.enumerate()}
+    await ae.start()
+    try:
+        for rid in ("a", "b"):  # "b" after the engine went idle: its submit posts a new turn
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            got = [len(o.token_ids) async for o in ae.generate(rid, [5, 6, 7], params)]
+            assert sum(got) == 3
+            await wait_until(ae._idle.is_set, message="the turn ends with the work")
+            assert not ae._scheduled
+        started = [t.name for t in threading.enumerate() if t.ident not in before]
+        assert stepped_on == {"lockgate-torch"}
+        assert all(name == "lockgate-torch" or name.startswith("asyncio_") for name in started), started
+    finally:
+        await ae.stop()
+    await ae.stop()  # idempotent

@@ -1,5 +1,5 @@
 """4-bit block weights on CPU (``--quantization q4_1``; engine_workers/kernels/{block_quant,cpu_blocks}.py,
-csrc/block_linear.cpp, engine_workers/model/gguf_blocks.py): ggml's formats and quantizers against a
+csrc/block_linear.cpp, engine_workers/model/loading/gguf_blocks.py): ggml's formats and quantizers against a
 plain-Python reference, the kernel and the prefill path against ``F.linear`` of the dequantized
 weight, bad inputs refused, the engine against float32, and (slow) the default model's GGUF blocks
 against its float32 folder bit for bit.
@@ -235,7 +235,7 @@ def tiny_gguf_dirs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory
     import gguf
     from safetensors.torch import load_file, save_file
 
-    from engine_workers.model.llama import interleave_rope_rows
+    from engine_workers.model.models.llama import interleave_rope_rows
 
     root = tmp_path_factory.mktemp("tiny-gguf")
     src = Path(tiny_model_dir)
@@ -287,7 +287,7 @@ def tiny_gguf_dirs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_model_dir: str, tiny_gguf_dirs: dict[str, str], isa: str) -> dict[str, Engine]:
     def engine(model: str, quantization: str = "none") -> Engine:
-        return Engine(EngineConfig(model=model, device="cpu", quantization=quantization, max_num_seqs=8,
+        return Engine(EngineConfig(model=model, device="cpu", dtype="float32", quantization=quantization, max_num_seqs=8,
                                    kv_cache_bytes=16 << 20, enable_prefix_caching=False))
 
     # no prefix caching: next_logits writes KV blocks behind the cache's back
@@ -315,7 +315,7 @@ def test_blocks_read_from_the_gguf_the_folder_came_from(tiny_gguf_dirs: dict[str
                                                         tiny_engines: dict[str, Engine],
                                                         caplog: pytest.LogCaptureFixture) -> None:
     _, greedy, next_logits, _ = _helpers()
-    with caplog.at_level(logging.INFO, logger="engine_workers.model.loader"):
+    with caplog.at_level(logging.INFO, logger="engine_workers.model.loading.loader"):
         eng = Engine(EngineConfig(model=tiny_gguf_dirs["dequantized"], device="cpu", quantization="q4_1",
                                   max_num_seqs=8, kv_cache_bytes=16 << 20, enable_prefix_caching=False))
     assert "9 from the GGUF's blocks" in caplog.text and "0 quantized at load" in caplog.text
@@ -326,7 +326,7 @@ def test_blocks_read_from_the_gguf_the_folder_came_from(tiny_gguf_dirs: dict[str
 
 @needs_q4
 def test_gguf_that_is_not_the_folder_is_not_used(tiny_gguf_dirs: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="engine_workers.model.loader"):
+    with caplog.at_level(logging.INFO, logger="engine_workers.model.loading.loader"):
         Engine(EngineConfig(model=tiny_gguf_dirs["mismatched"], device="cpu", quantization="q4_1", max_num_seqs=8,
                             kv_cache_bytes=16 << 20))
     assert "do not dequantize to" in caplog.text and "9 quantized at load" in caplog.text
@@ -337,7 +337,7 @@ def test_gguf_that_is_not_the_folder_is_not_used(tiny_gguf_dirs: dict[str, str],
 
 @pytest.mark.slow
 def test_default_model_gguf_blocks_are_its_float32_weights_bit_for_bit(default_model_dir: str) -> None:
-    """The row mapping of engine_workers/model/gguf_blocks.py, proven: every Q4_1/Q8_0 tensor of the
+    """The row mapping of engine_workers/model/loading/gguf_blocks.py, proven: every Q4_1/Q8_0 tensor of the
     GGUF, fused and ordered as lockgate fuses the HF folder's weights (q/k rows in lockgate's RoPE
     order), dequantizes to exactly the float32 weights the loader builds from the folder."""
     from pathlib import Path
@@ -345,9 +345,9 @@ def test_default_model_gguf_blocks_are_its_float32_weights_bit_for_bit(default_m
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from engine_workers.model.gguf_blocks import gguf_source, layer_blocks
-    from engine_workers.model.llama import ModelSpec
-    from engine_workers.model.loader import _map_state
+    from engine_workers.model.loading.gguf_blocks import gguf_source, layer_blocks
+    from engine_workers.model.loading.loader import _map_state
+    from engine_workers.model.models.llama import ModelSpec
 
     folder = Path(default_model_dir)
     source = gguf_source(folder)
@@ -368,7 +368,7 @@ def test_default_model_q4_1_from_gguf_matches_float32(default_model_dir: str) ->
     """SmolLM2-135M, chat prompts: the 4-bit engine computes with the float32 model's exact
     weights, so logits differ by summation order and greedy tokens agree (>= 99 %)."""
     agreement, greedy, next_logits, rel_l2 = _helpers()
-    ref = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20,
+    ref = Engine(EngineConfig(model=default_model_dir, dtype="float32", device="cpu", kv_cache_bytes=64 << 20,
                               enable_prefix_caching=False))
     eng = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20, quantization="q4_1",
                               enable_prefix_caching=False))

@@ -59,8 +59,8 @@ def test_prepack_replaces_every_linear():
 
 @needs_onednn
 def test_engine_packs_by_default_and_greedy_output_is_unchanged(tiny_model_dir):
-    packed = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
-    plain = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, weight_prepack=False))
+    packed = Engine(EngineConfig(model=tiny_model_dir, dtype="float32", kv_cache_bytes=16 << 20))
+    plain = Engine(EngineConfig(model=tiny_model_dir, dtype="float32", kv_cache_bytes=16 << 20, weight_prepack=False))
     layers = packed.runner.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, PackedLinear) and isinstance(layers[0].mlp.down_proj, PackedLinear)
     assert isinstance(packed.runner.model.lm_head, PackedLinear)
@@ -81,11 +81,11 @@ def test_flag_turns_packing_off():
 
 @needs_onednn
 def test_tied_embeddings_get_a_packed_head_and_the_same_output(tmp_path):
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     path = str(build_tiny_model(tmp_path / "tied", tie_word_embeddings=True))
-    packed = Engine(EngineConfig(model=path, kv_cache_bytes=16 << 20))
-    plain = Engine(EngineConfig(model=path, kv_cache_bytes=16 << 20, weight_prepack=False))
+    packed = Engine(EngineConfig(model=path, dtype="float32", kv_cache_bytes=16 << 20))
+    plain = Engine(EngineConfig(model=path, dtype="float32", kv_cache_bytes=16 << 20, weight_prepack=False))
     assert isinstance(packed.runner.model.lm_head, PackedLinear)
     assert plain.runner.model.lm_head is None  # tied: the head reads the embedding matrix
     reqs = workload(packed.loaded.spec.vocab_size, 6, seed=3, max_prompt=80, max_new=16)
@@ -155,8 +155,8 @@ def test_small_batch_kernel_rejects_mismatched_inputs():
 @needs_onednn
 def test_engine_uses_the_small_batch_kernel_only_with_cpu_kernels_on(tiny_model_dir):
     _small_m()
-    on = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
-    off = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
+    on = Engine(EngineConfig(model=tiny_model_dir, dtype="float32", kv_cache_bytes=16 << 20))
+    off = Engine(EngineConfig(model=tiny_model_dir, dtype="float32", kv_cache_bytes=16 << 20, cpu_kernels=False))
     packed_on = [m for m in on.runner.model.modules() if isinstance(m, PackedLinear)]
     packed_off = [m for m in off.runner.model.modules() if isinstance(m, PackedLinear)]
     assert packed_on and all(m.panels is not None for m in packed_on)
@@ -171,7 +171,7 @@ def test_small_batch_kernel_stays_off_when_its_copies_would_not_fit(tiny_model_d
 
     _small_m()
     monkeypatch.setattr(cpu_linear, "available_memory", lambda: 1 << 20)  # 1 MiB "available"
-    eng = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20))
+    eng = Engine(EngineConfig(model=tiny_model_dir, dtype="float32", kv_cache_bytes=16 << 20))
     packed = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
     assert packed and all(m.panels is None for m in packed)
     assert "small-batch linear kernel off" in caplog.text and "available" in caplog.text
@@ -199,7 +199,14 @@ def _mode_linear(mode: str, w: torch.Tensor, b: torch.Tensor | None) -> nn.Modul
     why = lowp_problem(kind)
     if why is not None:
         pytest.skip(f"{mode} kernel: {why}")
-    if mode in ("bf16", "int8"):
+    if mode == "bf16":  # the engine's bf16 layer: on AMX tiles at the amx ISA level, else LowpLinear
+        from engine_workers.kernels.amx_linear import AmxLinear, amx
+        from engine_workers.kernels.cpu_linear import bf16_layer
+
+        lin = bf16_layer(w, b)
+        assert isinstance(lin, AmxLinear) == amx()  # no silent fallback where AMX was meant
+        return lin
+    if mode == "int8":
         return LowpLinear.from_weight(kind, w, b)
     if mode == "w8a8":
         from engine_workers.kernels.w8a8_linear import W8A8Linear
@@ -234,7 +241,7 @@ def test_every_weight_mode_gives_a_row_the_same_result_alone_and_in_any_batch(mo
     assert torch.equal(big[1000:1100], lin(x[1000:1100]))
 
 
-ENGINE_MODES = {"float32": {}, "no-cpu-kernels": {"cpu_kernels": False}, "bf16": {"dtype": "bfloat16"},
+ENGINE_MODES = {"float32": {"dtype": "float32"}, "no-cpu-kernels": {"dtype": "float32", "cpu_kernels": False}, "bf16": {"dtype": "bfloat16"},
                 "int8": {"quantization": "int8"}, "w8a8": {"quantization": "w8a8"}, "q4_1": {"quantization": "q4_1"}}
 
 
@@ -242,7 +249,7 @@ ENGINE_MODES = {"float32": {}, "no-cpu-kernels": {"cpu_kernels": False}, "bf16":
 def wide_mlp_model(tmp_path_factory) -> str:
     """A tiny model whose down projection sums over 1536 features (SmolLM2's), past oneDNN's
     one-row threshold."""
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("wide-mlp"), intermediate_size=1536))
 
@@ -261,6 +268,10 @@ def test_every_weight_mode_gives_a_sequence_the_same_logits_alone_and_in_a_mixed
         pytest.skip(f"{mode} kernel: {lowp_problem(kind)}")
     eng = Engine(EngineConfig(model=wide_mlp_model, device="cpu", kv_cache_bytes=16 << 20, **kw))
     assert eng.weight_format == {"no-cpu-kernels": "float32", "bf16": "bfloat16"}.get(mode, mode)
+    if mode == "bf16":  # the amx level's bf16 runs on AMX tiles: that is the path checked there
+        from engine_workers.kernels.amx_linear import AmxLinear, amx
+
+        assert amx() == any(isinstance(m, AmxLinear) for m in eng.loaded.model.modules())
     run, bs = eng.runner.execute, eng.kv.block_size
     gen = torch.Generator().manual_seed(38)
     a, b, c, d = (torch.randint(3, 500, (n,), generator=gen).tolist() for n in (40, 7, 60, 33))

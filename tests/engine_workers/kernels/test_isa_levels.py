@@ -2,7 +2,7 @@
 flags, LOCKGATE_CPU_ISA checked (a bad value or a level above the CPU's refused, naming why), the
 compiler flags of each level, and two levels' modules loaded side by side in one process, each
 with its own code (the avx512 build's split decode path, the avx2 build's strips) and results
-that agree."""
+that agree; the amx level runs the avx512 build (one module) with oneDNN's AMX tiles on top."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from engine_workers.kernels.lowp_kernels import quantize_int8
 
 AVX2_FLAGS = {"sse2", "avx", "avx2", "fma", "f16c"}
 AVX512_FLAGS = AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+AMX_FLAGS = AVX512_FLAGS | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
 
 
 def test_host_level_is_the_best_the_flags_allow() -> None:
@@ -26,11 +27,17 @@ def test_host_level_is_the_best_the_flags_allow() -> None:
     assert isa_levels.host_isa(AVX2_FLAGS) == "avx2"
     assert isa_levels.host_isa(AVX2_FLAGS - {"fma"}) == "generic"
     assert isa_levels.host_isa(AVX512_FLAGS - {"avx512bw"}) == "avx2"
+    assert isa_levels.host_isa(AMX_FLAGS) == "amx"
+    assert isa_levels.host_isa(AMX_FLAGS - {"amx_bf16"}) == "avx512"  # tiles without bf16 products: no use here
 
 
 def test_forced_level_is_checked() -> None:
     assert isa_levels.parse_isa(" AVX2 ", AVX512_FLAGS) == "avx2"
-    with pytest.raises(ValueError, match="LOCKGATE_CPU_ISA must be one of avx2, avx512; got 'sse9'"):
+    assert isa_levels.parse_isa("amx", AMX_FLAGS) == "amx"
+    assert isa_levels.parse_isa("avx512", AMX_FLAGS) == "avx512"  # a lower level on an AMX host
+    with pytest.raises(ValueError, match="LOCKGATE_CPU_ISA=amx: this CPU lacks amx_tile, amx_bf16 .it can run avx512"):
+        isa_levels.parse_isa("amx", AVX512_FLAGS)
+    with pytest.raises(ValueError, match="LOCKGATE_CPU_ISA must be one of avx2, avx512, amx; got 'sse9'"):
         isa_levels.parse_isa("sse9", AVX512_FLAGS)
     with pytest.raises(ValueError, match="lacks avx512f, avx512bw, avx512vl, avx512dq .it can run avx2"):
         isa_levels.parse_isa("avx512", AVX2_FLAGS)
@@ -39,7 +46,7 @@ def test_forced_level_is_checked() -> None:
 def test_env_var_is_read_once_and_a_bad_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "_isa", [])
     monkeypatch.setenv("LOCKGATE_CPU_ISA", "avx3")
-    with pytest.raises(ValueError, match="one of avx2, avx512"):
+    with pytest.raises(ValueError, match="one of avx2, avx512, amx"):
         cpu_kernels.isa_level()
     monkeypatch.setenv("LOCKGATE_CPU_ISA", "avx2")
     if isa_levels.host_isa() in isa_levels.ISA_LEVELS:
@@ -56,9 +63,25 @@ def test_compiler_flags_per_level() -> None:
     assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"} <= set(avx512)
     assert "-mavx512bf16" not in avx512  # only where the CPU has avx512_bf16
     assert "-mavx512bf16" in cpu_kernels.isa_cflags("avx512", AVX512_FLAGS | {"avx512_bf16"})
+    # the amx level compiles the avx512 build (its AMX code is oneDNN's): the same flags, no -mamx-*
+    assert cpu_kernels.isa_cflags("amx", AMX_FLAGS) == cpu_kernels.isa_cflags("avx512", AMX_FLAGS)
+    assert isa_levels.build_level("amx") == "avx512" and isa_levels.build_level("avx2") == "avx2"
 
 
-@pytest.mark.skipif(isa_levels.host_isa() != "avx512", reason="needs a host that runs both levels")
+@pytest.mark.skipif(isa_levels.host_isa() != "amx", reason="needs an AMX host")
+def test_amx_level_shares_the_avx512_module() -> None:
+    try:
+        assert cpu_kernels.use_isa("avx512") == "avx512"
+        assert cpu_kernels.problem() is None
+        avx512 = cpu_kernels._module()[0]
+        assert cpu_kernels.use_isa("amx") == "amx"
+        assert cpu_kernels.problem() is None
+        assert cpu_kernels._module()[0] is avx512  # one build, one module, no second load of its name
+    finally:
+        cpu_kernels.use_isa(None)
+
+
+@pytest.mark.skipif(isa_levels.host_isa() not in ("avx512", "amx"), reason="needs a host that runs both levels")
 def test_both_levels_load_side_by_side_with_their_own_code() -> None:
     gen = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen), torch.randn(13, 300, generator=gen)

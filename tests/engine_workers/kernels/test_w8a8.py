@@ -173,7 +173,7 @@ def test_cpu_without_avx2_or_kernels_falls_back_to_float32_naming_why(monkeypatc
 
 @needs_w8a8
 def test_tiny_model_logits_and_greedy_close_to_float32(tiny_model_dir: str) -> None:
-    ref = Engine(EngineConfig(model=tiny_model_dir, device="cpu", max_num_seqs=8))
+    ref = Engine(EngineConfig(model=tiny_model_dir, dtype="float32", device="cpu", max_num_seqs=8))
     eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", quantization="w8a8", max_num_seqs=8))
     assert eng.weight_format == "w8a8" and eng.dtype == torch.float32
     err = rel_l2(next_logits(eng, TINY_PROMPTS), next_logits(ref, TINY_PROMPTS))
@@ -188,7 +188,7 @@ DEFAULT_MODEL_BOUND = 0.10  # the measured spread's maximum (0.075) with a third
 @pytest.mark.slow
 def test_default_model_close_to_float32(default_model_dir: str, isa: str) -> None:
     """SmolLM2-135M, chat prompts: next-token logits and 32 greedy tokens vs float32."""
-    ref = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20))
+    ref = Engine(EngineConfig(model=default_model_dir, dtype="float32", device="cpu", kv_cache_bytes=64 << 20))
     eng = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20, quantization="w8a8"))
     chats = ["What is the capital of France?", "Write a haiku about rain.", "Explain what a hash table is.",
              "List three prime numbers.", "How do I boil an egg?", "Translate 'good morning' into German."]

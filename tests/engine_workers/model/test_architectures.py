@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
+from devtools.tiny_model import build_tiny_model, build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from lockgate.testing.tiny_model import build_tiny_model, build_tokenizer
 from lockgate_types import SamplingParams
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""Paged attention (engine_workers/model/attention.py, cpu_kernels.py) and interleaved RoPE (llama.py):
+"""Paged attention (engine_workers/model/models/attention.py, cpu_kernels.py) and interleaved RoPE (llama.py):
 each path against a plain dense reference, so a layout or masking mistake cannot hide behind the
 end-to-end parity tests' tolerance for near-ties."""
 
@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 from engine_workers.kernels import cpu_kernels
 from engine_workers.kernels import isa as isa_levels
-from engine_workers.model.attention import (
+from engine_workers.model.models.attention import (
     build_metadata,
     paged_attention,
     split_by_length,
 )
-from engine_workers.model.llama import apply_rope, interleave_rope_rows
+from engine_workers.model.models.llama import apply_rope, interleave_rope_rows
 
 BS, HQ, HKV, D = 4, 6, 2, 8
 
@@ -258,9 +258,9 @@ def test_interleaved_rope_equals_hf_rotate_half():
 def test_engine_output_is_the_same_with_and_without_the_kernel(tiny_model_dir, tmp_path, head_size):
     """Head size 16 (the tiny model's) takes the decode kernel's per-sequence loop, 64 its split
     path (on AVX-512 builds), with prompts long enough for contexts of several 128-token units."""
+    from devtools.tiny_model import build_tiny_model
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from lockgate.testing.tiny_model import build_tiny_model
     from tests.engine_workers.engine.test_engine_hf_parity import run_together, workload
 
     if cpu_kernels.paged_decode() is None:
@@ -281,7 +281,7 @@ def test_cuda_attention_policy_gives_the_same_output(tiny_model_dir):
     why) run here on the CPU's SDPA: the same tokens as length groups with every SDPA backend."""
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.model.runner import _SDPA_NO_CUDNN
+    from engine_workers.model.execution.runner import _SDPA_NO_CUDNN
     from tests.engine_workers.engine.test_engine_hf_parity import run_together, workload
 
     grouped = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=16 << 20, cpu_kernels=False))
@@ -310,7 +310,7 @@ def test_flag_and_env_turn_the_kernel_off(monkeypatch):
 
 @pytest.mark.parametrize("t, h", [(1, 8), (7, 576), (300, 100)])
 def test_fused_add_rms_norm_and_silu_mul_match_torch(t, h):
-    from engine_workers.model.llama import RMSNorm
+    from engine_workers.model.models.llama import RMSNorm
 
     ops = cpu_kernels.fused()
     if ops is None:

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.loader import load_model
-from lockgate.testing.tiny_model import build_tokenizer
+from engine_workers.model.loading.loader import load_model
 from lockgate_types import SamplingParams
 from tokenization.model_store import ModelError
 

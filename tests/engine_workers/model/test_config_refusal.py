@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from engine_workers.model.loader import load_model
-from engine_workers.model.spec import ModelSpec
+from engine_workers.model.loading.loader import load_model
+from engine_workers.model.models.spec import ModelSpec
 from tokenization.model_store import ModelError
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -1,11 +1,11 @@
-"""CUDA-graph decode buckets (engine_workers/model/cudagraph/buckets.py), pure: the bucket grids,
+"""CUDA-graph decode buckets (engine_workers/model/execution/cudagraph/buckets.py), pure: the bucket grids,
 which steps replay a graph and which run eager, and the padding of a decode step to a graph's shape."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine_workers.model.cudagraph.buckets import batch_buckets, bucket, pad, plan, width_buckets
+from engine_workers.model.execution.cudagraph.buckets import batch_buckets, bucket, pad, plan, width_buckets
 
 BS = 16
 

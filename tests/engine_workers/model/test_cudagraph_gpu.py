@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (engine_workers/model/cudagraph): a replay gives bit for bit the
+"""CUDA graphs of the decode step (engine_workers/model/execution/cudagraph): a replay gives bit for bit the
 logits of the same padded inputs run eager, a served workload's greedy tokens equal
 ``enforce_eager``'s in float32, decode steps do replay, and what is not capturable runs eager.
 Needs CUDA; skipped without it. Written without a GPU: not yet run on one (docs/gpu.md)."""
@@ -10,8 +10,8 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.batch import Chunk, ModelInput
-from engine_workers.model.cudagraph.buckets import pad, plan
+from engine_workers.model.execution.batch import Chunk, ModelInput
+from engine_workers.model.execution.cudagraph.buckets import pad, plan
 from lockgate_types import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -61,7 +61,7 @@ def test_greedy_tokens_equal_enforce_eager_and_decodes_replay(tiny_model_dir):
 
 
 def test_memory_gauge_reports_the_device(tiny_model_dir):
-    from engine_workers.model.runner import gpu_memory_utilization
+    from engine_workers.model.execution.runner import gpu_memory_utilization
 
     _engine(tiny_model_dir, "bfloat16", eager=True)
     used = gpu_memory_utilization(torch.device("cuda"))

@@ -1,5 +1,5 @@
 """The CUDA-graph decode path's inputs, on a CPU: a decode step padded to a graph's bucket and run
-through the metadata built from the graph's static buffers (engine_workers/model/cudagraph/graphs.py)
+through the metadata built from the graph's static buffers (engine_workers/model/execution/cudagraph/graphs.py)
 gives the eager step's logits for the real rows, writes the same K/V, and its padded rows touch
 nothing but the dummy block. The capture and replay themselves need CUDA (test_cudagraph_gpu.py)."""
 
@@ -9,10 +9,10 @@ import torch
 
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.batch import Chunk, ModelInput
-from engine_workers.model.cudagraph.buckets import batch_buckets, pad, plan, width_buckets
-from engine_workers.model.cudagraph.graphs import DecodeGraphs, Static, graph_problem, static_metadata
-from engine_workers.model.runner import ModelRunner
+from engine_workers.model.execution.batch import Chunk, ModelInput
+from engine_workers.model.execution.cudagraph.buckets import batch_buckets, pad, plan, width_buckets
+from engine_workers.model.execution.cudagraph.graphs import DecodeGraphs, Static, graph_problem, static_metadata
+from engine_workers.model.execution.runner import ModelRunner
 from lockgate_types import SamplingParams
 
 
@@ -85,7 +85,7 @@ def test_run_reports_eager_steps_without_a_graph():
 
 def test_gpu_memory_gauge_absent_on_cpu_set_from_a_cuda_snapshot():
     from engine_workers.engine.async_engine import EngineSnapshot
-    from engine_workers.model.runner import gpu_memory_utilization
+    from engine_workers.model.execution.runner import gpu_memory_utilization
     from engine_workers.worker.health.metrics import WorkerMetrics
 
     assert gpu_memory_utilization(torch.device("cpu")) is None

@@ -1,5 +1,5 @@
 """DeepSeek-V3: a tiny random float32 checkpoint saved by transformers, loaded through lockgate's loader and
-served by the real engine over the paged cache holding MLA's compressed KV (model/mla.py): greedy tokens
+served by the real engine over the paged cache holding MLA's compressed KV (model/models/mla.py): greedy tokens
 equal transformers' ``generate``, also through prefix-cache hits and chunked prefill; logits of the
 expanded prefill path and of the absorbed decode path within 1e-4 (relative to the largest logit) of
 transformers' eager float32 (measured ~2e-6 relative); the cache holds ``kv_lora_rank + qk_rope_head_dim``
@@ -13,12 +13,12 @@ import random
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.batch import Chunk, ModelInput
-from engine_workers.model.loader import load_model
-from engine_workers.model.runner import ModelRunner, kv_block_bytes
-from lockgate.testing.tiny_model import build_tokenizer
+from engine_workers.model.execution.batch import Chunk, ModelInput
+from engine_workers.model.execution.runner import ModelRunner, kv_block_bytes
+from engine_workers.model.loading.loader import load_model
 from lockgate_types import SamplingParams
 from tests.engine_workers.model.test_moe_families import assert_paths_match, hf_greedy
 from tokenization.model_store import ModelError

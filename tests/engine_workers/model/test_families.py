@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.batch import Chunk, ModelInput
-from lockgate.testing.tiny_model import build_tokenizer
+from engine_workers.model.execution.batch import Chunk, ModelInput
 from lockgate_types import SamplingParams
 
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -38,7 +38,7 @@ FAMILIES = {
 }
 # transformers rotates a whole longrope sequence by its length (re-computing its cache when it
 # crosses the original context); lockgate rotates each chunk by the context it ends at, so a
-# chunked prompt longer than the original context differs (docs/design.md, RoPE scaling)
+# chunked prompt longer than the original context differs (docs/design-history.md, RoPE scaling)
 CHUNKING_CHANGES_ROPE = {"phi3-longrope"}
 
 
@@ -106,8 +106,8 @@ def test_family_logits_close_to_hf(name, tmp_path):
     (both sum in different orders: differences seen are ~1e-5)."""
     from transformers import AutoModelForCausalLM
 
-    from engine_workers.model.loader import load_model
-    from engine_workers.model.runner import ModelRunner
+    from engine_workers.model.execution.runner import ModelRunner
+    from engine_workers.model.loading.loader import load_model
 
     path = save(name, tmp_path / name)
     prompt = random.Random(3).sample(range(3, 512), 70)

@@ -1,4 +1,4 @@
-"""K/V cache in bf16 on CPU (``--kv-cache-dtype``; model/runner.py, model/attention.py, the CPU
+"""K/V cache in bf16 on CPU (``--kv-cache-dtype``; model/execution/runner.py, model/models/attention.py, the CPU
 attention kernels reading bf16 through csrc/kv_elem.h): the kernels and the torch path against
 torch references on a bf16 cache, the engine's logits and greedy tokens against a float32 cache
 within stated bounds, twice the blocks for one byte budget, bad values refused.
@@ -25,9 +25,9 @@ from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels import cpu_kernels
 from engine_workers.kernels.paged_reference import sdpa_decode
-from engine_workers.model.attention import build_metadata, paged_attention
-from engine_workers.model.batch import Chunk, ModelInput
-from engine_workers.model.runner import kv_block_bytes
+from engine_workers.model.execution.batch import Chunk, ModelInput
+from engine_workers.model.execution.runner import kv_block_bytes
+from engine_workers.model.models.attention import build_metadata, paged_attention
 from lockgate_types import SamplingParams
 from tests.engine_workers.kernels.test_lowp_weights import agreement, next_logits, rel_l2
 from tests.engine_workers.model.test_attention import dense_reference
@@ -227,7 +227,7 @@ def test_bad_values_refused(capsys, tiny_model_dir):
 
 
 def test_resolution():
-    from engine_workers.model.runner import resolve_kv_dtype
+    from engine_workers.model.execution.runner import resolve_kv_dtype
 
     cuda = torch.device("cuda")
     assert resolve_kv_dtype("auto", torch.float32, CPU) == torch.float32
@@ -242,7 +242,7 @@ def test_resolution():
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: str, isa: str) -> dict[str, Engine]:
-    cfg = dict(model=tiny_model_dir, device="cpu", max_num_seqs=8, kv_cache_bytes=8 << 20)
+    cfg = dict(model=tiny_model_dir, dtype="float32", device="cpu", max_num_seqs=8, kv_cache_bytes=8 << 20)
     return {"float32": Engine(EngineConfig(**cfg)), "bfloat16": Engine(EngineConfig(**cfg, kv_cache_dtype="bfloat16")),
             "bfloat16-torch": Engine(EngineConfig(**cfg, kv_cache_dtype="bfloat16", cpu_kernels=False))}
 
@@ -320,8 +320,9 @@ def test_prefix_cache_hit_gives_the_same_tokens_on_a_bf16_cache(engines):
 @pytest.mark.slow
 def test_default_model_bf16_cache_close_to_float32(default_model_dir: str) -> None:
     """SmolLM2-135M, chat prompts: next-token logits and 24 greedy tokens, bf16 vs float32 cache."""
-    ref = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20))
-    eng = Engine(EngineConfig(model=default_model_dir, device="cpu", kv_cache_bytes=64 << 20, kv_cache_dtype="bfloat16"))
+    ref = Engine(EngineConfig(model=default_model_dir, dtype="float32", device="cpu", kv_cache_bytes=64 << 20))
+    eng = Engine(EngineConfig(model=default_model_dir, dtype="float32", device="cpu", kv_cache_bytes=64 << 20,
+                              kv_cache_dtype="bfloat16"))
     chats = ["What is the capital of France?", "Write a haiku about rain.", "Explain what a hash table is.",
              "Translate 'good morning' into German."]
     prompts = [ref.encode_prompt(messages=[{"role": "user", "content": c}]) for c in chats]

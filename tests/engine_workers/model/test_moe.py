@@ -1,4 +1,4 @@
-"""Grouped MoE execution (engine_workers.model.moe) against a naive per-token reference and against
+"""Grouped MoE execution (engine_workers.model.models.moe) against a naive per-token reference and against
 transformers' own routers and MoE blocks."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_workers.model.moe import GroupedExperts, RouterSpec, SparseMoeBlock, route, swiglu_clamped
+from engine_workers.model.models.moe import GroupedExperts, RouterSpec, SparseMoeBlock, route, swiglu_clamped
 
 
 def _naive(x, experts: GroupedExperts, weights, ids):

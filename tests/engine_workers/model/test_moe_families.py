@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.batch import Chunk, ModelInput
-from lockgate.testing.tiny_model import build_tokenizer
+from engine_workers.model.execution.batch import Chunk, ModelInput
 from lockgate_types import SamplingParams
 from tokenization.model_store import ModelError
 
@@ -95,8 +95,8 @@ def test_moe_family_logits_close_to_hf(name, tmp_path):
     """Every position's logits within 1e-4 (relative to the largest) of transformers' eager float32."""
     from transformers import AutoModelForCausalLM
 
-    from engine_workers.model.loader import load_model
-    from engine_workers.model.runner import ModelRunner
+    from engine_workers.model.execution.runner import ModelRunner
+    from engine_workers.model.loading.loader import load_model
 
     path = save(name, tmp_path / name)
     prompt = random.Random(3).sample(range(3, 512), 60)
@@ -117,7 +117,7 @@ def test_moe_family_logits_close_to_hf(name, tmp_path):
 def test_moe_config_refused_naming_field(name, override, field, tmp_path):
     import json
 
-    from engine_workers.model.loader import load_model
+    from engine_workers.model.loading.loader import load_model
 
     # edited after saving: transformers itself refuses some of these values when building the model
     path = save(name, tmp_path / name)
@@ -131,7 +131,7 @@ def test_moe_config_refused_naming_field(name, override, field, tmp_path):
 def test_unknown_moe_field_refused(tmp_path):
     import json
 
-    from engine_workers.model.loader import load_model
+    from engine_workers.model.loading.loader import load_model
 
     path = save("mixtral", tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())

@@ -22,7 +22,7 @@ from engine_workers.engine.core import Engine
 from engine_workers.kernels.cpu_blocks import BlockLinear
 from engine_workers.kernels.cpu_linear import LowpLinear, lowp_problem
 from engine_workers.kernels.w8a8_linear import W8A8GatedMLP, W8A8Linear, w8a8_problem
-from engine_workers.model.moe import GroupedExperts
+from engine_workers.model.models.moe import GroupedExperts
 from tests.engine_workers.kernels.test_lowp_weights import agreement, greedy, next_logits, rel_l2
 from tests.engine_workers.model import test_deepseek, test_moe_families
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_workers.model.rope import build_rope
+from engine_workers.model.models.rope import build_rope
 
 HEAD = 16
 SMALL = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

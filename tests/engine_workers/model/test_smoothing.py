@@ -1,4 +1,4 @@
-"""w8a8's activation smoothing (engine_workers/model/smoothing.py): it leaves the float32 model's
+"""w8a8's activation smoothing (engine_workers/model/execution/smoothing.py): it leaves the float32 model's
 function as it was, it is what the engine loads for ``--quantization w8a8``, and on a model with
 outlier input channels (what real checkpoints have, and what made w8a8's error a matter of chance
 between hosts, issue #47) it brings w8a8's error down."""
@@ -11,11 +11,11 @@ import torch
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
 from engine_workers.kernels.w8a8_linear import w8a8_problem
-from engine_workers.model import smoothing
-from engine_workers.model.batch import Chunk, ModelInput
-from engine_workers.model.llama import RMSNorm
-from engine_workers.model.loader import load_model, quantize_linears
-from engine_workers.model.runner import ModelRunner
+from engine_workers.model.execution import smoothing
+from engine_workers.model.execution.batch import Chunk, ModelInput
+from engine_workers.model.execution.runner import ModelRunner
+from engine_workers.model.loading.loader import load_model, quantize_linears
+from engine_workers.model.models.llama import RMSNorm
 from tests.engine_workers.kernels.test_lowp_weights import rel_l2
 
 CPU = torch.device("cpu")
@@ -103,7 +103,7 @@ def test_smoothing_lowers_w8a8_error_on_outlier_channels(tiny_model_dir: str) ->
 
 @needs_w8a8
 def test_engine_loads_w8a8_smoothed(tiny_model_dir: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="engine_workers.model.smoothing"):
+    with caplog.at_level("INFO", logger="engine_workers.model.execution.smoothing"):
         eng = Engine(EngineConfig(model=tiny_model_dir, device="cpu", quantization="w8a8", max_num_seqs=4))
     assert eng.weight_format == "w8a8"
     assert "activation smoothing" in caplog.text

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (engine_workers/model/parallel): greedy tokens at TP=2 equal TP=1 token
+"""Tensor parallelism on CPU (engine_workers/model/execution/parallel): greedy tokens at TP=2 equal TP=1 token
 for token for the default model and a tiny random checkpoint of each supported family, per-rank KV
 bytes per block follow the head split, what cannot be split is refused by field, and a rank that
 dies makes rank 0 fail fast with a clear error.
@@ -14,14 +14,14 @@ import time
 import pytest
 import torch
 
+from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
-from engine_workers.model.parallel import step as step_codec
-from engine_workers.model.parallel.group import TpGroup
-from engine_workers.model.runner import kv_block_bytes
-from engine_workers.model.sharding.layout import TensorParallelError, even_ranges, head_split, rank_layout
-from engine_workers.model.sharding.shard import local_spec
-from lockgate.testing.tiny_model import build_tokenizer
+from engine_workers.model.execution.parallel import step as step_codec
+from engine_workers.model.execution.parallel.group import TpGroup
+from engine_workers.model.execution.runner import kv_block_bytes
+from engine_workers.model.loading.sharding.layout import TensorParallelError, even_ranges, head_split, rank_layout
+from engine_workers.model.loading.sharding.shard import local_spec
 from lockgate_types import SamplingParams
 from tests.engine_workers.model import test_families as families
 

@@ -1,4 +1,4 @@
-"""Each tensor-parallel rank reads only its slices of the checkpoint (engine_workers/model/checkpoint.py).
+"""Each tensor-parallel rank reads only its slices of the checkpoint (engine_workers/model/loading/checkpoint.py).
 
 Per rank, the state read slice by slice equals bit for bit the layout's reference
 (``shard_state`` over the whole mapped checkpoint) for the tiny random checkpoint of every family
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_workers.model.loader import checkpoint_state
-from engine_workers.model.sharding.layout import rank_layout
-from engine_workers.model.spec import ModelSpec
+from engine_workers.model.loading.loader import checkpoint_state
+from engine_workers.model.loading.sharding.layout import rank_layout
+from engine_workers.model.models.spec import ModelSpec
 from tests.engine_workers.model import test_checkpoints as checkpoints
 from tests.engine_workers.model import test_tensor_parallel as tp
 from tests.engine_workers.model.tp_reference import shard_state
@@ -99,7 +99,7 @@ def test_bin_checkpoint_still_loads_but_whole(tmp_path):
     torch.save(load_file(str(src / "model.safetensors")), out / "pytorch_model.bin")
     assert not list(out.glob("*.safetensors")) and list(out.glob("pytorch_model*.bin"))
     whole, per_rank = _check(out)
-    # a .bin file cannot be read in part: each rank loads it whole (docs/design.md, Loading)
+    # a .bin file cannot be read in part: each rank loads it whole (docs/design-history.md, Loading)
     assert all(r == whole for r in per_rank)
 
 

@@ -1,5 +1,5 @@
 """The tensor-parallel layout stated on whole mapped tensors: the reference the loader's
-slice-by-slice reads (engine_workers/model/sharding/slices.py, checkpoint.py) are tested against.
+slice-by-slice reads (engine_workers/model/loading/sharding/slices.py, checkpoint.py) are tested against.
 
 The loader never slices whole tensors (each rank reads only its spans); this independent
 statement of the same shard, rule by rule on the mapped names, is what makes the equality test
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from engine_workers.model.sharding.layout import RankLayout, TensorParallelError
-from engine_workers.model.sharding.shard import _ONCE_TAILS, _VOCAB, _once
-from engine_workers.model.spec import ModelSpec
+from engine_workers.model.loading.sharding.layout import RankLayout, TensorParallelError
+from engine_workers.model.loading.sharding.shard import _ONCE_TAILS, _VOCAB, _once
+from engine_workers.model.models.spec import ModelSpec
 
 _REPLICATED_SUFFIXES = ("norm.weight", "router.weight", "router.bias", "router.correction")
 

@@ -19,7 +19,7 @@ from tests.engine_workers.worker.test_worker_memory import MODEL, make_engine
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
 

@@ -43,7 +43,7 @@ async def _flood_then_light(tiny_dir: Path, layout: TopicLayout, fair_share: boo
             await replies.consumer.start()
             for i in range(FLOOD):
                 await publish(bus, layout, _req(f"f{i}", layout, "flood"))
-            await wait_until(lambda: len(w.intake) >= FLOOD - 4, timeout=30, message="the flood in the intake")
+            await wait_until(lambda: len(w.stages.pipeline.admission.intake) >= FLOOD - 4, timeout=30, message="the flood in the intake")
             for k in range(3):
                 at = len(submitted)
                 await publish(bus, layout, _req(f"l{k}", layout, "light"))

@@ -42,7 +42,7 @@ from tests.waiting import wait_until
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
 
@@ -182,17 +182,17 @@ async def test_a_full_engine_command_queue_strands_no_request(tiny_dir: Path, la
             await w.start()
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
-            with caplog.at_level(logging.WARNING, logger="engine_workers.worker.actor"):
+            with caplog.at_level(logging.WARNING, logger="engine_workers.worker.pipeline.admission"):
                 for i in range(3):
                     await publish(bus, layout, req(f"r{i}", layout, max_tokens=6))
                 await wait_until(lambda: "engine command queue full" in caplog.text, message="a submit refused")
-            assert w.ledger.in_engine <= 2  # never counts the refused one
+            assert w.stages.ledger.in_engine <= 2  # never counts the refused one
             gate.set()
             await replies.wait(["r0", "r1", "r2"], 20)
             assert all(isinstance(replies.final[f"r{i}"], Finished) and replies.final[f"r{i}"].num_tokens == 6
                        for i in range(3))
             await wait_until(lambda: committed(bus, w) == 3)
-            await wait_until(lambda: w.ledger.in_engine == 0)
+            await wait_until(lambda: w.stages.ledger.in_engine == 0)
         finally:
             gate.set()
             await w.stop()

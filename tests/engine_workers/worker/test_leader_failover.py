@@ -14,8 +14,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from bus import Finished, InferenceRequest, SamplingParams, TopicLayout, connect, read_dead_letters
+from devtools import kafka_local
 from engine_workers.worker.actor import Worker, WorkerConfig
-from lockgate.testing import kafka_local
 from tests.conftest import THREE_NODE_PORT
 from tests.engine_workers.worker.test_worker_kafka import assert_exact_streams
 from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, make_engine, publish, tiny_dir  # noqa: F401 - pytest fixtures, used by name

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from bus import Error, Finished, MemoryBus, ReplyBatch, SamplingParams, TokenChunk, TopicLayout, Usage, encode, partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
-from engine_workers.worker.offsets.resume import Progress, decode_replies, fold_progress
+from engine_workers.worker.pipeline.resume import Progress, decode_replies, fold_progress
 from tests.engine_workers.worker.test_worker_memory import MODEL, Replies, layout, make_engine, publish, req, tiny_dir  # noqa: F401 - pytest fixtures, used by name
 from tests.waiting import wait_until
 
@@ -99,7 +99,7 @@ async def test_a_request_sent_after_the_assignment_is_not_looked_up(tiny_dir: Pa
     engine = make_engine(tiny_dir)
     async with MemoryBus() as bus:
         async with Worker(WorkerConfig(MODEL, layout=layout), bus, engine) as w:
-            await wait_until(lambda: w.ledger.assigned_at)
+            await wait_until(lambda: w.stages.ledger.assigned_at)
             replies = Replies(bus, layout.reply_topic("test"))
             await bus.ensure_topics([layout.reply_spec("test")])
             await replies.consumer.start()

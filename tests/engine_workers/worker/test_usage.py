@@ -110,7 +110,7 @@ async def test_a_failing_usage_topic_delays_no_reply_and_is_counted(tiny_dir: Pa
         for r in reqs:
             await bus.send(layout.request_topic(MODEL, r.tier), encode(r), key=r.request_id.encode())
         await replies.wait([r.request_id for r in reqs], timeout=30)
-        await wait_until(lambda: w.usage.idle(), timeout=10, message="usage sends given up")
+        await wait_until(lambda: w.stages.way_back.usage.idle(), timeout=10, message="usage sends given up")
         assert w.metrics.registry.get_sample_value("lockgate:usage_send_failures_total") == len(reqs)
         assert _counter(w, "tenant_prompt_tokens", "acme") > 0  # the counters still count
         # the worker keeps serving and committing

@@ -39,7 +39,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lockgate.testing.tiny_model import build_tiny_model
+    from devtools.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
 
@@ -250,7 +250,7 @@ async def test_running_request_past_its_deadline_is_stopped(tiny_dir: Path, layo
         assert 0 < got < 300 and f"after {got} tokens" in late.message
         assert isinstance(free, Finished) and free.num_tokens == 60
         await wait_until(lambda: engine.kv.num_free_blocks == engine.kv.num_blocks, interval=0.02)
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks and w.ledger.in_engine == 0
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks and w.stages.ledger.in_engine == 0
 
 
 async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path, layout: TopicLayout) -> None:
@@ -274,8 +274,8 @@ async def test_missing_reply_topic_is_dead_lettered_and_committed(tiny_dir: Path
         orphan = decode(letter.value)
         assert isinstance(orphan, InferenceRequest) and orphan.request_id == "orphan" and orphan.reply_to == gone
         assert "orphan" not in replies.final
-        await wait_until(lambda: not (w.ledger.in_engine or w.aengine.snapshot.running), interval=0.02)
-        assert w.ledger.in_engine == 0 and w.aengine.snapshot.running == 0
+        await wait_until(lambda: not (w.stages.ledger.in_engine or w.aengine.snapshot.running), interval=0.02)
+        assert w.stages.ledger.in_engine == 0 and w.aengine.snapshot.running == 0
         group = bus.broker.group(w.config.group)
         await wait_until(lambda: sum(group.committed.values()) == 3)
         assert sum(group.committed.values()) == 3  # committed past all three, the orphan included
@@ -330,8 +330,8 @@ async def test_a_request_held_for_its_reply_topic_check_can_be_cancelled(tiny_di
         monkeypatch.setattr(bus, "partitions_for", slow)
         steps = w.aengine.snapshot.steps
         await publish(bus, layout, req("held", layout, max_tokens=50))
-        await wait_until(lambda: len(w._gate))
-        assert len(w._gate) == 1 and w.ledger.in_engine == 0  # held, not queued
+        await wait_until(lambda: len(w.stages.pipeline.gate))
+        assert len(w.stages.pipeline.gate) == 1 and w.stages.ledger.in_engine == 0  # held, not queued
         w.cancel("held")
         await replies.wait(["held"], 10)
         assert isinstance(replies.final["held"], Finished) and replies.final["held"].num_tokens == 0
@@ -429,8 +429,8 @@ async def test_a_failing_reply_topic_check_lets_the_request_run(tiny_dir: Path, 
         async def broken(topic: str) -> str | None:
             raise RuntimeError("metadata parser bug")
 
-        monkeypatch.setattr(w.replies, "verify", broken)
-        with caplog.at_level(logging.ERROR, logger="engine_workers.worker.replies.gate"):
+        monkeypatch.setattr(w.stages.way_back.sender, "verify", broken)
+        with caplog.at_level(logging.ERROR, logger="engine_workers.worker.pipeline.gate"):
             await publish(bus, layout, req("r", layout, max_tokens=3))
             await replies.wait(["r"], 10)
         assert replies.final["r"].num_tokens == 3
