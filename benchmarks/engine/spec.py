@@ -99,6 +99,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                                    "tpot_ms": round(got["tpot_ms"], 2) if got["tpot_ms"] is not None else None,
                                    "identical": identical}
             if mode == "ngram":
+                row["drafts"] = got["drafts"]  # 0: nothing speculated (e.g. above disable_by_batch_size)
                 row["acceptance_rate"] = round(got["accepted_tokens"] / max(1, got["draft_tokens"]), 3)
                 row["tokens_per_verification"] = round(1 + got["accepted_tokens"] / max(1, got["drafts"]), 3)
                 row["speedup_tok_s"] = round(got["tok_s"] / best["plain"]["tok_s"], 3)
