@@ -134,7 +134,7 @@ async def test_async_engine_steps_on_the_torch_thread_and_holds_no_thread_of_its
     from engine_workers.engine.async_engine import AsyncEngine
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
-    from engine_workers.engine.params import SamplingParams
+    from lockgate_types import SamplingParams
     from tests.waiting import wait_until
 
     engine = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20))
