@@ -35,14 +35,19 @@ class ModelInput:
     ``hidden``: also return those rows' final-norm states (last-token pooling reads them).
     ``sum_chunks``: indices into ``chunks`` whose every row's final-norm state is summed (mean
     pooling adds the sums chunk by chunk). Both need the eager path: a step asking for either is
-    never replayed from a CUDA graph."""
+    never replayed from a CUDA graph.
+    ``loras``: per chunk, its LoRA adapter's name (None: the base model); empty = all base
+    (:mod:`engine_workers.model.lora`)."""
 
     chunks: tuple[Chunk, ...]
     every_row: bool = False
     hidden: bool = False
     sum_chunks: tuple[int, ...] = ()
+    loras: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.loras and len(self.loras) != len(self.chunks):
+            raise ValueError(f"loras has {len(self.loras)} entries for {len(self.chunks)} chunks")
         if not all(0 <= i < len(self.chunks) for i in self.sum_chunks):
             raise ValueError(f"sum_chunks {self.sum_chunks} name chunks outside [0, {len(self.chunks)})")
 
