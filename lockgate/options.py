@@ -7,6 +7,7 @@ import argparse
 import os
 
 from engine_workers.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig  # dataclasses only: cheap
+from lockgate.lora_options import add_lora_args, lora_config
 
 
 def env_default(name: str, default: object) -> object:
@@ -68,6 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
                    help="a waiting request at least this much more urgent than the worst running one preempts it "
                         "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
+    add_lora_args(p)
 
 
 def _margin(text: str) -> float | None:
@@ -102,4 +104,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "none")),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enforce_eager=getattr(args, "enforce_eager", False),
+        **lora_config(args),
     )

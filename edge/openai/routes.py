@@ -122,7 +122,10 @@ class OpenAIServer:
         if not live:
             return []
         created = int(min(s.ts for s in live))
-        return [{"id": self.adm.config.model, "object": "model", "created": created, "owned_by": "lockgate"}]
+        base = self.adm.config.model
+        return ([{"id": base, "object": "model", "created": created, "owned_by": "lockgate"}]
+                + [{"id": name, "object": "model", "created": created, "owned_by": "lockgate", "parent": base}
+                   for name in self.adm.adapters()])
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -144,9 +147,10 @@ class OpenAIServer:
             req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
             model = req.generate.model or ""
             if model != adm.config.model:
-                adm.reject("model_not_found", API)
-                return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
-                                      f"this server serves {adm.config.model!r}", "model")
+                if model not in adm.adapters():  # an adapter of the served model (docs/lora.md) is served too
+                    adm.reject("model_not_found", API)
+                    return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
+                                          f"this server serves {adm.config.model!r}", "model")
             if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.openai.tools
                 g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)

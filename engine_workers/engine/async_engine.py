@@ -56,6 +56,11 @@ class EngineSnapshot:
     tokens_per_s: float = 0.0  # generated tokens per second over the last few seconds
     max_num_seqs: int = 0
     gpu_memory_utilization: float | None = None  # CUDA: device memory in use (0..1), refreshed <= 1/s; None on CPU
+    # LoRA (engine enable_lora): the adapters of the running and the waiting requests, and the
+    # adapters one batch may mix (0: LoRA off); vLLM's lora_requests_info gauge reads them
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +286,7 @@ class AsyncEngine:
             prompt_tokens=e.stats.prompt_tokens, generated_tokens=e.stats.generated_tokens,
             last_batch_tokens=e.stats.last_batch_tokens, last_batch_seqs=e.stats.last_batch_seqs,
             tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs, gpu_memory_utilization=self._gpu_mem[1],
+            **e.lora_snapshot(),
         )
 
     # -- event-loop side --------------------------------------------------------------------------

@@ -475,6 +475,16 @@ class Engine:
             for rid in ids
         ]
 
+    def lora_snapshot(self) -> dict:
+        """``running_loras``, ``waiting_loras`` (sorted adapter names) and ``max_loras`` for the
+        snapshot; empty without LoRA."""
+        if self.lora is None:
+            return {}
+        running = {s.lora for s in self.scheduler.running if s.lora is not None}
+        waiting = {s.lora for s in self.scheduler.waiting() if s.lora is not None}
+        return dict(running_loras=tuple(sorted(running)), waiting_loras=tuple(sorted(waiting)),
+                    max_loras=self.lora.max_loras)
+
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
