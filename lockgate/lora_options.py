@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -28,9 +29,9 @@ def add_lora_module_arg(g: Any, help_text: str) -> None:
                    help=help_text + " [LOCKGATE_LORA_MODULES, space-separated]")
 
 
-def add_lora_args(p: argparse.ArgumentParser) -> None:
-    from lockgate.options import env_default
-
+def add_lora_args(p: argparse.ArgumentParser, env_default: Callable[[str, object], object]) -> None:
+    """The engine's LoRA flags; ``env_default``: :func:`lockgate.options.env_default` (passed in, as
+    that module adds these flags to its own)."""
     g = p.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true", default=env_default("enable-lora", False),
                    help="serve LoRA adapters beside the base model (PEFT format; docs/lora.md) [LOCKGATE_ENABLE_LORA]")

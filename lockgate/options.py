@@ -69,7 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
                    help="a waiting request at least this much more urgent than the worst running one preempts it "
                         "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
-    add_lora_args(p)
+    add_lora_args(p, env_default)
 
 
 def _margin(text: str) -> float | None:

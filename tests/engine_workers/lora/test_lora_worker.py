@@ -6,7 +6,6 @@ records and the ``lora_requests_info`` gauge name them, and an adapter the worke
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
