@@ -324,7 +324,14 @@ class Engine:
         return outputs
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
-        """The scheduler's decision with the KV manager's block tables: what the runner computes."""
+        """The scheduler's decision with the KV manager's block tables: what the runner computes.
+        With LoRA, the scheduled sequences are first grouped by adapter (a stable sort, in place:
+        postprocessing reads the same list), so each adapter's rows are one contiguous segment and
+        the layers' update slices instead of gathering (engine_workers/model/lora/layers.py).
+        The order of a step's sequences changes nothing else: every draw is per sequence."""
+        if self.lora is not None:
+            first = {lo: i for i, lo in reversed(list(enumerate(item.seq.lora for item in sched.scheduled)))}
+            sched.scheduled.sort(key=lambda item: first[item.seq.lora])
         now = time.monotonic()
         chunks = []
         for item in sched.scheduled:

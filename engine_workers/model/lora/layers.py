@@ -71,8 +71,8 @@ class LoraLinear(nn.Module):
             w = self.slots[seg.slot]
             if w is None:  # the adapter leaves this layer as it is
                 continue
-            if isinstance(seg.rows, slice):
-                y[seg.rows] += (x[seg.rows] @ w.a.T) @ w.b.T
+            if isinstance(seg.rows, slice):  # a view of y's rows: the second GEMM accumulates into it
+                y[seg.rows].addmm_(x[seg.rows] @ w.a.T, w.b.T)
             else:
                 y.index_add_(0, seg.rows, (x.index_select(0, seg.rows) @ w.a.T) @ w.b.T)
         return y
