@@ -482,6 +482,24 @@ class Engine:
             for rid in ids
         ]
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve one more LoRA adapter from now on (vLLM's ``load_lora_adapter``); raises
+        ``ValueError`` (a :class:`~engine_workers.model.lora.peft_config.LoraError`) naming what is wrong."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (vLLM's ``unload_lora_adapter``); refused while a waiting
+        or running request names it."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        self.lora.check(name)
+        users = sum(req.seq.lora == name for req in self._reqs.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
+        self.lora.remove(name)
+
     def lora_snapshot(self) -> dict:
         """``running_loras``, ``waiting_loras`` (sorted adapter names) and ``max_loras`` for the
         snapshot; empty without LoRA."""

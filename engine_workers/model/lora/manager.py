@@ -41,8 +41,13 @@ class LoraManager:
         self.paths = {name: Path(path) for name, path in modules.items()}
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.ranks: dict[str, int] = {}
+        # per name, which load it is (bumped by each ``add``): part of the prefix-cache identity, so
+        # an adapter removed and added again under its name never meets the old one's KV blocks
+        self._generation: dict[str, int] = {}
+        self._loads = 0
         for name in self.paths:  # every adapter checked at start; the LRU keeps the last ones read
             self.ranks[name] = self._host_get(name).rank
+            self._generation[name] = self._next()
         self.batch, self.layers = attach(model, spec.num_layers, max_loras)
         self._slots: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, LRU first
         self.loads = 0  # slot installs since start (a figure for metrics)
@@ -56,7 +61,34 @@ class LoraManager:
     def identity(self, name: str) -> bytes:
         """Prefix-cache key material of adapter ``name``: its name and folder, so no KV block is
         shared across adapters (nor with the base model, whose key has none)."""
-        return f"|lora:{name}@{self.paths[name]}".encode()
+        return f"|lora:{name}@{self.paths[name]}#{self._generation[name]}".encode()
+
+    def _next(self) -> int:
+        self._loads += 1
+        return self._loads
+
+    def add(self, name: str, path: str | Path) -> None:
+        """Load and check a new adapter at run time (:class:`LoraError` naming what is wrong; the
+        served set is unchanged then)."""
+        if not isinstance(name, str) or not name:
+            raise LoraError("a LoRA adapter needs a non-empty name")
+        if name in self.paths:
+            raise LoraError(f"LoRA adapter {name!r} is already loaded (from {self.paths[name]}); unload it first")
+        adapter = load_adapter(name, path, self.spec, self.dtype, self.max_lora_rank)
+        self.paths[name], self.ranks[name], self._generation[name] = Path(path), adapter.rank, self._next()
+        self._host[name] = adapter
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def remove(self, name: str) -> None:
+        """Forget adapter ``name``: its folder, host copy and slot (the engine refuses while a
+        request still uses it)."""
+        self.check(name)
+        del self.paths[name], self.ranks[name], self._generation[name]
+        self._host.pop(name, None)
+        slot = self._slots.pop(name, None)
+        if slot is not None:
+            install(self.layers, slot, None, self.device)
 
     def check(self, name: str) -> None:
         if name not in self.paths:

@@ -34,6 +34,7 @@ _HARMLESS = frozenset({
     "layer_replication", "lora_bias", "trainable_token_indices", "use_qalora", "qalora_group_size",
     "target_parameters", "megatron_config", "runtime_config", "alora_invocation_tokens", "arrow_config",
     "ensure_weight_tying", "peft_version",
+    "lora_ga_config", "velora_config",  # an initialisation (LoRA-GA), a training-memory scheme (VeLoRA)
 })
 
 # field -> (what means "off", why it is refused when on): a value other than "off" changes the math
@@ -50,6 +51,12 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "alora_invocation_tokens": ((None, []), "activated LoRA (aLoRA) is not implemented"),
     "arrow_config": ((None, {}), "Arrow routing is not implemented"),
     "megatron_config": ((None, {}), "Megatron-parallel LoRA layers are not implemented"),
+    # variants PEFT configures through the LoRA config; each changes the layer's forward or is not
+    # known to leave it alone, and none is implemented
+    "use_bdlora": ((False, None), "block-diagonal LoRA is not implemented"),
+    "kasa_config": ((None, {}), "KaSA is not implemented"),
+    "monteclora_config": ((None, {}), "MonteCLoRA is not implemented"),
+    "astra_config": ((None, {}), "this LoRA variant (astra_config) is not implemented"),
 }
 
 
@@ -97,7 +104,9 @@ def read_config(path: Path, name: str) -> PeftLoraConfig:
         value = raw.get(field)
         if field in raw and value not in off:
             raise LoraError(f"LoRA adapter {name!r}: {field}={value!r}: {why}")
-    unknown = sorted(k for k in raw if k not in _HARMLESS)
+    # a field this build has never heard of: ignored, and worth a word only when it is set to
+    # something (None, False, empty: surely its default)
+    unknown = sorted(k for k, v in raw.items() if k not in _HARMLESS and k not in _REFUSED and v not in (None, False, "", [], {}))
     if unknown:
         log.warning("LoRA adapter %r: ignoring fields this lockgate does not know: %s", name, ", ".join(unknown))
     r, alpha = raw.get("r", 8), raw.get("lora_alpha", 8)

@@ -135,3 +135,36 @@ def test_resume_with_an_adapter_continues_exactly(engine):
     assert full[:6] + rest == full
     base = list(engine.generate([ids], params)[0].token_ids)
     assert base != full  # the adapter matters for this request, so the check above means something
+
+
+def test_adapters_load_and_unload_at_run_time(tiny_model_dir, adapters):
+    from engine_workers.model.lora.peft_config import LoraError
+
+    eng = Engine(EngineConfig(model=tiny_model_dir, kv_cache_bytes=4 << 20, enable_lora=True, max_loras=2))
+    ids = prompt(60, 40)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = list(eng.generate([ids], params)[0].token_ids)
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        eng.add_request("x", ids, params, lora="late")
+    eng.add_lora("late", str(adapters["all_rslora"]))
+    with_late = eng.generate([ids], params, loras=["late"])[0]
+    assert list(with_late.token_ids) != want and with_late.num_cached_tokens == 0
+    with pytest.raises(LoraError, match="already loaded"):
+        eng.add_lora("late", str(adapters["q"]))
+    with pytest.raises(LoraError, match="is not a folder"):
+        eng.add_lora("broken", str(adapters["q"] / "nowhere"))
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        eng.add_request("z", ids, params, lora="broken")  # a failed load serves nothing
+    eng.add_request("busy", ids, params, lora="late")
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        eng.remove_lora("late")
+    while eng.has_unfinished():
+        eng.step()
+    eng.remove_lora("late")
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        eng.add_request("y", ids, params, lora="late")
+    # added again under the same name: another adapter now, and none of the old one's KV is reused
+    eng.add_lora("late", str(adapters["q"]))
+    again = eng.generate([ids], params, loras=["late"])[0]
+    assert again.num_cached_tokens == 0 and list(again.token_ids) != list(with_late.token_ids)
+    assert list(eng.generate([ids], params)[0].token_ids) == want  # the base model is as it was
