@@ -22,6 +22,7 @@ async def test_adapters_from_heartbeats_route_and_list(encoder):
 
         r = await client.chat.completions.create(model="sql", messages=HELLO, max_tokens=3)
         assert r.choices[0].message.content == expected_text(chat_ids(encoder, HELLO), 3)
+        assert r.model == "sql"  # the answer names the adapter asked for, as vLLM's does
         seen = fw.seen[-1]
         assert (seen.model, seen.lora) == (MODEL, "sql")
         await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=2)
