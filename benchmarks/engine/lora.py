@@ -16,6 +16,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,8 @@ def run(model: str | None, requests: int, rank: int, adapter_counts: list[int], 
     from engine_workers.model.lora.adapter import load_adapter
     from lockgate_types import SamplingParams
 
-    base_cfg = dict(model=model, max_num_seqs=requests, num_threads=threads or None)
-    base = Engine(EngineConfig(**base_cfg))
+    base_cfg = EngineConfig(model=model, max_num_seqs=requests, num_threads=threads or None)
+    base = Engine(base_cfg)
     wl = make_workload(base.loaded.spec.vocab_size, requests, seed=0, prompt_range=(8, 128), output_range=(16, 64))
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wl.outputs]
     most = max(adapter_counts)
@@ -75,8 +76,8 @@ def run(model: str | None, requests: int, rank: int, adapter_counts: list[int], 
     base_rate = tok_s(base, None)
     rows.append({"mode": "base engine (no --enable-lora)", "adapters": 0, "tok_s": round(base_rate, 1), "ratio": 1.0})
     del base
-    lora = Engine(EngineConfig(**base_cfg, enable_lora=True, max_loras=most, max_lora_rank=rank,
-                               lora_modules=tuple((f"a{i}", str(p)) for i, p in enumerate(paths))))
+    lora = Engine(replace(base_cfg, enable_lora=True, max_loras=most, max_lora_rank=rank,
+                          lora_modules=tuple((f"a{i}", str(p)) for i, p in enumerate(paths))))
     for n in [0, *adapter_counts]:
         loras = [f"a{i % n}" for i in range(requests)] if n else None
         rate = tok_s(lora, loras)
