@@ -60,11 +60,13 @@ def test_logits_match_transformers_peft(engine, tiny_model_dir, adapters, case):
     ids = prompt(1, 40)
     with torch.inference_mode():
         ref = hf_with_adapter(tiny_model_dir, adapters[case])(torch.tensor([ids])).logits[0]
+        merged = hf_with_adapter(tiny_model_dir, adapters[case], merged=True)(torch.tensor([ids])).logits[0]
         base = hf_with_adapter(tiny_model_dir, None)(torch.tensor([ids])).logits[0]
     got = engine_logits(engine, ids, case)
     scale = max(1.0, ref.abs().max().item())
     assert (ref - base).abs().max().item() > 1e-2 * scale, "the adapter must change the logits for the test to mean anything"
     assert (got - ref).abs().max().item() < 1e-4 * scale
+    assert (got - merged).abs().max().item() < 1e-4 * scale  # and PEFT's merged weights
     assert (engine_logits(engine, ids, None) - base).abs().max().item() < 1e-4 * scale  # slots left no trace
 
 
