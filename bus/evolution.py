@@ -26,7 +26,9 @@ from typing import Any, Union
 from bus.codec import DecodeError
 from lockgate_types.evolution import is_must_understand
 
-SCHEMA_VERSION = 1  # the revision this build writes and the newest it reads strictly
+# the revision this build writes and the newest it reads strictly. 2: InferenceRequest.lora
+# (must-understand), WorkerStatus.loras, UsageRecord.lora (docs/bus.md, "Record evolution")
+SCHEMA_VERSION = 2
 MIN_SCHEMA_VERSION = 1  # older records are refused (a new major layout would raise this)
 
 # per class: (field name, marked must-understand, nested dataclass type or None); only the fields

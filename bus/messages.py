@@ -22,6 +22,7 @@ from bus.codec import DecodeError, build
 from bus.evolution import SCHEMA_VERSION, check_version, lenient_body, must_list
 from lockgate_types import FinishReason as FinishReason  # re-exported: the wire names it too
 from lockgate_types import SamplingParams, check_float, check_int
+from lockgate_types.evolution import must_understand
 
 
 class Tier(IntEnum):
@@ -77,10 +78,16 @@ class InferenceRequest:
     # The tenant's fair-share weight within its tier (edge key file ``weight``; docs/worker.md,
     # "Fair share"): a tenant of weight 2 gets twice the tokens of a tenant of weight 1 when both wait.
     weight: float = 1.0
+    # Revision 2: the LoRA adapter (its served name) the worker must run the request with; None =
+    # the base model. Must-understand: a worker without adapters refuses it rather than silently
+    # serving the base model (docs/bus.md, "Record evolution"; docs/lora.md).
+    lora: str | None = field(default=None, metadata=must_understand())
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id must be a non-empty string")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError("lora must be a non-empty adapter name or null")
         weight = check_float("weight", self.weight)
         if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
             raise ValueError(f"weight must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {self.weight}")
@@ -180,6 +187,9 @@ class WorkerStatus:
     # partitions it owns: the edge weighs each worker's wait by the share of requests it gets.
     lag: tuple[int, ...] = (0, 0, 0)
     partitions: int = 0
+    # Revision 2: the LoRA adapters this worker serves (docs/lora.md); the edge lists them in
+    # /v1/models and routes a request naming one to this model's topics
+    loras: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +227,7 @@ class UsageRecord:
     finish_reason: str
     attempt: int = 0
     worker_id: str = ""
+    lora: str | None = None  # revision 2: the LoRA adapter the request ran with (None: the base model)
 
 
 Message = InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch | UsageRecord

@@ -89,7 +89,9 @@ class FakeWorker:
         diverge_on_replay: bool = False,
         first_token_s: float = 0.0,
         stop_after: int | None = None,
+        loras: tuple[str, ...] = (),  # LoRA adapter names its heartbeats list (the edge routes them here)
     ) -> None:
+        self.loras = loras
         self.bus = bus
         self.model = model
         self.layout = layout or TopicLayout()
@@ -153,7 +155,7 @@ class FakeWorker:
 
     async def send_status(self) -> None:
         st = WorkerStatus(self.worker_id, self.model, time.time(), tuple(self.queue_depth), tuple(self.est_wait_s),
-                          running=len(self.running), max_num_seqs=256)
+                          running=len(self.running), max_num_seqs=256, loras=self.loras)
         await self.bus.send(self.layout.status_topic, encode(st), key=self.worker_id.encode())
 
     async def _heartbeat(self) -> None:

@@ -178,6 +178,9 @@ class EdgeConfig:
     # state) or "mean" (every prompt token's); the edge stamps it on each request, so every worker
     # computes the same kind of vector for the model
     embedding_pooling: str = "last"
+    # LoRA adapters a request's ``model`` may name (routed as ``model`` with ``lora=<name>``), beside
+    # those the live workers' heartbeats list (docs/lora.md); names only, the workers load them
+    lora_modules: tuple[str, ...] = ()
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None

@@ -8,6 +8,7 @@ import os
 
 from engine_workers.engine.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig  # dataclasses only: cheap
 from engine_workers.engine.speculative import SpeculativeConfig  # json + dataclasses only: cheap
+from lockgate.lora_options import add_lora_args, lora_config
 
 
 def env_default(name: str, default: object) -> object:
@@ -77,6 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
                    help="a waiting request at least this much more urgent than the worst running one preempts it "
                         "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
+    add_lora_args(p, env_default)
 
 
 def _margin(text: str) -> float | None:
@@ -119,4 +121,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enforce_eager=getattr(args, "enforce_eager", False),
         speculative_config=getattr(args, "speculative_config", None),
+        **lora_config(args),
     )

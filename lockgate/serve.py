@@ -59,7 +59,8 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     edge_cfg = EdgeConfig(model=name, model_path=str(engine.loaded.path), host=args.host, port=args.port, keys=keys, layout=layout,
                           openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
-                          embedding_pooling=args.embedding_pooling, **edge_limits(args))
+                          embedding_pooling=args.embedding_pooling, **edge_limits(args),
+                          lora_modules=engine.lora.names if engine.lora is not None else ())
     if edge_cfg.dev_mode:
         print(DEV_BANNER.format(tier=edge_cfg.dev_tier), file=sys.stderr, flush=True)
     raise_nofile()

@@ -44,10 +44,14 @@ DEFAULT_WINDOW = 512
 
 
 def prefix_key(tenant: str, prompt_token_ids: Sequence[int], messages: Sequence[ChatMessage] | None,
-               prefix_tokens: int = DEFAULT_PREFIX_TOKENS) -> bytes | None:
-    """The affinity key of a request (a hex digest), or None when it has no shareable prefix."""
+               prefix_tokens: int = DEFAULT_PREFIX_TOKENS, lora: str | None = None) -> bytes | None:
+    """The affinity key of a request (a hex digest), or None when it has no shareable prefix.
+    A LoRA adapter is part of it: no KV is shared across adapters (docs/lora.md), so requests
+    for different adapters gain nothing from meeting on one worker."""
     h = hashlib.blake2b(digest_size=12)
     h.update(tenant.encode("utf-8", "surrogatepass") + b"\x00")
+    if lora is not None:
+        h.update(b"l\x00" + lora.encode("utf-8", "surrogatepass") + b"\x00")
     if messages and messages[0].role == "system":
         h.update(b"s\x00" + messages[0].content.encode("utf-8", "surrogatepass"))
     elif len(prompt_token_ids) > prefix_tokens:
@@ -126,7 +130,7 @@ class Placement:
         fallback = (req.request_id.encode(), None)
         if self.affinity is None:
             return fallback
-        key = prefix_key(req.tenant, req.prompt_token_ids, req.messages, self.affinity.prefix_tokens)
+        key = prefix_key(req.tenant, req.prompt_token_ids, req.messages, self.affinity.prefix_tokens, req.lora)
         if key is None:
             return fallback
         n = await self._count(topic)

@@ -103,9 +103,12 @@ class Admission:
         cfg, encoder = self.config, self.encoder
         started_ns = time.time_ns() if self.tracer is not None else 0
         assert encoder is not None, "Admission.encoder is set before the edge serves"
+        lora = None  # a ``model`` naming an adapter: the served model, with that adapter (docs/lora.md)
         if g.model is not None and g.model != cfg.model:
-            raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
-                                "model", g.id)
+            if g.model not in self.adapters():
+                raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
+                                    "model", g.id)
+            lora = g.model
         bias = g.sampling.logit_bias
         if bias and max(t for t, _ in bias) >= len(encoder.tokenizer):
             raise ProtocolError(f"logit_bias token ids must be below the vocabulary size {len(encoder.tokenizer)}",
@@ -161,8 +164,14 @@ class Admission:
             # One prefix-cache namespace per tenant: a tenant never hits (and ``cached_tokens`` never
             # reveals) a prefix that another tenant sent.
             cache_salt=f"tenant:{principal.tenant}" + (f"|{g.cache_salt}" if g.cache_salt else ""),
-            weight=principal.entry.weight)
+            weight=principal.entry.weight, lora=lora)
         return Admitted(s, req)
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters a request's ``model`` may name: the edge's ``--lora-modules`` and those
+        the live workers' heartbeats list (docs/lora.md), in that order, without repeats."""
+        live = self.shedder.live(time.monotonic())
+        return list(dict.fromkeys([*self.config.lora_modules, *(n for s in live for n in s.loras)]))
 
     def trace_parent(self, headers: Mapping[str, str]) -> SpanContext | None:
         """The client's context from its HTTP (or WebSocket upgrade) request's ``traceparent``

@@ -127,10 +127,13 @@ class OpenAIServer:
         if not live:
             return []
         created = int(min(s.ts for s in live))
-        name = self.adm.config.model
-        # OpenAI's model object, with Anthropic's fields (type, display_name, created_at) besides
-        return [{"id": name, "object": "model", "created": created, "owned_by": "lockgate", "type": "model",
-                 "display_name": name, "created_at": datetime.fromtimestamp(created, UTC).isoformat()}]
+        base = self.adm.config.model
+        # OpenAI's model object, with Anthropic's fields (type, display_name, created_at) besides;
+        # the adapters of the served model with their parent (vLLM's shape, docs/lora.md)
+        def entry(name: str, **extra: str) -> dict:
+            return {"id": name, "object": "model", "created": created, "owned_by": "lockgate", "type": "model",
+                    "display_name": name, "created_at": datetime.fromtimestamp(created, UTC).isoformat(), **extra}
+        return [entry(base)] + [entry(name, parent=base) for name in self.adm.adapters()]
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -152,9 +155,10 @@ class OpenAIServer:
             req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
             model = req.generate.model or ""
             if model != adm.config.model:
-                adm.reject("model_not_found", API)
-                return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
-                                      f"this server serves {adm.config.model!r}", "model")
+                if model not in adm.adapters():  # an adapter of the served model (docs/lora.md) is served too
+                    adm.reject("model_not_found", API)
+                    return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
+                                          f"this server serves {adm.config.model!r}", "model")
             if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.chat.tools
                 g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)

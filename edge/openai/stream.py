@@ -49,7 +49,7 @@ class OpenAIStream:
         self.max_pending = max_pending
         self.on_overflow = on_overflow
         self.created = int(time.time())
-        self.model = config.model
+        self.model = req.generate.model or config.model  # the name asked for: the base model or an adapter (as vLLM)
         self.id = ""
         self.seed: int | None = None
         self.stream: Stream | None = None

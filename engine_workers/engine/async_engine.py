@@ -64,6 +64,11 @@ class EngineSnapshot:
     spec_num_drafts: int = 0  # speculative decoding counters (EngineStats.spec_*)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # LoRA (engine enable_lora): the adapters of the running and the waiting requests, and the
+    # adapters one batch may mix (0: LoRA off); vLLM's lora_requests_info gauge reads them
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +321,7 @@ class AsyncEngine:
             tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs, gpu_memory_utilization=self._gpu_mem[1],
             spec_num_drafts=e.stats.spec_num_drafts, spec_num_draft_tokens=e.stats.spec_num_draft_tokens,
             spec_num_accepted_tokens=e.stats.spec_num_accepted_tokens,
+            **e.lora_snapshot(),
         )
 
     # -- event-loop side --------------------------------------------------------------------------

@@ -51,6 +51,15 @@ class EngineConfig:
     # a decoding request's proposed tokens are verified in the same forward as its decode token;
     # the tokens produced are those plain decoding produces (docs/design-history.md, Speculative decoding)
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (vLLM's flags; engine_workers/model/lora, docs/lora.md). ``lora_modules``:
+    # (name, folder) of each PEFT adapter a request may name; ``max_loras``: distinct adapters in
+    # one batch (the model's slots); ``max_lora_rank``: the largest rank accepted;
+    # ``max_cpu_loras``: loaded adapters kept in host memory (None = max_loras)
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -75,6 +84,25 @@ class EngineConfig:
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config with tensor_parallel_size > 1 is not implemented yet "
                              "(the ranks' step codec carries no verification rows)")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_cpu_loras is not None and not (isinstance(self.max_cpu_loras, int)
+                                                   and self.max_cpu_loras >= self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")
+        if self.enable_lora and self.quantization == "w8a8":
+            raise ValueError("enable_lora with quantization w8a8 is not implemented (its fused int8 MLP has no place "
+                             "for an adapter's update); use int8 (weight-only) or none (docs/lora.md)")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not implemented (adapters are not "
+                             "sharded yet; docs/lora.md)")
+        lora_names = [n for n, _ in self.lora_modules]
+        dup = next((n for n in lora_names if lora_names.count(n) > 1), None)
+        if dup is not None or any(not n for n in lora_names):
+            raise ValueError(f"lora_modules names must be unique and non-empty, got {lora_names!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 

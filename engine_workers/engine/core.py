@@ -56,6 +56,7 @@ from engine_workers.model.execution.parallel.runner import ParallelRunner, load_
 from engine_workers.model.execution.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
 from engine_workers.model.execution.smoothing import load_smoothed_w8a8
 from engine_workers.model.loading.loader import LoadedModel, load_model
+from engine_workers.model.lora.manager import LoraManager
 from kv_store import KVCacheManager
 from lockgate_types import FinishReason, SamplingParams
 from tokenization.prompts import PromptTokenizer
@@ -125,7 +126,8 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs),
-                            config.long_prefill_token_threshold, config.priority_preemption_margin),
+                            config.long_prefill_token_threshold, config.priority_preemption_margin,
+                            config.max_loras if config.enable_lora else None),
             self.kv,
         )
         self.runner: ModelRunner | ParallelRunner
@@ -138,9 +140,13 @@ class Engine:
                     self.tp_group.close()
                 raise
         else:
-            graphs = None if config.enforce_eager else (config.max_num_seqs, self.max_model_len)
+            # LoRA segments change every step: no CUDA graphs with adapters (docs/lora.md)
+            eager = config.enforce_eager or config.enable_lora
+            graphs = None if eager else (config.max_num_seqs, self.max_model_len)
             self.runner = ModelRunner(loaded, num_blocks, config.block_size, self.device, self.dtype,
                                       config.cpu_kernels, self.kv_dtype, cuda_graphs=graphs)
+            if config.enable_lora:
+                self.runner.lora = self.lora = lora_manager(config, loaded, self.dtype, self.device)
         self.sampler = Sampler(self.device, sorted(self.eos_token_ids))
         self.pooler = Pooler()
         # Seeds for requests without one: every request's draws are counter-based on a seed (see
@@ -161,6 +167,8 @@ class Engine:
         log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens, %s)",
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
                  num_blocks * config.block_size, str(self.kv_dtype).removeprefix("torch."))
+
+    lora: LoraManager | None = None  # with enable_lora: the named adapters (engine_workers.model.lora)
 
     def _load_parallel(self, config: EngineConfig, lowp: str | None, given: TpGroup | None) -> LoadedModel:
         """Start the tensor-parallel group (``self.tp_group``) and load every rank's shard."""
@@ -226,6 +234,7 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         resume_token_ids: Seq[int] = (),
+        lora: str | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the field for bad input; the engine's
         other requests are unaffected.
@@ -236,7 +245,10 @@ class Engine:
         ``min_tokens``/``max_tokens`` counts and text as the uninterrupted run, whose tokens from
         that position on it reproduces (same ``seed``). Outputs number tokens from that position
         (``seq``) and their text continues where the first run's released text stopped
-        (``text_offset``)."""
+        (``text_offset``).
+
+        ``lora``: the name of a LoRA adapter the engine serves (``lora_modules``) to run the
+        request with; None = the base model. Part of the request's prefix-cache key."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -244,6 +256,12 @@ class Engine:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already running")
+        extra = self._extra + (b"|" + cache_salt.encode() if cache_salt else b"")
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"lora={lora!r}: this engine serves no LoRA adapters (--enable-lora)")
+            self.lora.check(lora)
+            extra += self.lora.identity(lora)
         ids = self.encode_prompt(prompt, messages)
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -269,7 +287,8 @@ class Engine:
             prompt_token_ids=ids,
             params=params,
             priority=float(priority),
-            cache_extra=self._extra + (b"|" + cache_salt.encode() if cache_salt else b""),
+            cache_extra=extra,
+            lora=lora,
             times=SeqTimes(arrival_time if arrival_time is not None else time.monotonic()),
         )
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -355,7 +374,14 @@ class Engine:
                 seq.spec_token_ids = self._proposer.propose(seq.all_token_ids, k)
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
-        """The scheduler's decision with the KV manager's block tables: what the runner computes."""
+        """The scheduler's decision with the KV manager's block tables: what the runner computes.
+        With LoRA, the scheduled sequences are first grouped by adapter (a stable sort, in place:
+        postprocessing reads the same list), so each adapter's rows are one contiguous segment and
+        the layers' update slices instead of gathering (engine_workers/model/lora/layers.py).
+        The order of a step's sequences changes nothing else: every draw is per sequence."""
+        if self.lora is not None:
+            first = {lo: i for i, lo in reversed(list(enumerate(item.seq.lora for item in sched.scheduled)))}
+            sched.scheduled.sort(key=lambda item: first[item.seq.lora])
         now = time.monotonic()
         chunks: list[Chunk] = []
         verify: list[int] = []
@@ -371,7 +397,8 @@ class Engine:
                 tokens += s.spec_token_ids[: item.num_spec]
             chunks.append(Chunk(tokens, start, self.kv.block_ids(s.seq_id), item.samples))
         hidden, sum_chunks = self.pooler.wants(sched.scheduled)
-        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify))
+        loras = tuple(item.seq.lora for item in sched.scheduled) if self.lora is not None else ()
+        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify), loras=loras)
 
     def _postprocess(self, sched: SchedulerOutput, batch: ModelInput, result: RunnerOutput,
                      outputs: list[RequestOutput]) -> None:
@@ -529,13 +556,17 @@ class Engine:
 
     def generate(self, prompts: Seq[str | Seq[int]],
                  params: SamplingParams | list[SamplingParams] | tuple[SamplingParams, ...] | None = None,
-                 cache_salt: str | None = None) -> list[CompletedRequest]:
+                 cache_salt: str | None = None,
+                 loras: Seq[str | None] | None = None) -> list[CompletedRequest]:
         """Run prompts to completion together (continuous batching) and return them in order.
-        ``cache_salt``: prefix-cache namespace (as for ``add_request``)."""
+        ``cache_salt``: prefix-cache namespace (as for ``add_request``); ``loras``: per prompt, its
+        LoRA adapter (None: the base model)."""
+        if loras is not None and len(loras) != len(prompts):
+            raise ValueError(f"loras has {len(loras)} entries for {len(prompts)} prompts")
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p, cache_salt=cache_salt)
+        for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params_list)):
+            self.add_request(rid, prompt, p, cache_salt=cache_salt, lora=loras[i] if loras is not None else None)
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         text: dict[str, list[str]] = {rid: [] for rid in ids}
         done: dict[str, RequestOutput] = {}
@@ -557,8 +588,44 @@ class Engine:
             for rid in ids
         ]
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve one more LoRA adapter from now on (vLLM's ``load_lora_adapter``); raises
+        ``ValueError`` (a :class:`~engine_workers.model.lora.peft_config.LoraError`) naming what is wrong."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (vLLM's ``unload_lora_adapter``); refused while a waiting
+        or running request names it."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        self.lora.check(name)
+        users = sum(req.seq.lora == name for req in self._reqs.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
+        self.lora.remove(name)
+
+    def lora_snapshot(self) -> dict:
+        """``running_loras``, ``waiting_loras`` (sorted adapter names) and ``max_loras`` for the
+        snapshot; empty without LoRA."""
+        if self.lora is None:
+            return {}
+        running = {s.lora for s in self.scheduler.running if s.lora is not None}
+        waiting = {s.lora for s in self.scheduler.waiting() if s.lora is not None}
+        return dict(running_loras=tuple(sorted(running)), waiting_loras=tuple(sorted(waiting)),
+                    max_loras=self.lora.max_loras)
+
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
+
+
+def lora_manager(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoraManager:
+    """The engine's adapters (``config.lora_modules``) on ``loaded``'s layers (the config refused
+    the weight formats and tensor parallelism the update cannot sit beside)."""
+    return LoraManager(loaded.model, loaded.spec, dict(config.lora_modules), dtype=dtype, device=device,
+                       max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                       max_cpu_loras=config.max_cpu_loras)

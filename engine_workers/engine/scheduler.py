@@ -43,6 +43,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # cap one prompt's chunk per step (0 = no cap)
     priority_preemption_margin: float | None = None  # None: never preempt for priority
+    # distinct LoRA adapters among the running sequences (the model's adapter slots); None = no cap
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -190,6 +192,8 @@ class Scheduler:
                 if head is None:
                     break
                 seq = head
+                if not self._lora_fits(seq):
+                    break  # head of line waits for an adapter slot, as it waits for blocks
                 prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra,
                                                     lookup=seq.params.uses_prefix_cache)
                 n = self._chunk(seq, prefix.num_tokens, budget)
@@ -208,6 +212,14 @@ class Scheduler:
 
         out.scheduled = list(scheduled.values())
         return out
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether admitting ``seq`` keeps the running set within ``max_loras`` adapters."""
+        cap = self.config.max_loras
+        if cap is None or seq.lora is None:
+            return True
+        running = {s.lora for s in self.running if s.lora is not None}
+        return seq.lora in running or len(running) < cap
 
     def _priority_victim(self) -> Sequence | None:
         """The running sequence to preempt for the best waiting one, or None (see the module

@@ -38,6 +38,7 @@ class Sequence:
     params: SamplingParams
     priority: float = 0.0
     cache_extra: bytes = b""
+    lora: str | None = None  # the LoRA adapter's name (engine_workers.model.lora); None = the base model
     times: SeqTimes = field(default_factory=lambda: SeqTimes(0.0))
     output_token_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from lockgate.edge_options import add_edge_limits, edge_limits
+from lockgate.lora_options import add_lora_module_arg
 from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
 from lockgate.options import env_default
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
@@ -49,6 +50,9 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     p.add_argument("--max-frame-bytes", type=int, default=env_default("max-frame-bytes", 1 << 20))
     p.add_argument("--request-timeout", type=float, default=env_default("request-timeout", 300.0))
     add_edge_limits(p)
+    add_lora_module_arg(p, "LoRA adapters a request's model may name, routed to the served model's workers "
+                           "with lora=<name> (name or name=path; the path is the workers' business); the edge "
+                           "also learns the names the live workers' heartbeats list")
     p.set_defaults(func=_edge)
 
     k = sub.add_parser("keys", help="API keys for the edge")
@@ -81,7 +85,8 @@ def _edge(args: argparse.Namespace) -> int:
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
                         **edge_limits(args),
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling, **kw)
+                        reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling,
+                        lora_modules=tuple(name for name, _ in args.lora_modules or ()), **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
     if config.reuse_port and not config.dev_mode:

@@ -172,10 +172,26 @@ def test_the_writer_names_exactly_the_must_understand_fields_that_are_set() -> N
     assert must_list(_Record("r", _Inner(0.5))) == []
     assert must_list(_Record("r", _Inner(adapter="a"), _Inner(adapter="b"), tier_hint=1)) == [
         "sampling.adapter", "inner.adapter", "tier_hint"]
-    assert must_list(REQ) == []  # no field of this revision is marked
+    assert must_list(REQ) == []  # no must-understand field of REQ is set
 
 
 def test_known_paths_follow_nested_records() -> None:
     assert knows(_Record, "sampling.adapter") and knows(_Record, "inner.temperature")
     assert not knows(_Record, "sampling.nope") and not knows(_Record, "request_id.x")
     assert knows(InferenceRequest, "sampling.pooling") and not knows(InferenceRequest, "adapter")
+
+
+def test_a_request_for_a_lora_adapter_names_it_in_must() -> None:
+    """Revision 2's ``lora``: a worker that does not know it refuses the record (the test above, for
+    any unknown name) instead of serving the base model; unset, the record has no ``must``."""
+    from dataclasses import replace
+
+    req = replace(REQ, lora="sql-adapter")
+    obj = _obj(req)
+    assert obj["must"] == ["lora"] and obj["lora"] == "sql-adapter"
+    assert decode(encode(req)) == req
+    assert "must" not in _obj(REQ)
+    with pytest.raises(ValueError, match="lora"):
+        replace(REQ, lora="")
+    status = WorkerStatus("w", "m", 1.0, loras=("a", "b"))
+    assert decode(encode(status)) == status

@@ -131,7 +131,7 @@ class ResponsesRoutes:
                 previous = got.history
             req = parse_responses(body, encoder.context_len, previous)
             model = req.chat.generate.model or ""
-            if model != adm.config.model:
+            if model != adm.config.model and model not in adm.adapters():  # an adapter: docs/lora.md
                 raise ProtocolError(f"the model {model[:200]!r} does not exist; this server serves "
                                     f"{adm.config.model!r}", "model", code="model_not_found")
             if req.chat.tools is not None:

@@ -40,15 +40,20 @@ class ModelInput:
     ``verify``: indices into ``chunks`` of speculative verification chunks (a decode token and the
     tokens proposed after it): every row of such a chunk is a logit row, and every row attends as
     a decode row of its own position (the same attention path, bit for bit, as plain decoding of
-    that position: engine.core, "Speculative decoding"). Never replayed from a CUDA graph."""
+    that position: engine.core, "Speculative decoding"). Never replayed from a CUDA graph.
+    ``loras``: per chunk, its LoRA adapter's name (None: the base model); empty = all base
+    (:mod:`engine_workers.model.lora`)."""
 
     chunks: tuple[Chunk, ...]
     every_row: bool = False
     hidden: bool = False
     sum_chunks: tuple[int, ...] = ()
     verify: tuple[int, ...] = ()
+    loras: tuple[str | None, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.loras and len(self.loras) != len(self.chunks):
+            raise ValueError(f"loras has {len(self.loras)} entries for {len(self.chunks)} chunks")
         if not all(0 <= i < len(self.chunks) for i in self.sum_chunks):
             raise ValueError(f"sum_chunks {self.sum_chunks} name chunks outside [0, {len(self.chunks)})")
         if not all(0 <= i < len(self.chunks) and self.chunks[i].samples for i in self.verify):

@@ -15,6 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine_workers.model.execution.batch import ModelInput, RunnerOutput
 from engine_workers.model.loading.loader import LoadedModel
+from engine_workers.model.lora.manager import LoraManager
 from engine_workers.model.models.attention import MAX_DECODE_GROUPS, build_metadata
 from engine_workers.model.models.llama import ModelSpec
 
@@ -140,6 +141,9 @@ class ModelRunner:
                 self.prefill_kernel = kernels.prefill_attention()
             self.model.use_fused(kernels.fused())
         self.graphs = None
+        # LoRA adapters (engine --enable-lora): set by the engine after construction; it captures
+        # no CUDA graphs then (the segments change every step)
+        self.lora: LoraManager | None = None
         if graphs_wanted:
             assert cuda_graphs is not None
             self.graphs = _decode_graphs(self, *cuda_graphs)
@@ -177,8 +181,14 @@ class ModelRunner:
         hidden: list[torch.Tensor] | None = [] if batch.hidden else None
         sums: list[torch.Tensor] | None = [] if batch.sum_chunks else None
         spans = [(firsts[i], len(batch.chunks[i].token_ids)) for i in batch.sum_chunks] if sums is not None else None
-        with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
-            logits = self.model(input_ids, positions, self.kv_caches, meta, rows, hidden, spans, sums)
+        if self.lora is not None:
+            self.lora.prepare(batch.loras or [None] * len(batch.chunks), [len(c.token_ids) for c in batch.chunks])
+        try:
+            with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
+                logits = self.model(input_ids, positions, self.kv_caches, meta, rows, hidden, spans, sums)
+        finally:
+            if self.lora is not None:
+                self.lora.done()
         return RunnerOutput(logits, hidden[0] if hidden else None, sums[0] if sums else None)
 
 def _decode_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int):

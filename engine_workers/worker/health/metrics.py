@@ -38,6 +38,8 @@ thread-safe by contract: updated from the worker's event loop only (prometheus-c
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -113,6 +115,10 @@ class WorkerMetrics:
                                          registry=r)
         self.spec_accepted_tokens = Counter("lockgate:spec_decode_num_accepted_tokens",
                                             "Speculative tokens accepted.", m, registry=r)
+        # vLLM's lora_requests_info: one series, its labels the running and waiting adapters
+        # (comma-separated) and the per-batch cap, its value the time it was set
+        self.lora_info = Gauge("lockgate:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                               ["model", "running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
         self._last = EngineSnapshot()
 
     def resumed(self, tokens: int) -> None:
@@ -156,6 +162,10 @@ class WorkerMetrics:
             self.gpu_memory.labels(self.model).set(snap.gpu_memory_utilization)
         for tier, n in enumerate(waiting):
             self.waiting.labels(self.model, tier_label(tier)).set(n)
+        if snap.max_loras:
+            self.lora_info.clear()
+            self.lora_info.labels(self.model, ",".join(snap.running_loras), ",".join(snap.waiting_loras),
+                                  str(snap.max_loras)).set(time.time())
         for counter, now, before in ((self.prefix_queries, snap.prefix_queries, last.prefix_queries),
                                      (self.prefix_hits, snap.prefix_hits, last.prefix_hits),
                                      (self.preemptions, snap.preemptions, last.preemptions),

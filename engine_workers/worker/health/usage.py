@@ -67,7 +67,7 @@ class UsageLog:
                         self.max_pending, lost.request_id)
         self._pending.append(UsageRecord(req.request_id, req.tenant, req.model, req.tier, u.prompt_tokens,
                                          u.completion_tokens, u.cached_tokens, time.time(), fin.finish_reason,
-                                         req.attempt, self.worker_id))
+                                         req.attempt, self.worker_id, req.lora))
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"{self.worker_id}-usage")
 

@@ -125,7 +125,7 @@ class EngineAdmission:
         try:
             fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), r.sampling,
                                       cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.order_time),
-                                      arrival_time=arrival_mono, resume_token_ids=list(job.resume))
+                                      arrival_time=arrival_mono, resume_token_ids=list(job.resume), lora=r.lora)
         except queue.Full:
             log.warning("worker %s: engine command queue full; %s waits in the intake", self.worker_id, job.eid)
             self.enqueue(job)
@@ -191,4 +191,5 @@ class EngineAdmission:
 
         return WorkerStatus(worker_id, model, now, self.queue_depth(), tuple(wait(t) for t in range(NUM_TIERS)),
                             snap.running, self.aengine.engine.config.max_num_seqs, snap.kv_usage,
-                            snap.kv_blocks_total, snap.kv_blocks_free, snap.tokens_per_s, draining, lag, partitions)
+                            snap.kv_blocks_total, snap.kv_blocks_free, snap.tokens_per_s, draining, lag, partitions,
+                            self.aengine.engine.lora.names if self.aengine.engine.lora is not None else ())

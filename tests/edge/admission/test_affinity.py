@@ -93,3 +93,15 @@ async def test_placement_falls_back_to_the_request_id() -> None:
     down = Placement(_Bus(None), PrefixAffinity())
     assert await down.place("t", _req("r4", _ids(1))) == (b"r4", None)
     assert await Placement(_Bus(6), None).place("t", _req("r5", _ids(1))) == (b"r5", None)
+
+
+def test_the_lora_adapter_is_part_of_the_affinity_key() -> None:
+    """No KV is shared across adapters (docs/lora.md): the same prefix for two adapters (or an
+    adapter and the base model) has two keys; the same adapter, one."""
+    from edge.admission.affinity import prefix_key
+
+    ids = list(range(100))
+    keys = {lo: prefix_key("t", ids, None, 64, lo) for lo in (None, "a", "b")}
+    assert len(set(keys.values())) == 3
+    assert prefix_key("t", ids, None, 64, "a") == keys["a"]
+    assert prefix_key("t", ids, None, 64) == keys[None]

@@ -1,0 +1,109 @@
+"""The batched LoRA update inside the model's linear layers.
+
+A step's batch is one flat ``[T, in]`` tensor whose rows belong to sequences of different adapters
+(and of none: the base model). The runner groups the rows by adapter once per step
+(:class:`LoraBatch`: per adapter slot, its rows, a slice where they are contiguous). Every adapted
+layer then computes its base output as ever and adds, per adapter present, one
+``x[rows] @ A^T`` and one ``@ B^T`` (punica's / S-LoRA's segments: a GEMM pair per adapter and
+layer, not a loop per request). Rows of the base model take no extra work.
+
+The wrapper is layer-agnostic: the base may be ``nn.Linear``, the packed oneDNN layer or a
+weight-only low-precision layer (bf16, int8, Q4_1: their activations and outputs are the compute
+dtype), and the update runs in the compute dtype beside it. W8A8 fuses the whole MLP past
+``gate_up_proj`` (kernels/w8a8_linear.py), so the engine refuses LoRA with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine_workers.model.lora.adapter import LoraAdapter, LoraWeights
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """The rows of one adapter slot in this step's batch: a slice when contiguous, else indices."""
+
+    slot: int
+    rows: slice | torch.Tensor
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """This step's segments, shared by every :class:`LoraLinear` of the model (set by the runner
+    before each forward, cleared after)."""
+
+    segments: tuple[Segment, ...] = field(default_factory=tuple)
+
+    def set(self, row_slots: list[int | None], device: torch.device) -> None:
+        """``row_slots``: per row of the batch, its adapter's slot, None for the base model."""
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot is not None:
+                by_slot.setdefault(slot, []).append(row)
+        segments = []
+        for slot, rows in by_slot.items():
+            if rows[-1] - rows[0] + 1 == len(rows):
+                segments.append(Segment(slot, slice(rows[0], rows[-1] + 1)))
+            else:
+                segments.append(Segment(slot, torch.tensor(rows, dtype=torch.long, device=device)))
+        self.segments = tuple(segments)
+
+    def clear(self) -> None:
+        self.segments = ()
+
+
+class LoraLinear(nn.Module):
+    """``base(x)`` plus, per segment of the step, that slot's low-rank update of its rows."""
+
+    def __init__(self, base: nn.Module, batch: LoraBatch, max_loras: int) -> None:
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        self.slots: list[LoraWeights | None] = [None] * max_loras
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for seg in self.batch.segments:
+            w = self.slots[seg.slot]
+            if w is None:  # the adapter leaves this layer as it is
+                continue
+            if isinstance(seg.rows, slice):  # a view of y's rows: the second GEMM accumulates into it
+                y[seg.rows].addmm_(x[seg.rows] @ w.a.T, w.b.T)
+            else:
+                y.index_add_(0, seg.rows, (x.index_select(0, seg.rows) @ w.a.T) @ w.b.T)
+        return y
+
+
+ADAPTABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def attach(model: nn.Module, num_layers: int, max_loras: int) -> tuple[LoraBatch, dict[str, LoraLinear]]:
+    """Wrap every adaptable dense layer of ``model`` (a ``LlamaForPagedLM``) in a :class:`LoraLinear`
+    with ``max_loras`` empty slots; returns the shared batch context and the wrappers by name."""
+    batch = LoraBatch()
+    wrapped: dict[str, LoraLinear] = {}
+    for i in range(num_layers):
+        for name in ADAPTABLE:
+            parent_name, _, attr = f"layers.{i}.{name}".rpartition(".")
+            try:
+                parent = model.get_submodule(parent_name)
+            except AttributeError:  # MLA attention, a sparse MoE block: nothing of that name
+                continue
+            base = getattr(parent, attr, None)
+            if base is None or isinstance(base, LoraLinear):
+                continue
+            lin = LoraLinear(base, batch, max_loras)
+            setattr(parent, attr, lin)
+            wrapped[f"layers.{i}.{name}"] = lin
+    return batch, wrapped
+
+
+def install(wrapped: dict[str, LoraLinear], slot: int, adapter: LoraAdapter | None, device: torch.device) -> None:
+    """Put ``adapter``'s weights (None: none) into ``slot`` of every wrapped layer."""
+    for name, lin in wrapped.items():
+        w = adapter.layers.get(name) if adapter is not None else None
+        lin.slots[slot] = None if w is None else LoraWeights(w.a.to(device), w.b.to(device))
