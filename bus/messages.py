@@ -161,6 +161,17 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class PartitionHold:
+    """One request partition a worker owns and the record time (UNIX ms, the broker's time index)
+    from which every record it has not answered lies: its oldest request in flight, or the time of
+    the heartbeat when none is."""
+
+    topic: str
+    partition: int
+    since_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """Heartbeat. ``queue_depth[t]`` / ``est_wait_s[t]`` are per tier (index = tier rank)."""
 
@@ -180,6 +191,13 @@ class WorkerStatus:
     # partitions it owns: the edge weighs each worker's wait by the share of requests it gets.
     lag: tuple[int, ...] = (0, 0, 0)
     partitions: int = 0
+    # Failover (docs/worker.md, "Failover"): per owned request partition, where a survivor must
+    # start reading to find every request not yet answered here; the request ids this worker runs
+    # as a takeover of a dead peer (claims: nobody else runs them while they are listed); the
+    # numerics fingerprint (precision, ISA, kernels): a takeover is exact only between equal ones.
+    holds: tuple[PartitionHold, ...] = ()
+    taken: tuple[str, ...] = ()
+    numerics: str = ""
 
 
 @dataclass(frozen=True, slots=True)
