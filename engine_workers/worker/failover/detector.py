@@ -10,10 +10,12 @@ Rules (docs/worker.md, "Failover"):
 * **Detection time** ``detect_s``: a peer whose last heartbeat arrived more than ``detect_s`` ago is
   presumed dead (the default, 3 heartbeat periods, is in ``WorkerConfig.failover_detect_s``). A
   verdict is given once per death.
-* **No verdict without a track record**: a peer is watched only after ``min_beats`` heartbeats (one
-  stray record does not make a peer whose requests would be taken over).
+* **What counts as a peer**: one that beat ``min_beats`` times (default 1: a worker killed within
+  its first heartbeat periods has requests in hand too).
 * **A clean leave is not a death**: a peer whose last heartbeat said ``draining`` leaves the group
   itself (the group rebalances at once), so its silence is forgotten, not acted on.
+* **Our own stall is not theirs**: when :meth:`expired` was not asked for longer than
+  ``detect_s`` (this worker was paused), every peer's clock restarts instead.
 * **Hysteresis**: a peer presumed dead (maybe only paused: SIGSTOP, a long GC, a network
   partition) stays out of the live set, and its claims do not count, until ``rejoin_beats``
   heartbeats arrive with gaps under ``detect_s``. Its requests were taken over meanwhile; the
@@ -58,7 +60,7 @@ class PeerDetector:
     """See the module docstring. ``self_id``: this worker (never its own peer); ``model``: only
     heartbeats of workers serving it are watched (other models' workers share the status topic)."""
 
-    def __init__(self, self_id: str, model: str, detect_s: float, min_beats: int = 2, rejoin_beats: int = 2) -> None:
+    def __init__(self, self_id: str, model: str, detect_s: float, min_beats: int = 1, rejoin_beats: int = 2) -> None:
         if not detect_s > 0:
             raise ValueError(f"detect_s must be > 0, got {detect_s!r}")
         if min_beats < 1 or rejoin_beats < 1:
@@ -69,6 +71,7 @@ class PeerDetector:
         self.min_beats = min_beats
         self.rejoin_beats = rejoin_beats
         self._peers: dict[str, _Peer] = {}
+        self._checked: float | None = None  # when expired() last ran
 
     def observe(self, status: WorkerStatus, now: float) -> None:
         """A heartbeat arrived at ``now`` (local monotonic)."""
@@ -89,6 +92,13 @@ class PeerDetector:
         """The peers presumed dead since the last call (each once per death). A silent peer whose
         last heartbeat said it was draining is forgotten instead (it left the group itself)."""
         out: list[PeerDeath] = []
+        if self._checked is not None and now - self._checked > self.detect_s:
+            # We were the silent one (paused, a stalled event loop): the peers' heartbeats of that
+            # time are still on their way to us. Restart every peer's clock rather than presume
+            # the whole fleet dead.
+            for peer in self._peers.values():
+                peer.seen_at = max(peer.seen_at, now)
+        self._checked = now
         for wid, peer in list(self._peers.items()):
             if peer.dead or now - peer.seen_at <= self.detect_s:
                 continue

@@ -23,6 +23,12 @@ def beats(d: PeerDetector, wid: str, start: float, n: int, period: float = 0.25,
     return t - period
 
 
+def test_a_peer_seen_once_is_watched_by_default() -> None:
+    d = PeerDetector("me", "m", detect_s=0.75)
+    d.observe(beat("a"), 0.0)
+    assert [x.worker_id for x in d.expired(1.0)] == ["a"]
+
+
 def test_silent_peer_is_dead_after_the_detection_time_once() -> None:
     d = PeerDetector("me", "m", detect_s=0.75)
     last = beats(d, "a", 0.0, 4)
@@ -43,8 +49,8 @@ def test_steady_peer_is_never_presumed_dead() -> None:
     assert d.live() == ["a", "me"]
 
 
-def test_a_single_stray_beat_gives_no_verdict_and_other_models_are_ignored() -> None:
-    d = PeerDetector("me", "m", detect_s=0.75)
+def test_min_beats_and_other_models_and_self_are_ignored() -> None:
+    d = PeerDetector("me", "m", detect_s=0.75, min_beats=2)
     d.observe(beat("a"), 0.0)
     beats(d, "x", 0.0, 5, model="other")
     beats(d, "me", 0.0, 5)  # our own heartbeats come back on the topic
@@ -70,7 +76,8 @@ def test_hysteresis_a_paused_peer_rejoins_only_after_steady_beats() -> None:
     assert d.live() == ["me"] and not d.claimed("r1")
     d.observe(beat("a", taken=("r1",)), last + 3.25)
     assert d.live() == ["a", "me"] and d.claimed("r1")
-    # It can die again, and is reported again.
+    # It can die again, and is reported again (the worker asks every tick).
+    assert d.expired(last + 3.3) == [] and d.expired(last + 3.7) == []
     assert [x.worker_id for x in d.expired(last + 4.1)] == ["a"]
 
 
@@ -103,3 +110,16 @@ def test_takeover_prefers_a_matching_numerics_fingerprint() -> None:
     fp = {"a": "bf16/avx512", "b": "fp32/avx2", "me": "fp32/avx2"}
     assert takeover_candidates(["a", "b", "me"], "fp32/avx2", fp) == ["b", "me"]
     assert takeover_candidates(["a", "b", "me"], "int8/amx", fp) == ["a", "b", "me"]  # none matches: anyone
+
+
+def test_our_own_stall_restarts_the_peers_clocks() -> None:
+    d = PeerDetector("me", "m", detect_s=0.75)
+    last = beats(d, "a", 0.0, 4)
+    assert d.expired(last + 0.1) == []
+    # this worker was paused for 5 s: the peer's beats of that time have not been read yet
+    assert d.expired(last + 5.1) == []
+    d.observe(beat("a"), last + 5.2)
+    assert d.live() == ["a", "me"]
+    # a peer silent after our stall is still detected, one detection time later
+    assert d.expired(last + 5.6) == []
+    assert [x.worker_id for x in d.expired(last + 5.2 + 0.8)] == ["a"]
