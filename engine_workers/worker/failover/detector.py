@@ -18,7 +18,9 @@ Rules (docs/worker.md, "Failover"):
   ``detect_s`` (this worker was paused), every peer's clock restarts instead.
 * **Hysteresis**: a peer presumed dead (maybe only paused: SIGSTOP, a long GC, a network
   partition) stays out of the live set, and its claims do not count, until ``rejoin_beats``
-  heartbeats arrive with gaps under ``detect_s``. Its requests were taken over meanwhile; the
+  heartbeats arrive with gaps under ``detect_s``. Any heartbeat ends its current silence, though:
+  silent again for ``detect_s``, it is reported again (a worker restarted under the same id may
+  hold partitions and requests again before it counts as live). Its requests were taken over meanwhile; the
   takeover's higher ``attempt`` fences whatever the paused peer still sends (the edge drops it).
 
 The live set and the claims feed the takeover's owner rule (:func:`owner`, rendezvous hashing):
@@ -32,10 +34,15 @@ Pure: no asyncio, no bus. Not thread-safe (the worker's event loop owns it).
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bus import WorkerStatus
+
+log = logging.getLogger(__name__)
+
+FORGET_S = 600.0  # a peer reported dead and silent this long is forgotten (worker ids are often random per start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +60,8 @@ class _Peer:
     last: WorkerStatus
     seen_at: float  # local monotonic time its last heartbeat arrived
     beats: int  # heartbeats since it was first seen or last presumed dead, each within detect_s of the one before
-    dead: bool = False
+    dead: bool = False  # presumed dead, not beating steadily again yet: out of the live set, its claims void
+    reported: bool = False  # the verdict for its current silence was given
 
 
 class PeerDetector:
@@ -84,9 +92,10 @@ class PeerDetector:
         # A gap of detect_s or more breaks the run of beats: a peer that beats, stalls, beats
         # again must show rejoin_beats steady beats before it counts as alive once more.
         peer.beats = peer.beats + 1 if now - peer.seen_at < self.detect_s else 1
-        peer.last, peer.seen_at = status, now
+        peer.last, peer.seen_at, peer.reported = status, now, False
         if peer.dead and peer.beats >= self.rejoin_beats:
             peer.dead = False
+            log.info("worker %s: peer %s is beating again", self.self_id, status.worker_id)
 
     def expired(self, now: float) -> list[PeerDeath]:
         """The peers presumed dead since the last call (each once per death). A silent peer whose
@@ -96,16 +105,24 @@ class PeerDetector:
             # We were the silent one (paused, a stalled event loop): the peers' heartbeats of that
             # time are still on their way to us. Restart every peer's clock rather than presume
             # the whole fleet dead.
+            log.info("worker %s: no heartbeat check for %.2fs (this worker stalled); peers' clocks restarted",
+                     self.self_id, now - self._checked)
             for peer in self._peers.values():
-                peer.seen_at = max(peer.seen_at, now)
+                if not peer.reported:
+                    peer.seen_at = max(peer.seen_at, now)
         self._checked = now
         for wid, peer in list(self._peers.items()):
-            if peer.dead or now - peer.seen_at <= self.detect_s:
-                continue
-            if peer.last.draining or peer.beats < self.min_beats:
+            if peer.reported and now - peer.seen_at > FORGET_S:
                 del self._peers[wid]
                 continue
-            peer.dead, peer.beats = True, 0
+            if peer.reported or now - peer.seen_at <= self.detect_s:
+                continue
+            if peer.last.draining or (peer.beats < self.min_beats and not peer.dead):
+                del self._peers[wid]
+                continue
+            # A peer presumed dead that beat again (a restarted incarnation, a paused one that ran
+            # for a moment) and fell silent again is reported again: it may hold requests anew.
+            peer.dead, peer.beats, peer.reported = True, 0, True
             out.append(PeerDeath(wid, peer.seen_at + self.detect_s, peer.last))
         return out
 

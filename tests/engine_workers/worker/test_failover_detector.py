@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from bus import PartitionHold, WorkerStatus
-from engine_workers.worker.failover.detector import PeerDetector, owner, takeover_candidates
+from engine_workers.worker.failover.detector import FORGET_S, PeerDetector, owner, takeover_candidates
 
 
 def beat(wid: str, *, draining: bool = False, taken: tuple[str, ...] = (), model: str = "m",
@@ -123,3 +123,22 @@ def test_our_own_stall_restarts_the_peers_clocks() -> None:
     # a peer silent after our stall is still detected, one detection time later
     assert d.expired(last + 5.6) == []
     assert [x.worker_id for x in d.expired(last + 5.2 + 0.8)] == ["a"]
+
+
+def test_a_restarted_peer_dying_again_before_it_rejoined_is_reported_again() -> None:
+    d = PeerDetector("me", "m", detect_s=0.75, rejoin_beats=2)
+    last = beats(d, "a", 0.0, 4)
+    assert [x.worker_id for x in d.expired(last + 0.8)] == ["a"]
+    d.observe(beat("a"), last + 1.0)  # restarted under the same id: one beat, not live yet
+    assert d.live() == ["me"]
+    assert d.expired(last + 1.5) == []
+    assert [x.worker_id for x in d.expired(last + 1.8)] == ["a"]
+    assert d.expired(last + 2.2) == []
+
+
+def test_a_long_dead_peer_is_forgotten() -> None:
+    d = PeerDetector("me", "m", detect_s=0.75)
+    last = beats(d, "a", 0.0, 2)
+    assert [x.worker_id for x in d.expired(last + 1)] == ["a"]
+    d.expired(last + 1 + FORGET_S + 1)
+    assert d.numerics_of("a") is None  # nothing kept of it
