@@ -97,7 +97,8 @@ async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argpa
                  rng: random.Random) -> dict:
     reply = layout.reply_topic(f"recovery-{uuid.uuid4().hex[:8]}")
     await bus.ensure_topics([layout.reply_spec(reply.rsplit(".", 1)[-1], 1)])
-    reqs = [InferenceRequest(f"r{rnd}-{i}", model, tuple(rng.randrange(3, 500) for _ in range(rng.randint(16, 64))),
+    reqs = [InferenceRequest(f"r{rnd}-{i}", model,
+                             tuple(rng.randrange(3, 500) for _ in range(args.prompt_tokens or rng.randint(16, 64))),
                              SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True).seeded(),
                              reply, tier=1, enqueued_at=time.time()) for i in range(args.requests)]
     consumer = bus.consumer([reply], start_from="earliest")
@@ -202,6 +203,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--requests", type=int, default=6, help="sampled requests per round")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prompt length of every request (0: 16-64 at random): the takeover re-prefills it")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--kv-cache-bytes", default="256M")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -214,12 +217,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kills < 1 or args.requests < 2:
         raise ValueError("--kills must be >= 1 and --requests >= 2")
+    if args.prompt_tokens < 0:
+        raise ValueError(f"--prompt-tokens must be >= 0, got {args.prompt_tokens}")
     res = asyncio.run(_bench(args))
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
     print(f"lockgate bench recovery --kills {args.kills} --requests {args.requests} --max-tokens {args.max_tokens} "
-          f"--model {args.model} --bus {args.bus}" + ("" if args.failover else " --no-failover"))
+          f"--model {args.model} --prompt-tokens {args.prompt_tokens} --bus {args.bus}" + ("" if args.failover else " --no-failover"))
     print(f"  kills {res['kills']}, requests taken over {res['taken_over']}, re-run decode steps {res['rerun_steps']}")
     print(f"  kill -> next token on the client: p50 {res['recovery_p50_s']:.2f} s, p99 {res['recovery_p99_s']:.2f} s, "
           f"max {res['recovery_max_s']:.2f} s ({res['samples']} samples)")
