@@ -210,7 +210,7 @@ async def test_kill9_next_token_within_bound_exact_and_nothing_runs_twice(kafka_
             return (s is not None and s.partitions == total and not s.taken and s.running == 0
                     and sum(s.queue_depth) == 0 and time.monotonic() - killed_at > SESSION_TIMEOUT_S)
 
-        await wait_until(rebalanced_and_idle, timeout=90, interval=0, message="survivor never owned every partition")
+        await wait_until(rebalanced_and_idle, timeout=90, interval=0, message=lambda: f"survivor not idle with every partition: {peers.last.get(survivor)}")
         await replies.poll(200)
         finals: dict[str, int] = {}
         for f in replies.finals:
