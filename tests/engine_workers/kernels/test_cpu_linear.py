@@ -261,6 +261,7 @@ def test_every_weight_mode_gives_a_sequence_the_same_logits_alone_and_in_a_mixed
     decode inside a step of more than 32 rows), for every CPU weight mode the engine offers. This
     is what keeps a resumed sampled stream equal to its healthy run after a worker death."""
     from engine_workers.kernels.cpu_linear import lowp_problem
+    from engine_workers.model.execution.batch import Chunk, ModelInput
 
     kw = ENGINE_MODES[mode]
     kind = "bfloat16" if kw.get("dtype") == "bfloat16" else kw.get("quantization")
@@ -272,7 +273,11 @@ def test_every_weight_mode_gives_a_sequence_the_same_logits_alone_and_in_a_mixed
         from engine_workers.kernels.amx_linear import AmxLinear, amx
 
         assert amx() == any(isinstance(m, AmxLinear) for m in eng.loaded.model.modules())
-    run, bs = eng.runner.execute, eng.kv.block_size
+    bs = eng.kv.block_size
+
+    def run(chunks: list[tuple[list[int], int, list[int], bool]]) -> torch.Tensor:
+        return eng.runner.execute(ModelInput(tuple(Chunk(*c) for c in chunks))).logits
+
     gen = torch.Generator().manual_seed(38)
     a, b, c, d = (torch.randint(3, 500, (n,), generator=gen).tolist() for n in (40, 7, 60, 33))
 
