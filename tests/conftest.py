@@ -91,7 +91,9 @@ class PrivateBroker:
         await asyncio.to_thread(kafka_local.start, 1, self.port, kafka_local.DEFAULT_DIR)
 
 
-PRIVATE_KAFKA_PORT = 19392  # its controller on +100; the session broker's 9092/9192 stay apart
+# its controller on +100; the session broker's 9092/9192 stay apart. An env twin lets two
+# checkouts run fault tests side by side on one machine.
+PRIVATE_KAFKA_PORT = int(os.environ.get("LOCKGATE_TEST_PRIVATE_KAFKA_PORT", "19392"))
 
 
 @pytest.fixture
