@@ -181,6 +181,11 @@ class EdgeConfig:
     # LoRA adapters a request's ``model`` may name (routed as ``model`` with ``lora=<name>``), beside
     # those the live workers' heartbeats list (docs/lora.md); names only, the workers load them
     lora_modules: tuple[str, ...] = ()
+    # the Files and Batches API (docs/protocol.md, "Files and batches"): the largest upload (OpenAI's
+    # batch input limit; stored chunked on the bus, so Kafka's record limit does not cap it), and
+    # how many lines of one batch run at once (they share the key's max_streams with its live calls)
+    max_file_bytes: int = 200 * 1024 * 1024
+    batch_max_in_flight: int = 8
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None
@@ -232,7 +237,7 @@ class EdgeConfig:
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",
-                     "default_max_tokens", "affinity_tokens"):
+                     "default_max_tokens", "affinity_tokens", "max_file_bytes", "batch_max_in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if len(self.slo_wait_s) != len(Tier) or any(s <= 0 for s in self.slo_wait_s):

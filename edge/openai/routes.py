@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), on its own port next to the WebSocket listener.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``; and, from their own modules, ``/tokenize`` ``/detokenize``
+``GET /v1/models/{id}``; and, from their own modules, ``/v1/files`` and ``/v1/batches``
+(:mod:`edge.openai.batches`), ``/tokenize`` ``/detokenize``
 (:mod:`edge.openai.tokenize`), ``/v1/responses`` (:mod:`edge.openai.responses`), ``/v1/embeddings``
 (:mod:`edge.openai.embeddings`) and the probes ``/health`` ``/ready`` ``/metrics`` ``/version``
 (:mod:`edge.openai.ops`). Admission is the WebSocket path's own (:class:`~edge.admission.gate.Admission`,
@@ -29,6 +30,7 @@ from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
+from edge.openai.batches.routes import BatchService
 from edge.openai.embeddings import EmbeddingsRoutes
 from edge.openai.ops import OpsRoutes, Readiness
 from edge.openai.reply import (
@@ -77,11 +79,21 @@ class OpenAIServer:
         TokenizeRoutes(adm).add_to(app)
         OpsRoutes(adm, readiness).add_to(app)
         self.responses = ResponsesRoutes(adm)
-        EmbeddingsRoutes(adm).add_to(app)
+        embeddings = EmbeddingsRoutes(adm)
+        embeddings.add_to(app)
         self.responses.add_to(app)
+        # the Files and Batches API: a batch line runs through the same ``answer`` as its endpoint
+        self.batches = BatchService(adm, {
+            "/v1/chat/completions": lambda body, who: self.answer(body, who, True),
+            "/v1/completions": lambda body, who: self.answer(body, who, False),
+            "/v1/embeddings": embeddings.answer,
+            "/v1/responses": self.responses.answer,
+        })
+        self.batches.add_to(app)
         self.app = app
 
     async def start(self) -> None:
+        await self.batches.start()
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=4096,
@@ -95,6 +107,7 @@ class OpenAIServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.batches.stop()  # after the handlers: the runner's lines are cancelled on the bus
 
     # --- handlers -----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -148,10 +161,21 @@ class OpenAIServer:
         except AuthError as exc:
             adm.reject("unauthorized", API)
             return error_response("unauthorized", str(exc))
+        try:
+            body = await read_json(adm, request)
+        except ProtocolError as exc:
+            return refusal(adm, exc)
+        return await self.answer(body, who, chat, request)
+
+    async def answer(self, body: Any, who: Principal, chat: bool,
+                     request: web.Request | None = None) -> web.StreamResponse:
+        """One chat or completions request from its decoded body: what ``POST`` answers. Without
+        ``request`` (a batch line, :mod:`edge.openai.batches`) nothing is streamed (the caller
+        refuses ``stream``) and there is no client connection or trace header."""
+        adm = self.adm
         encoder = adm.encoder
         assert encoder is not None
         try:
-            body = await read_json(adm, request)
             req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
             model = req.generate.model or ""
             if model != adm.config.model:
@@ -166,7 +190,7 @@ class OpenAIServer:
             return refusal(adm, exc)
         return await self._answer(request, req, who, body)
 
-    async def _answer(self, request: web.Request, req: OpenAIRequest, who: Principal,
+    async def _answer(self, request: web.Request | None, req: OpenAIRequest, who: Principal,
                       body: dict[str, Any]) -> web.StreamResponse:
         """Every chat and completions request, ``n`` = 1 included (one choice of one prompt): one
         request on the bus per choice of each prompt, with seeds ``seed``, ``seed + 1``, ... per
@@ -180,9 +204,10 @@ class OpenAIServer:
         base = req.generate.sampling.seeded().seed
         assert base is not None
         wake = asyncio.Event()
-        transport = request.transport
+        transport = request.transport if request is not None else None
         sinks: list[OpenAIStream] = []
-        parent = adm.trace_parent(request.headers)  # every choice's span joins the client's trace
+        # every choice's span joins the client's trace
+        parent = adm.trace_parent(request.headers) if request is not None else None
         admitted: list[Admitted] = []
         with adm.streams() as owned:
             for p, i in ((p, i) for p in range(len(req.batch)) for i in range(req.n)):
@@ -203,6 +228,7 @@ class OpenAIServer:
                 sinks.append(sink)
                 admitted.append(a)
             if req.stream:
+                assert request is not None, "a batch line never streams"
                 return await self._stream(request, sinks, admitted, wake)
             for a in admitted:
                 await adm.publish(a)
