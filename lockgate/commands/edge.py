@@ -8,7 +8,7 @@ import sys
 
 from lockgate.edge_options import add_edge_limits, edge_limits
 from lockgate.lora_options import add_lora_module_arg
-from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
+from lockgate.openai_options import add_openai_port, batch_options, openai_base_url, openai_port
 from lockgate.options import env_default
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
 
@@ -86,6 +86,7 @@ def _edge(args: argparse.Namespace) -> int:
                         **edge_limits(args),
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling,
+                        **batch_options(args),
                         lora_modules=tuple(name for name, _ in args.lora_modules or ()), **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
