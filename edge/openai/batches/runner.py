@@ -59,6 +59,7 @@ Dispatch = Callable[[Any, Principal], Awaitable[web.StreamResponse]]
 RETRY = (429, 503)
 SCAN_S = 0.25
 PROGRESS_S = 0.5
+RETRY_FAILED_S = 5.0
 
 
 def output_ids(batch_id: str) -> tuple[str, str]:
@@ -78,6 +79,7 @@ class BatchRunner:
         self.group = f"{adm.config.layout.namespace}.batch-runners"
         self.owned: set[int] = set()
         self.running: dict[str, asyncio.Task] = {}
+        self._retry_at: dict[str, float] = {}  # batch id -> when to try again after its runner failed
         self._consumer: Consumer | None = None
         self._task: asyncio.Task | None = None
 
@@ -119,8 +121,10 @@ class BatchRunner:
             except Exception as exc:
                 log.warning("batch runner: group read failed: %s", exc)
                 await asyncio.sleep(1.0)
+            now = time.monotonic()
             for b in self.store.all_batches():
-                if b.status in ACTIVE and b.id not in self.running and self.store.batch_partition(b.id) in self.owned:
+                if b.status in ACTIVE and b.id not in self.running and self.store.batch_partition(b.id) in self.owned \
+                        and self._retry_at.get(b.id, 0.0) <= now:
                     t = asyncio.get_running_loop().create_task(self._run(b.id), name=f"batch:{b.id}")
                     self.running[b.id] = t
                     t.add_done_callback(functools.partial(self._ended, b.id))
@@ -129,7 +133,11 @@ class BatchRunner:
         if self.running.get(bid) is t:
             del self.running[bid]
         if not t.cancelled() and t.exception() is not None:
-            log.error("batch %s: runner failed (retried on the next scan)", bid, exc_info=t.exception())
+            # a bus outage, a blob not readable yet: try again later, not in a tight loop
+            log.error("batch %s: runner failed (retried in %g s)", bid, RETRY_FAILED_S, exc_info=t.exception())
+            self._retry_at[bid] = time.monotonic() + RETRY_FAILED_S
+        else:
+            self._retry_at.pop(bid, None)
 
     # --- one batch ----------------------------------------------------------------------------
     async def _run(self, bid: str) -> None:
@@ -160,7 +168,7 @@ class BatchRunner:
         """Why the batch stops running lines: ``cancelling``, ``expired``, or None."""
         if self.store.cancelled_at(b.id) is not None:
             return "cancelling"
-        return "expired" if time.time() >= b.expires_at else None
+        return "expired" if time.time() >= (self.store.batch(b.id) or b).expires_at else None
 
     async def _run_lines(self, b: BatchObject, lines: list[InputLine], done: dict[int, LineResult],
                          who: Principal) -> None:

@@ -17,14 +17,17 @@ Ownership: every object carries its tenant; a lookup by another tenant finds not
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from bus import BlobStore, Bus, Table, TopicLayout, TopicSpec, partition_for_key
+from bus import BlobRef, BlobStore, Bus, Table, TopicLayout, TopicSpec, partition_for_key
 from edge.openai.batches.model import BatchObject, FileObject
 
 RESULT_RETENTION_MS = 30 * 24 * 3600 * 1000  # longer than any batch's window
+DECODE_CACHE = 100_000
+INLINE_RESULT_BYTES = 768 * 1024  # a larger line answer goes to the blob topic (Kafka's record limit: 1 MiB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,7 @@ class BatchStore:
         self.blobs = BlobStore(bus, f"{ns}.files.chunks", parts, rep)
         self.batches = Table(bus, f"{ns}.batches", parts, rep)
         self.results_spec = TopicSpec(f"{ns}.batches.results", parts, rep, RESULT_RETENTION_MS)
+        self._cache: dict[bytes, BatchObject] = {}
 
     async def start(self) -> None:
         await self.bus.ensure_topics([self.results_spec])
@@ -84,11 +88,20 @@ class BatchStore:
     def batch(self, batch_id: str, tenant: str | None = None) -> BatchObject | None:
         """The batch as stored; with ``tenant``, only when it is that tenant's."""
         raw = self.batches.get("batch/" + batch_id)
-        b = BatchObject.loads(raw) if raw is not None else None
+        b = self._decoded(raw) if raw is not None else None
         return b if b is not None and (tenant is None or b.tenant == tenant) else None
 
     def all_batches(self) -> list[BatchObject]:
-        return [BatchObject.loads(v) for _, v in self.batches.items("batch/")]
+        return [self._decoded(v) for _, v in self.batches.items("batch/")]
+
+    def _decoded(self, raw: bytes) -> BatchObject:
+        """Decoded once per stored version (the runner scans every batch several times a second)."""
+        b = self._cache.get(raw)
+        if b is None:
+            if len(self._cache) >= DECODE_CACHE:
+                self._cache.clear()
+            b = self._cache[raw] = BatchObject.loads(raw)
+        return b
 
     def view(self, b: BatchObject) -> BatchObject:
         """The batch as clients see it: an active batch with a cancel request is ``cancelling``."""
@@ -113,8 +126,13 @@ class BatchStore:
 
     # --- results ------------------------------------------------------------------------------
     async def add_result(self, batch_id: str, r: LineResult) -> None:
-        value = json.dumps({"batch": batch_id, "line": r.line, "ok": r.ok, "record": r.record},
-                           separators=(",", ":")).encode()
+        head = {"batch": batch_id, "line": r.line, "ok": r.ok}
+        record = json.dumps(r.record, separators=(",", ":")).encode()
+        if len(record) > INLINE_RESULT_BYTES:  # e.g. many embeddings in one line: too big for one record
+            ref = await self.blobs.write(f"result-{batch_id}-{r.line}-{secrets.token_hex(4)}", record)
+            value = json.dumps({**head, "blob": ref.to_json()}).encode()
+        else:
+            value = json.dumps({**head, "record": r.record}, separators=(",", ":")).encode()
         await self.bus.send(self.results_spec.name, value, key=batch_id.encode(), partition=self._part(batch_id))
 
     async def results(self, b: BatchObject) -> dict[int, LineResult]:
@@ -129,7 +147,8 @@ class BatchStore:
             d = json.loads(rec.value)
             line = int(d["line"])
             if line not in out:
-                out[line] = LineResult(line, bool(d["ok"]), d["record"])
+                record = d["record"] if "record" in d else json.loads(await self.blobs.read(BlobRef.from_json(d["blob"])))
+                out[line] = LineResult(line, bool(d["ok"]), record)
         return out
 
     def _part(self, batch_id: str) -> int:

@@ -6,18 +6,20 @@ cancel, delete, keys; a batch survives its edge being replaced mid-run."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
+import time
 from collections.abc import AsyncIterator
 
 import openai
 import pytest
 
-from bus import MemoryBus, Tier
+from bus import MemoryBus, Tier, TopicLayout
 from devtools.fake_worker import FakeWorker, expected_text
 from edge.config import EdgeConfig
 from edge.server import Edge
-from tests.edge.conftest import KEY, KEY_P0, MODEL, keys, running_edge
+from tests.edge.conftest import KEY, KEY_P0, MODEL, keys
 from tests.edge.openai.test_openai import api, base_url, chat_ids
 from tests.waiting import wait_until
 
@@ -280,3 +282,40 @@ async def test_a_batch_survives_its_edge_being_replaced(encoder) -> None:
     finally:
         await fw.stop()
         await bus.stop()
+
+
+async def test_a_batch_past_its_window_expires_with_what_ran(encoder) -> None:
+    async with api(encoder, worker_kw={"step_s": 0.05}) as (edge, fw, client):
+        lines = [chat_line(f"r{i}", {"model": MODEL, "messages": [{"role": "user", "content": f"n{i}"}],
+                                      "max_tokens": 20}) for i in range(20)]
+        f = await upload(client, jsonl(lines))
+        bid = (await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                           completion_window="24h")).id
+        await wait_until(lambda: fw is not None and len(fw.seen) >= 2, timeout=30)
+        store = edge.openai.batches.store  # type: ignore[union-attr]
+        b = store.batch(bid)
+        await store.put_batch(dataclasses.replace(b, expires_at=int(time.time()) - 1))  # its 24 h have passed
+        done = await finished(client, bid)
+        assert done.status == "expired" and done.expired_at
+        out, errs = await read_jsonl(client, done.output_file_id), await read_jsonl(client, done.error_file_id)
+        assert len(out) + len(errs) == 20 and errs and all(e["error"]["code"] == "batch_expired" for e in errs)
+
+
+async def test_a_line_answer_larger_than_a_record_is_kept_as_a_blob() -> None:
+    from edge.openai.batches.model import BatchObject
+    from edge.openai.batches.store import BatchStore, LineResult
+
+    async with MemoryBus() as bus:
+        store = BatchStore(bus, TopicLayout(namespace="tbig", partitions=2))
+        await store.start()
+        try:
+            b = BatchObject("batch_x", "t", "0" * 64, "/v1/embeddings", "file-x", "24h", int(time.time()),
+                            int(time.time()) + 60)
+            big = {"custom_id": "a", "response": {"body": {"data": [0.125] * 200_000}}}
+            await store.add_result(b.id, LineResult(1, True, big))
+            await store.add_result(b.id, LineResult(2, False, {"custom_id": "b"}))
+            await store.add_result(b.id, LineResult(1, True, {"custom_id": "a", "again": True}))  # a second answer
+            got = await store.results(b)
+            assert got[1].record == big and got[2].record == {"custom_id": "b"}, "the first answer of a line wins"
+        finally:
+            await store.stop()
