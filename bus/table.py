@@ -6,6 +6,9 @@ replays the topic from its start and then follows it, so every process sharing t
 same table (a restart loses nothing). Values are small (one record each: at most the producer's
 ``max_request_size``); large payloads go to :mod:`bus.blobs` and the table holds their reference.
 
+Start-up: each partition is read to its end (``Bus.read_partition``), then a group-less consumer
+follows the topic from its start, skipping what that replay applied.
+
 Read-your-writes: ``put``/``delete`` apply the new value locally once the bus acknowledged it.
 The follower skips, per key, a record older than the newest local write it has not read back yet,
 so a late-arriving older record never rolls the view back; records written after it by other
@@ -23,7 +26,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-from bus.base import Bus, Consumer, TopicSpec
+from bus.base import Bus, BusError, Consumer, Record, TopicSpec
 from bus.partitioner import partition_for_key
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class Table:
         self.bus = bus
         self.spec = TopicSpec(topic, partitions, replication, retention_ms=-1, compact=True)
         self._values: dict[str, bytes] = {}
+        self._replayed: dict[int, int] = {}  # partition -> last offset the start-up replay applied
         self._unread: dict[str, tuple[int, int]] = {}  # key -> (partition, offset) of our write not yet read back
         self._consumer: Consumer | None = None
         self._task: asyncio.Task | None = None
@@ -47,19 +51,26 @@ class Table:
         if self._task is not None:
             return
         await self.bus.ensure_topics([self.spec])
+        # The replay reads each partition up to its end as of the call (Bus.read_partition, the
+        # primitive a worker's resume uses); the follower then reads from the start and skips what
+        # the replay applied, so nothing written meanwhile is missed and nothing is applied twice.
+        replayed: dict[int, int] = {}
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for p in range(self.spec.partitions):
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                try:
+                    records = await self.bus.read_partition(self.topic, p, 0, limit=1 << 62, timeout_s=max(left, 0.1))
+                    break
+                except BusError:  # a topic just created: its partitions' leaders may not answer yet
+                    if left <= 0:
+                        raise
+                    await asyncio.sleep(0.2)
+            self._apply_all(records)
+            replayed[p] = records[-1].offset if records else -1
+        self._replayed = replayed
         self._consumer = self.bus.consumer([self.topic], group_id=None, start_from="earliest")
         await self._consumer.start()
-        try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    self._apply_all(await self._consumer.getmany(timeout_ms=100, max_records=4096))
-                    lag = await self._consumer.lag()
-                    if len(lag) >= self.spec.partitions and not any(lag.values()):
-                        break
-        except BaseException:
-            await self._consumer.stop()
-            self._consumer = None
-            raise
         self._task = asyncio.get_running_loop().create_task(self._follow(), name=f"table:{self.topic}")
 
     async def stop(self) -> None:
@@ -101,9 +112,9 @@ class Table:
         else:
             self._values.pop(key, None)
 
-    def _apply_all(self, records: list) -> None:
+    def _apply_all(self, records: list[Record]) -> None:
         for rec in records:
-            if rec.key is None:
+            if rec.key is None or rec.offset <= self._replayed.get(rec.partition, -1):
                 continue
             try:
                 key = rec.key.decode()

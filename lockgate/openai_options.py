@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TypedDict
 
 from lockgate.options import env_default
 
@@ -34,7 +35,12 @@ def add_openai_port(p: argparse.ArgumentParser) -> None:
                         "max_streams like its live calls; default: 8 [LOCKGATE_BATCH_MAX_IN_FLIGHT]")
 
 
-def batch_options(args: argparse.Namespace) -> dict[str, int]:
+class BatchOptions(TypedDict):
+    max_file_bytes: int
+    batch_max_in_flight: int
+
+
+def batch_options(args: argparse.Namespace) -> BatchOptions:
     """The Files and Batches API's flags as ``EdgeConfig`` keyword arguments (it checks the ranges)."""
     return {"max_file_bytes": args.max_file_bytes, "batch_max_in_flight": args.batch_max_in_flight}
 
