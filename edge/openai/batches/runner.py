@@ -152,7 +152,8 @@ class BatchRunner:
                 "the input file was deleted before the batch ran"
             await store.put_batch(b.moved("failed", _now(), errors=(validation_error("batch_failed", why),)))
             return
-        lines, errors = parse_input(await store.content(f), b.endpoint)
+        # a file of up to --max-file-bytes: parsed off the event loop, which serves live traffic
+        lines, errors = await asyncio.to_thread(parse_input, await store.content(f), b.endpoint)
         if b.status == "validating":
             if errors:
                 await store.put_batch(b.moved("failed", _now(), errors=tuple(errors)))
@@ -172,12 +173,13 @@ class BatchRunner:
 
     async def _run_lines(self, b: BatchObject, lines: list[InputLine], done: dict[int, LineResult],
                          who: Principal) -> None:
-        todo = [ln for ln in lines if ln.line not in done]
-        sem = asyncio.Semaphore(self.max_in_flight)
+        todo = iter([ln for ln in lines if ln.line not in done])
         dirty = asyncio.Event()
 
-        async def one(line: InputLine) -> None:
-            async with sem:
+        async def worker() -> None:
+            """One of ``max_in_flight``: takes the next line until none is left (a bounded pool,
+            not one task per line: a batch may hold 50,000)."""
+            for line in todo:
                 if self._stopping(b) is not None:
                     return
                 r = await self._line(b, line, who)
@@ -197,7 +199,7 @@ class BatchRunner:
                         await self.store.put_batch(replace(cur, counts=_counts(len(lines), done)))
                 await asyncio.sleep(PROGRESS_S)
 
-        tasks = [asyncio.create_task(one(ln)) for ln in todo]
+        tasks = [asyncio.create_task(worker()) for _ in range(self.max_in_flight)]
         reporter = asyncio.create_task(progress())
         try:
             pending = set(tasks)
@@ -257,8 +259,9 @@ class BatchRunner:
             else:
                 (ok if r.ok else bad).append(r.record)
         out_id, err_id = output_ids(b.id)
-        out = (await store.add_file(b.tenant, out_id, f"{b.id}_output.jsonl", "batch_output", jsonl(ok))).id if ok else None
-        err = (await store.add_file(b.tenant, err_id, f"{b.id}_error.jsonl", "batch_output", jsonl(bad))).id if bad else None
+        ok_data, bad_data = await asyncio.to_thread(jsonl, ok), await asyncio.to_thread(jsonl, bad)
+        out = (await store.add_file(b.tenant, out_id, f"{b.id}_output.jsonl", "batch_output", ok_data)).id if ok else None
+        err = (await store.add_file(b.tenant, err_id, f"{b.id}_error.jsonl", "batch_output", bad_data)).id if bad else None
         final = {"cancelling": "cancelled", "expired": "expired"}.get(stop or "", "completed")
         await store.put_batch(b.moved(final, _now(), output_file_id=out, error_file_id=err,
                                       counts=Counts(len(lines), len(ok), len(bad))))

@@ -16,6 +16,7 @@ Ownership: every object carries its tenant; a lookup by another tenant finds not
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -139,12 +140,10 @@ class BatchStore:
         """Every line of ``b`` answered so far, by line number (the first record of each)."""
         since_ms = b.created_at * 1000 - 1000
         recs = await self.bus.read_partition(self.results_spec.name, self._part(b.id), since_ms, limit=10_000_000)
-        out: dict[int, LineResult] = {}
         key = b.id.encode()
-        for rec in recs:
-            if rec.key != key:
-                continue
-            d = json.loads(rec.value)
+        decoded = await asyncio.to_thread(lambda: [json.loads(r.value) for r in recs if r.key == key])  # off the loop
+        out: dict[int, LineResult] = {}
+        for d in decoded:
             line = int(d["line"])
             if line not in out:
                 record = d["record"] if "record" in d else json.loads(await self.blobs.read(BlobRef.from_json(d["blob"])))
