@@ -10,7 +10,7 @@ given the decoded body and the batch owner's principal at tier 2): the same pars
 refusals (a bad sampling value, an unknown model, bad messages: the error file gets the status and
 body the live endpoint answers), the same admission (key, limits, shedding, fair-share weight),
 the same bus path and exact resume after a worker dies. A 429 or 503 (limits, shedding: live
-traffic comes first) is retried after its ``Retry-After`` until the batch expires.
+traffic comes first) with a ``Retry-After`` is retried after it until the batch expires.
 
 Exactly once per line: every answer is appended to the results log before it counts; a runner
 (re)starting a batch reads the log and runs only the lines without a record; the output and error
@@ -230,8 +230,10 @@ class BatchRunner:
             status = resp.status
             raw = resp.body if isinstance(resp, web.Response) else None
             body = json.loads(raw) if isinstance(raw, (bytes, bytearray)) else None
-            if status in RETRY and time.time() < b.expires_at:
-                after = resp.headers.get("Retry-After")
+            after = resp.headers.get("Retry-After")
+            # a 429/503 with Retry-After passes later (a rate, shedding, the bus back); without one it
+            # never will (a request larger than the key's tokens_per_min): that is the line's answer
+            if status in RETRY and after is not None and time.time() < b.expires_at:
                 await asyncio.sleep(min(30.0, float(after) if after else delay))
                 delay = min(delay * 2, 30.0)
                 continue

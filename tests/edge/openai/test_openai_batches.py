@@ -319,3 +319,21 @@ async def test_a_line_answer_larger_than_a_record_is_kept_as_a_blob() -> None:
             assert got[1].record == big and got[2].record == {"custom_id": "b"}, "the first answer of a line wins"
         finally:
             await store.stop()
+
+
+async def test_the_keys_limits_apply_a_passing_refusal_waits_and_a_final_one_is_the_answer(encoder) -> None:
+    """``max_streams`` 1 with three lines in flight: the lines over it are refused with
+    Retry-After (429) and run later, never in the error file; a line larger than the key's
+    ``tokens_per_min`` can never pass: its 429 is its answer, at once."""
+    async with api(encoder, keys=keys(max_streams=1, tokens_per_min=400), batch_max_in_flight=3) as (_e, fw, client):
+        lines = [chat_line(f"r{i}", {"model": MODEL, "messages": [{"role": "user", "content": f"n{i}"}],
+                                      "max_tokens": 4}) for i in range(6)]
+        lines.append(chat_line("huge", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                        "max_tokens": 500}))
+        f = await upload(client, jsonl(lines))
+        b = await finished(client, (await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                                completion_window="24h")).id, timeout=90)
+        assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (6, 1)
+        (err,) = await read_jsonl(client, b.error_file_id)
+        assert err["custom_id"] == "huge" and err["response"]["status_code"] == 429
+        assert "the key allows 400/min" in err["response"]["body"]["error"]["message"]
