@@ -15,8 +15,8 @@ to ``lora_load_timeout_s``:
 A registered adapter's requests carry its folder (``InferenceRequest.lora_path``), so a worker
 that lacks it (started later, or missed the control) loads it on first use: a request never goes
 to the base model instead. An unload is the same round trip; the name is refused at once here
-(404 for new requests) and masked in the heartbeats for ``UNLOAD_MASK_S`` (the workers' next
-beats, which no longer list it, replace the old ones by then).
+(404 for new requests) and masked in the heartbeats for at least ``UNLOAD_MASK_S`` and until no
+live worker lists it (a worker lists it until the requests still using it finish).
 
 Pure state and one coroutine per operation; runs on the edge's event loop.
 """
@@ -63,20 +63,21 @@ class RuntimeLoras:
         self.timeout_s = timeout_s
         self.live = live  # the live, non-draining workers of a model
         self.loaded: dict[str, tuple[str, str]] = {}
-        self._masked: dict[str, float] = {}  # unloaded name -> until when heartbeats naming it are ignored
+        # unloaded name -> (its base model, the earliest time heartbeats naming it count again)
+        self._masked: dict[str, tuple[str, float]] = {}
         self._pending: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._nonce = f"{edge_id}-{secrets.token_hex(3)}"
         self._lock = asyncio.Lock()  # one operation at a time: a load and an unload of a name never cross
 
-    def masked(self, name: str, now: float) -> bool:
-        until = self._masked.get(name)
-        if until is None:
-            return False
-        if now >= until:
+    def masked(self, name: str) -> bool:
+        return name in self._masked
+
+    def unmask(self, model: str, listed: set[str], now: float) -> None:
+        """Forget the unloads of ``model`` whose floor passed and that none of its live workers
+        lists any more (``listed``)."""
+        for name in [n for n, (m, until) in self._masked.items() if m == model and now >= until and n not in listed]:
             del self._masked[name]
-            return False
-        return True
 
     def path_of(self, name: str) -> str | None:
         entry = self.loaded.get(name)
@@ -105,7 +106,7 @@ class RuntimeLoras:
     async def unload(self, model: str, name: str) -> Outcome:
         async with self._lock:
             self.loaded.pop(name, None)
-            self._masked[name] = time.monotonic() + UNLOAD_MASK_S  # refused here from now on
+            self._masked[name] = (model, time.monotonic() + UNLOAD_MASK_S)  # refused here from now on
             return await self._round_trip(model, "unload", name, None)
 
     async def _round_trip(self, model: str, action: str, name: str, path: str | None) -> Outcome:

@@ -73,8 +73,11 @@ class ModelCatalog:
         rt = self.runtime
         if rt is not None:
             names += [n for n, (m, _) in rt.loaded.items() if m == model]
-        names += [n for s in self.live(model, now) for n in s.loras]
-        return [n for n in dict.fromkeys(names) if n not in self.paths and not (rt is not None and rt.masked(n, now))]
+        listed = [n for s in self.live(model, now) for n in s.loras]
+        if rt is not None:
+            rt.unmask(model, set(listed), now)
+        names += listed
+        return [n for n in dict.fromkeys(names) if n not in self.paths and not (rt is not None and rt.masked(n))]
 
     def resolve(self, name: str | None) -> Target | None:
         """``name`` as a :class:`Target` (None: the edge's own model); None when nothing here has that name."""
