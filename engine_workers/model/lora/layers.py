@@ -7,14 +7,15 @@ layer then computes its base output as ever and adds, per adapter present, one
 ``x[rows] @ A^T`` and one ``@ B^T`` (punica's / S-LoRA's segments: a GEMM pair per adapter and
 layer, not a loop per request). Rows of the base model take no extra work.
 
-A small step (at most ``LoraBatch.grouped_max_rows`` rows: decode steps) with several adapters
-takes the grouped path instead: each layer keeps the A and B of all its slots stacked
+A small step (at most ``LoraBatch.grouped_max_rows`` rows: decode steps) whose adapters have
+fewer than two rows each on average (many adapters, one or two requests each) takes the grouped
+path instead: each layer keeps the A and B of all its slots stacked
 (``[sum of ranks, in]`` and ``[out, sum of ranks]``), computes ``x @ A_all^T`` for every row once,
 zeroes each row's columns of the other slots (a mask built once per step and column layout), and
 adds ``@ B_all^T`` with one GEMM: two GEMMs per layer whatever the number of adapters. It does
-the shrink GEMM for every slot on every row, which costs nothing measurable at decode (the weights
-are read once either way, the op count is what the segment path pays for) but would at prefill,
-where the segments stay.
+the GEMMs for every slot on every row (the FLOPs of all slots times the rows), so it pays only
+where the segment path's cost is its op count, not its FLOPs: many adapters of one row each
+(docs/lora.md, "Throughput": with 4 adapters of 4 rows each the segments were faster).
 
 The wrapper is layer-agnostic: the base may be ``nn.Linear``, the packed oneDNN layer or a
 weight-only low-precision layer (bf16, int8, Q4_1: their activations and outputs are the compute
@@ -48,6 +49,7 @@ class LoraBatch:
 
     segments: tuple[Segment, ...] = field(default_factory=tuple)
     row_slot: torch.Tensor | None = None
+    used: tuple[int, ...] = ()  # the grouped path's slots this step (the others are not computed)
     masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict)
     grouped_max_rows: int = 64  # 0: always the segments (the benchmark compares both)
 
@@ -58,8 +60,10 @@ class LoraBatch:
             if slot is not None:
                 by_slot.setdefault(slot, []).append(row)
         self.masks.clear()
-        if len(by_slot) > 1 and len(row_slots) <= self.grouped_max_rows:
+        adapted = sum(len(rows) for rows in by_slot.values())
+        if 1 < len(by_slot) and adapted < 2 * len(by_slot) and len(row_slots) <= self.grouped_max_rows:
             self.segments = ()
+            self.used = tuple(sorted(by_slot))
             self.row_slot = torch.tensor([-1 if s is None else s for s in row_slots], dtype=torch.long, device=device)
             return
         self.row_slot = None
@@ -74,6 +78,7 @@ class LoraBatch:
     def clear(self) -> None:
         self.segments = ()
         self.row_slot = None
+        self.used = ()
         self.masks.clear()
 
     def mask(self, layout: tuple[tuple[int, int], ...], cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -86,6 +91,9 @@ class LoraBatch:
         return m
 
 
+_Stack = tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class LoraLinear(nn.Module):
     """``base(x)`` plus, per segment of the step, that slot's low-rank update of its rows."""
 
@@ -94,31 +102,34 @@ class LoraLinear(nn.Module):
         self.base = base
         self.batch = batch
         self.slots: list[LoraWeights | None] = [None] * max_loras
-        # the grouped path's stacked slots: (layout, A_all^T [in, R], B_all^T [R, out], slot per
-        # column); rebuilt on first use after a slot changes (:meth:`set_slot`)
-        self._stacked: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the grouped path's stacked slots, for the step's slots (``LoraBatch.used``): (those
+        # slots, (layout, A^T [in, R], B^T [R, out], slot per column) or None when none adapts
+        # this layer); rebuilt when the step's slots or a slot's weights change (decode steps
+        # keep their adapters for many steps, so a rebuild is rare)
+        self._stacked: tuple[tuple[int, ...], _Stack | None] | None = None
 
     def set_slot(self, slot: int, weights: LoraWeights | None) -> None:
         self.slots[slot] = weights
         self._stacked = None
 
-    def _stack(self) -> tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        if self._stacked is None:
-            used = [(s, w) for s, w in enumerate(self.slots) if w is not None]
-            if not used:
-                return None
-            layout = tuple((s, w.a.shape[0]) for s, w in used)
-            a = torch.cat([w.a for _, w in used]).T.contiguous()
-            b = torch.cat([w.b for _, w in used], dim=1).T.contiguous()
-            cols = torch.cat([torch.full((r,), s, dtype=torch.long, device=a.device) for s, r in layout])
-            self._stacked = (layout, a, b, cols)
-        return self._stacked
+    def _stack(self, wanted: tuple[int, ...]) -> _Stack | None:
+        if self._stacked is None or self._stacked[0] != wanted:
+            used = [(s, w) for s in wanted if (w := self.slots[s]) is not None]
+            stack = None
+            if used:
+                layout = tuple((s, w.a.shape[0]) for s, w in used)
+                a = torch.cat([w.a for _, w in used]).T.contiguous()
+                b = torch.cat([w.b for _, w in used], dim=1).T.contiguous()
+                cols = torch.cat([torch.full((r,), s, dtype=torch.long, device=a.device) for s, r in layout])
+                stack = (layout, a, b, cols)
+            self._stacked = (wanted, stack)
+        return self._stacked[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.batch
         if batch.row_slot is not None:  # grouped: two GEMMs for all the step's adapters
-            st = self._stack()
+            st = self._stack(batch.used)
             if st is not None:
                 layout, a, b, cols = st
                 h = x @ a

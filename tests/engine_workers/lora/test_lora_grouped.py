@@ -29,7 +29,7 @@ def expected(base: nn.Linear, slots: list[LoraWeights | None], x: torch.Tensor, 
 def test_grouped_equals_segments_and_the_definition() -> None:
     g = torch.Generator().manual_seed(0)
     base = nn.Linear(24, 40, bias=False)
-    rows: list[int | None] = [0, None, 2, 0, 3, 2, None, 3, 0]  # interleaved; slot 1 empty in the layer
+    rows: list[int | None] = [0, None, 2, 3, None, 0]  # interleaved, fewer than 2 rows per adapter; slot 1 empty
     x = torch.randn(len(rows), 24, generator=g)
     out = {}
     for mode, max_rows in (("grouped", 64), ("segments", 0)):
@@ -56,11 +56,13 @@ def test_grouped_equals_segments_and_the_definition() -> None:
     torch.testing.assert_close(out["grouped"], out["segments"], rtol=1e-5, atol=1e-5)
 
 
-def test_one_adapter_or_a_large_step_keeps_the_segments() -> None:
+def test_one_adapter_many_rows_per_adapter_or_a_large_step_keep_the_segments() -> None:
     batch = LoraBatch()
     batch.set([0, 0, None], torch.device("cpu"))
     assert batch.row_slot is None and len(batch.segments) == 1
-    batch.set([0, 1] * 40, torch.device("cpu"))  # 80 rows > grouped_max_rows: prefill-sized
+    batch.set([0, 0, 1, 1, None], torch.device("cpu"))  # two rows per adapter: the segments are cheaper
     assert batch.row_slot is None and len(batch.segments) == 2
+    batch.set(list(range(40)) * 2, torch.device("cpu"))  # 80 rows > grouped_max_rows: prefill-sized
+    assert batch.row_slot is None and len(batch.segments) == 40
     batch.set([0, 1, None], torch.device("cpu"))
     assert batch.row_slot is not None and batch.row_slot.tolist() == [0, 1, -1] and batch.segments == ()
