@@ -53,6 +53,7 @@ def run(model: str | None, requests: int, rank: int, adapter_counts: list[int], 
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from engine_workers.model.lora.adapter import load_adapter
+    from engine_workers.model.lora.layers import GROUPED_MAX_ROWS
     from lockgate_types import SamplingParams
 
     base_cfg = EngineConfig(model=model, max_num_seqs=requests, num_threads=threads or None)
@@ -74,7 +75,6 @@ def run(model: str | None, requests: int, rank: int, adapter_counts: list[int], 
     lora = Engine(replace(base_cfg, enable_lora=True, max_loras=most, max_lora_rank=rank,
                           lora_modules=tuple((f"a{i}", str(p)) for i, p in enumerate(paths))))
     assert lora.lora is not None
-    grouped_rows = lora.lora.batch.grouped_max_rows
     # (engine, per-request adapters, count, grouped path on): several adapters also with the
     # segment path alone, the comparison the grouped path is for (engine_workers/model/lora/layers.py)
     modes = [(base, None, -1, True)] + [
@@ -83,12 +83,12 @@ def run(model: str | None, requests: int, rank: int, adapter_counts: list[int], 
     best = [0.0] * len(modes)
     for r in range(repeat):
         for i, (engine, loras, _, grouped) in enumerate(modes):
-            lora.lora.batch.grouped_max_rows = grouped_rows if grouped else 0
+            lora.lora.batch.grouped_max_rows = GROUPED_MAX_ROWS if grouped else 0
             best[i] = max(best[i], tok_s(engine, loras, r))
     rows: list[dict[str, Any]] = [{"mode": "base engine (no --enable-lora)", "adapters": 0, "tok_s": round(best[0], 1),
                                    "ratio": 1.0}]
     for (_, _, n, grouped), rate in zip(modes[1:], best[1:], strict=True):
-        path = "" if n < 2 else (", grouped path" if grouped else ", segment path only")
+        path = "" if n < 2 else (", grouped path on" if grouped else ", segment path only (the default)")
         rows.append({"mode": f"--enable-lora, {n} adapters over the requests{path}", "adapters": n, "rank": rank,
                      "tok_s": round(rate, 1), "ratio": round(rate / best[0], 3)})
     rows.append({"mode": "load one adapter (read + fuse)", "rank": rank, "seconds": round(load_s, 3)})

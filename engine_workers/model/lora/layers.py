@@ -7,9 +7,10 @@ layer then computes its base output as ever and adds, per adapter present, one
 ``x[rows] @ A^T`` and one ``@ B^T`` (punica's / S-LoRA's segments: a GEMM pair per adapter and
 layer, not a loop per request). Rows of the base model take no extra work.
 
-A small step (at most ``LoraBatch.grouped_max_rows`` rows: decode steps) whose adapters have
-fewer than two rows each on average (many adapters, one or two requests each) takes the grouped
-path instead: each layer keeps the A and B of all its slots stacked
+With ``LoraBatch.grouped_max_rows`` set (``GROUPED_MAX_ROWS``; 0, off, by default: on the
+2-core CPU it was measured on it did not beat the segments, docs/lora.md "Throughput"), a small
+step (at most that many rows: decode steps) whose adapters have fewer than two rows each on
+average (many adapters, one or two requests each) takes the grouped path instead: each layer keeps the A and B of all its slots stacked
 (``[sum of ranks, in]`` and ``[out, sum of ranks]``), computes ``x @ A_all^T`` for every row once,
 zeroes each row's columns of the other slots (a mask built once per step and column layout), and
 adds ``@ B_all^T`` with one GEMM: two GEMMs per layer whatever the number of adapters. It does
@@ -32,6 +33,8 @@ from torch import nn
 
 from engine_workers.model.lora.adapter import LoraAdapter, LoraWeights
 
+GROUPED_MAX_ROWS = 64  # the largest step the grouped path takes, when on (decode-sized)
+
 
 @dataclass(frozen=True, slots=True)
 class Segment:
@@ -51,7 +54,7 @@ class LoraBatch:
     row_slot: torch.Tensor | None = None
     used: tuple[int, ...] = ()  # the grouped path's slots this step (the others are not computed)
     masks: dict[tuple[tuple[int, int], ...], torch.Tensor] = field(default_factory=dict)
-    grouped_max_rows: int = 64  # 0: always the segments (the benchmark compares both)
+    grouped_max_rows: int = 0  # 0: always the segments; GROUPED_MAX_ROWS: the grouped path where it applies
 
     def set(self, row_slots: list[int | None], device: torch.device) -> None:
         """``row_slots``: per row of the batch, its adapter's slot, None for the base model."""

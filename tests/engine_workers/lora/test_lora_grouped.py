@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine_workers.model.lora.adapter import LoraWeights
-from engine_workers.model.lora.layers import LoraBatch, LoraLinear
+from engine_workers.model.lora.layers import GROUPED_MAX_ROWS, LoraBatch, LoraLinear
 
 
 def weights(g: torch.Generator, rank: int, fan_in: int, fan_out: int) -> LoraWeights:
@@ -32,7 +32,7 @@ def test_grouped_equals_segments_and_the_definition() -> None:
     rows: list[int | None] = [0, None, 2, 3, None, 0]  # interleaved, fewer than 2 rows per adapter; slot 1 empty
     x = torch.randn(len(rows), 24, generator=g)
     out = {}
-    for mode, max_rows in (("grouped", 64), ("segments", 0)):
+    for mode, max_rows in (("grouped", GROUPED_MAX_ROWS), ("segments", 0)):
         batch = LoraBatch(grouped_max_rows=max_rows)
         lin = LoraLinear(base, batch, max_loras=4)
         g.manual_seed(1)  # the same slots in both modes
@@ -57,7 +57,8 @@ def test_grouped_equals_segments_and_the_definition() -> None:
 
 
 def test_one_adapter_many_rows_per_adapter_or_a_large_step_keep_the_segments() -> None:
-    batch = LoraBatch()
+    assert LoraBatch().grouped_max_rows == 0  # off unless asked for
+    batch = LoraBatch(grouped_max_rows=GROUPED_MAX_ROWS)
     batch.set([0, 0, None], torch.device("cpu"))
     assert batch.row_slot is None and len(batch.segments) == 1
     batch.set([0, 0, 1, 1, None], torch.device("cpu"))  # two rows per adapter: the segments are cheaper
