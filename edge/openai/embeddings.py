@@ -200,5 +200,5 @@ class EmbeddingsRoutes:
             n = sum(s.prompt_tokens for s in sinks)
             data = [{"object": "embedding", "index": i, "embedding": encode(s.vector or (), fmt)}
                     for i, s in enumerate(sinks)]
-            return json_response(200, {"object": "list", "data": data, "model": adm.config.model,
+            return json_response(200, {"object": "list", "data": data, "model": body["model"],  # as asked: a base model or an adapter
                                        "usage": {"prompt_tokens": n, "total_tokens": n}})

@@ -139,9 +139,7 @@ class ResponsesRoutes:
                 previous = got.history
             req = parse_responses(body, encoder.context_len, previous)
             model = req.chat.generate.model or ""
-            if model != adm.config.model and model not in adm.adapters():  # an adapter: docs/lora.md
-                raise ProtocolError(f"the model {model[:200]!r} does not exist; this server serves "
-                                    f"{adm.config.model!r}", "model", code="model_not_found")
+            encoder = await adm.encoder_for(model)  # a base model or an adapter of one: docs/lora.md (404 else)
             if req.chat.tools is not None:
                 g = await asyncio.to_thread(prepare, req.chat.generate, req.chat.tools, encoder, configured_parser(
                     adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
