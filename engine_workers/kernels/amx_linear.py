@@ -96,6 +96,14 @@ def tiles_problem() -> str | None:
     return kernels._state["amx_tiles_problem"]
 
 
+def tiles_kernel_problem() -> str | None:
+    """:func:`tiles_problem` where the tile kernel is meant to run (the amx level, oneDNN not asked
+    for), else ``None`` (``make model``'s check, :mod:`engine_workers.kernels.readiness`)."""
+    if kernels.isa_level() != "amx" or os.environ.get(ONEDNN_ENV, "") not in ("", "0"):
+        return None
+    return tiles_problem()
+
+
 def _resolve_tiles() -> tuple[TileOps | None, str | None]:
     if os.environ.get(ONEDNN_ENV, "") not in ("", "0"):
         return None, f"{ONEDNN_ENV}={os.environ[ONEDNN_ENV]}"
