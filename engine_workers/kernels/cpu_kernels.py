@@ -19,6 +19,8 @@
 * linears on Q4_1/Q8_0 block weights (``csrc/block_linear.cpp``, ``--quantization q4_1``):
   :mod:`engine_workers.kernels.cpu_blocks`; the elementwise passes of int8-activation linears
   (``csrc/int8_act.cpp``, ``--quantization w8a8``): :mod:`engine_workers.kernels.w8a8_linear`.
+  bf16 linears on AMX tiles (``csrc/amx_bf16.cpp``, built at the ``amx`` level only):
+  :mod:`engine_workers.kernels.amx_linear`.
   Those modules resolve their kernels through :func:`_resolved` and :func:`_checked` here;
   :func:`engine_workers.kernels.readiness.problems` builds and checks them all.
 
@@ -36,8 +38,8 @@ the module cannot be built or a kernel disagrees, the engine logs why and keeps 
 that one.
 ``--no-cpu-kernels`` / ``LOCKGATE_NO_CPU_KERNELS=1`` turns them all off.
 
-ISA levels (:func:`isa_level`): the module is built for ``avx512`` or ``avx2`` (or ``generic``, plain
-loops), the best the CPU's flags allow, chosen and logged once per process; ``LOCKGATE_CPU_ISA``
+ISA levels (:func:`isa_level`): the module is built for ``amx``, ``avx512`` or ``avx2`` (or ``generic``,
+plain loops), the best the CPU's flags allow, chosen and logged once per process; ``LOCKGATE_CPU_ISA``
 forces a lower level (docs/design-history.md, "ISA levels").
 """
 
@@ -60,7 +62,6 @@ from engine_workers.kernels.isa import (
     ISA_ENV,
     ISA_LEVELS,
     ISA_NEEDS,
-    build_level,
     cpu_flags,
     host_isa,
     level_cflags,
@@ -72,7 +73,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "module.cpp", CSRC / "paged_decode.cpp", CSRC / "prefill_attention.cpp", CSRC / "small_m_linear.cpp",
            CSRC / "fused_elementwise.cpp", CSRC / "small_m_lowp.cpp", CSRC / "int8_act.cpp", CSRC / "block_linear.cpp",
-           CSRC / "int8_gemm.cpp"]
+           CSRC / "int8_gemm.cpp", CSRC / "amx_bf16.cpp"]
 HEADERS = [CSRC / "tile.h", CSRC / "kv_elem.h", CSRC / "silu_mul.h", CSRC / "prefill_f16.h", CSRC / "cpu_check.h",
            CSRC / "paged_decode_avx512.h", CSRC / "softmax_row.h", CSRC / "avx2_tile.h"]  # included by the sources: part of the build key, not compiled alone
 # Built for one ISA level at a time, chosen at run time (:func:`isa_level`): the best level the
@@ -94,8 +95,8 @@ _lock = threading.Lock()
 _states: dict[str, dict[str, Any]] = {}
 _state: dict[str, Any] = {}
 _isa: list[str] = []  # the chosen level once decided (isa_level)
-# Per build level (isa.build_level: amx runs the avx512 build): (module or None, why not). Two
-# levels that share a build share its module: loading one extension name twice in a process fails.
+# Per level: (module or None, why not), kept across use_isa switches: loading one extension name
+# twice in a process fails.
 _modules: dict[str, tuple[Any, str | None]] = {}
 
 T = TypeVar("T")
@@ -356,7 +357,7 @@ def _module() -> tuple[Any, str | None]:
     if os.environ.get("LOCKGATE_NO_CPU_KERNELS", "") not in ("", "0"):  # read on every resolve
         return None, "off (LOCKGATE_NO_CPU_KERNELS)"
     if "module" not in _state:
-        level = build_level(isa_level())
+        level = isa_level()
         if level in _modules:
             _state["module"], _state["module_problem"] = _modules[level]
             return _state["module"], _state["module_problem"]

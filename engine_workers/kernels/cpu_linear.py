@@ -240,7 +240,7 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
     if kind == "bfloat16" and kernels.isa_level() == "amx" and "amx_bf16" in kernels.cpu_flags():
         from engine_workers.kernels.amx_linear import amx
 
-        if amx():  # oneDNN on AMX tiles (bf16_layer); a shape it fails falls back to the kernel below
+        if amx():  # AMX tiles (bf16_layer); a shape oneDNN's fails falls back to the kernel below
             return None
     flags = kernels.cpu_flags()
     if kind == "q4_1":
@@ -258,8 +258,8 @@ def lowp_problem(kind: str, cpu_kernels: bool = True) -> str | None:
 
 
 def bf16_layer(weight: torch.Tensor, bias: torch.Tensor | None, lowp_ops: Any = None) -> nn.Module:
-    """The ``--dtype bfloat16`` layer of ``weight`` on this CPU: on AMX tiles (oneDNN, bf16
-    activations; :class:`engine_workers.kernels.amx_linear.AmxLinear`) at the ``amx`` ISA level
+    """The ``--dtype bfloat16`` layer of ``weight`` on this CPU: on AMX tiles (the engine's tile kernel
+    or oneDNN, bf16 activations; :class:`engine_workers.kernels.amx_linear.AmxLinear`) at the ``amx`` ISA level
     where its shape passes the batch-invariance check, else :class:`LowpLinear` (float32
     activations), with a warning where AMX was meant."""
     from engine_workers.kernels import amx_linear
@@ -274,8 +274,8 @@ def bf16_layer(weight: torch.Tensor, bias: torch.Tensor | None, lowp_ops: Any = 
 
 def auto_cpu_dtype(quantization: str, cpu_kernels: bool = True) -> tuple[torch.dtype, str]:
     """``--dtype auto`` on a CPU: ``(dtype, why)``, the fastest mode measured accurate on this kind
-    of host (docs/benchmarks.md, "Which mode runs where"). With AMX (the ``amx`` ISA level, oneDNN's
-    bf16 GEMMs checked): ``bfloat16`` (bf16 linears on AMX tiles, perplexity within 0.5 % of
+    of host (docs/benchmarks.md, "Which mode runs where"). With AMX (the ``amx`` ISA level, its bf16
+    GEMMs checked): ``bfloat16`` (bf16 linears on AMX tiles, perplexity within 0.5 % of
     float32, several times float32's GEMM speed); elsewhere ``float32`` (without AMX bf16 arithmetic
     is slower than float32 FMAs, and bf16 weights alone gained ~10 %). A quantization keeps
     float32 (it computes outside the linears in float32)."""
@@ -283,10 +283,11 @@ def auto_cpu_dtype(quantization: str, cpu_kernels: bool = True) -> tuple[torch.d
         return torch.float32, f"--quantization {quantization} computes outside the linear layers in float32"
     if not cpu_kernels:
         return torch.float32, "--no-cpu-kernels: oneDNN float32 linears"
-    from engine_workers.kernels.amx_linear import amx, amx_problem
+    from engine_workers.kernels.amx_linear import amx, amx_problem, backend
 
     if amx():
-        return torch.bfloat16, "AMX tiles: bf16 linears on oneDNN's AMX kernel, the fastest accurate CPU mode here"
+        how = "the engine's tile kernel" if backend() == "tiles" else "oneDNN's AMX kernel"
+        return torch.bfloat16, f"AMX tiles: bf16 linears on {how}, the fastest accurate CPU mode here"
     return torch.float32, f"no bf16 on AMX tiles ({amx_problem()}): without AMX bf16 arithmetic does not pay"
 
 

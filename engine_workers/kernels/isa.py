@@ -15,15 +15,15 @@ ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"), "avx512": _AVX512,
              # AMX tiles with bf16 dot products (Sapphire Rapids and later); amx_tile alone is not
              # enough: the tiles' bf16 GEMMs (oneDNN's, through torch) need amx_bf16 as well
              "amx": (*_AVX512, "amx_tile", "amx_bf16")}
-ISA_CFLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma", "-mf16c"],
-              "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
-# The amx level's own code is oneDNN's (bf16 GEMMs on AMX tiles, engine_workers/kernels/amx_linear.py):
-# the engine's C++ kernels are the avx512 build, shared by both levels (one build, one module).
-BUILD_LEVEL = {"amx": "avx512"}
-# extensions an avx512 build also enables where the CPU has them (the kernels test their macros:
-# AVX512-BF16 dot products, AVX512-FP16 prefill values; VNNI for oneDNN-style int8 code)
-ISA_OPTIONAL = {"avx512": (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"),
-                           ("avx512_fp16", "-mavx512fp16"))}
+_AVX512_CFLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# The amx level is its own build: the avx512 kernels plus the AMX tile bf16 GEMM
+# (csrc/amx_bf16.cpp, which compiles to a stub without these flags); no other level gets them.
+ISA_CFLAGS = {"generic": [], "avx2": ["-mavx2", "-mfma", "-mf16c"], "avx512": _AVX512_CFLAGS,
+              "amx": [*_AVX512_CFLAGS, "-mamx-tile", "-mamx-bf16"]}
+# extensions an avx512 (or amx) build also enables where the CPU has them (the kernels test their
+# macros: AVX512-BF16 dot products, AVX512-FP16 prefill values; VNNI for oneDNN-style int8 code)
+_AVX512_OPTIONAL = (("avx512_vnni", "-mavx512vnni"), ("avx512_bf16", "-mavx512bf16"), ("avx512_fp16", "-mavx512fp16"))
+ISA_OPTIONAL = {"avx512": _AVX512_OPTIONAL, "amx": _AVX512_OPTIONAL}
 
 
 def cpu_flags() -> set[str]:
@@ -63,13 +63,7 @@ def parse_isa(value: str, flags: set[str] | None = None) -> str:
     return level
 
 
-def build_level(level: str) -> str:
-    """The level whose C++ build ``level`` runs (``amx`` runs the ``avx512`` build; the others their own)."""
-    return BUILD_LEVEL.get(level, level)
-
-
 def level_cflags(level: str, flags: set[str]) -> list[str]:
     """The ISA compiler flags of a ``level`` build on a CPU with ``flags``: the level's own, plus the
-    optional extensions (:data:`ISA_OPTIONAL`) this CPU has (``amx``: those of its build level)."""
-    level = build_level(level)
+    optional extensions (:data:`ISA_OPTIONAL`) this CPU has."""
     return [*ISA_CFLAGS[level], *(opt for flag, opt in ISA_OPTIONAL.get(level, ()) if flag in flags)]

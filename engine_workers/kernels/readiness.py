@@ -4,7 +4,8 @@ in the first test or request.
 
 The kernels are resolved in their own modules (:mod:`engine_workers.kernels.cpu_kernels`, which
 builds the module, and :mod:`~engine_workers.kernels.lowp_kernels`,
-:mod:`~engine_workers.kernels.cpu_blocks`, :mod:`~engine_workers.kernels.w8a8_linear`, which
+:mod:`~engine_workers.kernels.cpu_blocks`, :mod:`~engine_workers.kernels.w8a8_linear`,
+:mod:`~engine_workers.kernels.amx_linear`, which
 import it); this module sits above them all, so none of them imports another to list the rest.
 
 A CPU that lacks a flag a kernel is fast with (avx512_bf16, AVX-512, AVX2) is not a problem here:
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine_workers.kernels import cpu_blocks, cpu_kernels, lowp_kernels, w8a8_linear
+from engine_workers.kernels import amx_linear, cpu_blocks, cpu_kernels, lowp_kernels, w8a8_linear
 
 # Each kernel's "why not, or None", in the order problems() reports them (attention first: it is
 # on every CPU float32 engine's path; the weight formats only under their flags).
@@ -30,6 +31,7 @@ CHECKS: tuple[tuple[str, Callable[[], str | None]], ...] = (
     ("bf16/int8 linear", lowp_kernels.lowp_problem),
     ("Q4_1/Q8_0 block linear", cpu_blocks.block_problem),
     ("W8A8 linear", w8a8_linear.w8a8_kernel_problem),
+    ("AMX tile bf16 linear", amx_linear.tiles_kernel_problem),  # at the amx level only
 )
 
 

@@ -2,7 +2,7 @@
 and its module-scoped fixtures taking ``isa``) runs once per kernel ISA level this host can run
 (engine_workers/kernels/cpu_kernels.py, ISA levels): on an AVX-512 host both the avx512 build and
 the avx2 build, so the AVX2 code is run and checked here too, not only on AVX2-only hosts (on an
-AMX host the amx level as well: the avx512 build plus bf16 linears on AMX tiles). The
+AMX host the amx level as well: its own build, the avx512 kernels plus the AMX tile bf16 GEMM). The
 first use of a level in a process builds it (about 3 minutes on 2 cores, then cached)."""
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ std::tuple<torch::Tensor, torch::Tensor> silu_mul_quant_i32(torch::Tensor acc, t
                                                             torch::Tensor wscale, c10::optional<torch::Tensor> bias);
 torch::Tensor dequant_i32(torch::Tensor acc, torch::Tensor xscale, torch::Tensor wscale,
                           c10::optional<torch::Tensor> bias);
+bool amx_bf16_built();
+torch::Tensor pack_amx_bf16(torch::Tensor w);
+torch::Tensor linear_amx_bf16(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The GIL is released while a kernel runs, as torch's own ops do: the worker's event loop thread
@@ -76,6 +79,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_mm", &int8_mm, "xq [M, K] int8 . W^T -> int32 [M, N], exact (the avx2 build's W8A8 GEMM)",
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_mm_vector", &int8_mm_vector, "whether int8_mm was built with its AVX2 form (else a plain loop)");
+  m.def("amx_bf16_built", &amx_bf16_built,
+        "whether linear_amx_bf16 was built for AMX tiles (the amx level) and the OS granted tile data");
+  m.def("pack_amx_bf16", &pack_amx_bf16, "pack a weight [N, K] into linear_amx_bf16's bf16 tile blocks");
+  m.def("linear_amx_bf16", &linear_amx_bf16,
+        "bf16(x) @ W^T (+ bias) on AMX tiles, float32 x and y; each output one fixed-order chain over K "
+        "(batch-invariant by construction)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("block_linear", &block_linear, "x @ W^T (+ bias), float32 x and y, W in packed Q4_1 / Q8_0 blocks (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("block_dequant_t", &block_dequant_t, "the float32 W^T [K, N] of packed Q4_1 / Q8_0 blocks (CPU)",

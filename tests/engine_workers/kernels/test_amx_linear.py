@@ -61,6 +61,7 @@ def test_shape_check_finds_a_kernel_whose_sums_depend_on_the_row_count(monkeypat
 
     monkeypatch.setattr(amx_linear, "_shape_checks", {})
     monkeypatch.setattr(amx_linear, "_ops", lambda: (reorder, by_rows))
+    monkeypatch.setattr(amx_linear, "tiles", lambda: None)  # the oneDNN path's check
     why = amx_linear.shape_problem(64, 96)
     assert why is not None and "64x96 weight" in why and "differs from the row alone" in why
     monkeypatch.setattr(amx_linear, "_ops", lambda: (reorder, linear))
@@ -85,6 +86,7 @@ def test_amx_is_refused_below_the_amx_level_and_under_a_onednn_cap(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "isa_level", lambda: "avx512")
     assert amx_linear._resolve() == (None, "ISA level avx512, not amx")
     monkeypatch.setattr(cpu_kernels, "isa_level", lambda: "amx")
+    monkeypatch.setitem(cpu_kernels._state, "amx_tiles", None)  # the cap is oneDNN's: without the tile kernel
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
     assert amx_linear._resolve() == (None, "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps oneDNN off the AMX tiles")
 

@@ -63,20 +63,24 @@ def test_compiler_flags_per_level() -> None:
     assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"} <= set(avx512)
     assert "-mavx512bf16" not in avx512  # only where the CPU has avx512_bf16
     assert "-mavx512bf16" in cpu_kernels.isa_cflags("avx512", AVX512_FLAGS | {"avx512_bf16"})
-    # the amx level compiles the avx512 build (its AMX code is oneDNN's): the same flags, no -mamx-*
-    assert cpu_kernels.isa_cflags("amx", AMX_FLAGS) == cpu_kernels.isa_cflags("avx512", AMX_FLAGS)
-    assert isa_levels.build_level("amx") == "avx512" and isa_levels.build_level("avx2") == "avx2"
+    # the amx level is its own build: the avx512 flags plus the AMX tiles' (its tile GEMM, csrc/amx_bf16.cpp)
+    amx = cpu_kernels.isa_cflags("amx", AMX_FLAGS)
+    assert {"-mamx-tile", "-mamx-bf16", "-mavx512bf16"} <= set(amx)
+    assert set(amx) - {"-mamx-tile", "-mamx-bf16"} == set(cpu_kernels.isa_cflags("avx512", AMX_FLAGS))
+    assert not any(f.startswith("-mamx") for f in cpu_kernels.isa_cflags("avx512", AMX_FLAGS))
 
 
 @pytest.mark.skipif(isa_levels.host_isa() != "amx", reason="needs an AMX host")
-def test_amx_level_shares_the_avx512_module() -> None:
+def test_amx_level_has_its_own_module_with_the_tile_kernel() -> None:
     try:
         assert cpu_kernels.use_isa("avx512") == "avx512"
         assert cpu_kernels.problem() is None
         avx512 = cpu_kernels._module()[0]
         assert cpu_kernels.use_isa("amx") == "amx"
         assert cpu_kernels.problem() is None
-        assert cpu_kernels._module()[0] is avx512  # one build, one module, no second load of its name
+        amx = cpu_kernels._module()[0]
+        assert amx is not avx512 and amx.__name__ == "lockgate_cpu_kernels_amx"
+        assert amx.amx_bf16_built() and not avx512.amx_bf16_built()  # the stub without -mamx-*
     finally:
         cpu_kernels.use_isa(None)
 

@@ -31,9 +31,12 @@ def test_ready_means_every_kernel_resolved(all_ready: None) -> None:
 
 
 @pytest.mark.parametrize(("key", "name"), [("decode", "paged decode attention"), ("lowp", "bf16/int8 linear"),
-                                           ("blocks", "Q4_1/Q8_0 block linear"), ("w8a8", "W8A8 linear")])
+                                           ("blocks", "Q4_1/Q8_0 block linear"), ("w8a8", "W8A8 linear"),
+                                           ("amx_tiles", "AMX tile bf16 linear")])
 def test_a_failing_kernel_is_reported_by_name(all_ready: None, monkeypatch: pytest.MonkeyPatch, key: str,
                                               name: str) -> None:
+    if key == "amx_tiles" and cpu_kernels.isa_level() != "amx":
+        pytest.skip("the AMX tile kernel is checked at the amx level only")
     # as the kernel's resolution records a failed build or check, once per process
     monkeypatch.setitem(cpu_kernels._state, key, None)
     monkeypatch.setitem(cpu_kernels._state, key + "_problem", "disagrees with torch (planted)")
@@ -84,6 +87,9 @@ _OFF_CPU_CALLS = {
     "pack_i8": lambda m, meta, c3, c2, c1: m.pack_i8(meta.view(4, 16).to(torch.int8)),
     "pack_bf16": lambda m, meta, c3, c2, c1: m.pack_bf16(meta.view(4, 16)),
     "pack_small_m": lambda m, meta, c3, c2, c1: m.pack_small_m(meta.view(4, 16)),
+    # checked before anything else, so at every level (the stub below amx too)
+    "pack_amx_bf16": lambda m, meta, c3, c2, c1: m.pack_amx_bf16(meta.view(4, 16)),
+    "linear_amx_bf16": lambda m, meta, c3, c2, c1: m.linear_amx_bf16(c2, meta.view(1, 1, 8, 4, 2).short(), 4, None),
 }
 
 
