@@ -60,6 +60,9 @@ class TopicSpec:
     partitions: int = 1
     replication: int = 1
     retention_ms: int | None = None  # None = the broker default; -1 = forever
+    # a compacted topic (bus.table): Kafka keeps the newest record per key (cleanup.policy
+    # compact,delete: retention still applies); the memory bus keeps every record until retention
+    compact: bool = False
 
 
 StartFrom = Literal["earliest", "latest"] | int  # int = a timestamp in ms

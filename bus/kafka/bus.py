@@ -65,6 +65,15 @@ from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
 
+
+def _topic_configs(s: TopicSpec) -> dict[str, str]:
+    """The topic-level configs a spec asks for: ``retention.ms``, and compaction (``compact,delete``:
+    the newest record per key is kept, and records past retention still go)."""
+    out = {"retention.ms": str(s.retention_ms)} if s.retention_ms is not None else {}
+    if s.compact:
+        out["cleanup.policy"] = "compact,delete"
+    return out
+
 class KafkaBus(Bus):
     """A connection to a Kafka cluster; see the module docstring. Owns its producer, admin client
     and every consumer it created (``stop`` stops them all). ``stop`` is idempotent."""
@@ -209,11 +218,7 @@ class KafkaBus(Bus):
                 raise ValueError(f"topic {s.name}: partitions and replication must be >= 1")
         if not specs:
             return []
-        new = [
-            NewTopic(s.name, s.partitions, s.replication,
-                     topic_configs={"retention.ms": str(s.retention_ms)} if s.retention_ms is not None else None)
-            for s in specs
-        ]
+        new = [NewTopic(s.name, s.partitions, s.replication, topic_configs=_topic_configs(s) or None) for s in specs]
         try:
             resp = await self._admin.create_topics(new)
         except KafkaError as exc:
