@@ -38,6 +38,7 @@ from websockets.http11 import Request, Response
 from bus import Bus, CompactedTable, DecodeError, WorkerStatus, decode
 from edge.admission.auth import AuthError, Principal, extract_key, select_subprotocol
 from edge.admission.gate import Admission
+from edge.admission.resumable import StreamDirectory
 from edge.admission.router import checkpoint
 from edge.anthropic.routes import MessagesRoutes
 from edge.config import EdgeConfig
@@ -96,6 +97,12 @@ class Edge:
                 self.admission.encoder = await asyncio.to_thread(PromptEncoder.from_path, cfg.model_path)
             await self.bus.ensure_topics(cfg.layout.model_specs(cfg.model) + [cfg.layout.reply_spec(cfg.edge_id)])
             self.admission.open_outbox()
+            # the fleet's shared state (stored responses, resumable streams): a bus table, read
+            # back by every edge (docs/protocol.md, "Resuming a stream")
+            self.table = CompactedTable(self.bus, cfg.layout.table_spec("edge", int(cfg.responses_retention_s * 1000)),
+                                        max_entries=cfg.responses_max_stored, max_value_bytes=cfg.responses_max_bytes)
+            await self.table.start()
+            self.admission.directory = StreamDirectory(self.table)
             loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self.router.run(), name="edge-router"),
@@ -113,10 +120,7 @@ class Edge:
                     ping_interval=cfg.ping_interval_s, ping_timeout=cfg.ping_timeout_s,
                     close_timeout=cfg.close_timeout_s, backlog=4096, reuse_port=cfg.reuse_port or None)
                 if cfg.openai_port is not None:
-                    self.table = CompactedTable(self.bus, cfg.layout.table_spec(
-                        "responses", int(cfg.responses_retention_s * 1000)), max_entries=cfg.responses_max_stored,
-                        max_value_bytes=cfg.responses_max_bytes)
-                    await self.table.start()
+                    assert self.table is not None
                     self.openai = OpenAIServer(self.admission, cfg.host, cfg.openai_port, ResponseStore(self.table),
                                                self.readiness)
                     MessagesRoutes(self.admission).add_to(self.openai.app)

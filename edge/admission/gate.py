@@ -31,6 +31,7 @@ from edge.admission.affinity import Placement, PrefixAffinity
 from edge.admission.auth import Authenticator, Principal
 from edge.admission.lifecycle import Lifecycle, OwnedStreams, Stream, StreamSink
 from edge.admission.ratelimit import RateLimiter
+from edge.admission.resumable import StreamDirectory
 from edge.admission.router import ReplyRouter
 from edge.admission.shedding import LoadShedder
 from edge.config import EdgeConfig
@@ -77,6 +78,10 @@ class Admission:
         self._cancels: asyncio.Queue[Cancel] | None = None
         self._grammars: GrammarChecker | None = None  # structured-output compile check, on first use
         self.placement = Placement(bus, PrefixAffinity(config.affinity_tokens) if config.prefix_affinity else None)
+        # resumable streams: where other edges find them (set by the edge's start), and their owner
+        # here, never left (they outlive their connection: edge.admission.resumable)
+        self.directory: StreamDirectory | None = None
+        self.resumables = OwnedStreams(self.lifecycle)
 
     # --- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
