@@ -81,4 +81,5 @@ class EdgeFleet:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait(10)
         self.procs.clear()

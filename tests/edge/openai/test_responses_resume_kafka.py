@@ -6,16 +6,20 @@ undisturbed run (ids and creation times aside: a different response; chunk borde
 worker's step timing cuts them), greedy and seeded; two edges replaying one response agree byte for
 byte. Also:
 a dropped connection without an edge death, ``previous_response_id`` on another edge, ``GET``
-from any edge, and another key's 404."""
+from any edge, and another key's 404. The same kill takes a resumable WebSocket stream down with
+it; a ``resume`` frame on the other edges completes it with the undisturbed run's tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
+from websockets.asyncio.client import connect as ws_open
 
 from bus import connect
 from tests.edge.fleet import EdgeFleet
@@ -65,6 +69,39 @@ def text_of(events: list[Any]) -> str:
 
 def sdk(url: str, key: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+
+WS_MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.9, "seed": 4242}}
+
+
+async def ws_read(c: Any, upto: int | None = None) -> tuple[str, list[int], int]:
+    """A resumable WebSocket stream's (text, token ids, next index) up to ``upto`` tokens, or its end."""
+    text, ids, nxt = "", [], 0
+    while upto is None or nxt < upto:
+        f = orjson.loads(await asyncio.wait_for(c.recv(), 60))
+        if f["type"] == "done":
+            break
+        assert f["type"] == "delta", f
+        text, ids, nxt = text + f["text"], ids + f["token_ids"], f["seq"] + len(f["token_ids"])
+    return text, ids, nxt
+
+
+def ws_connect(fleet: EdgeFleet, edge: str, key: str) -> Any:
+    return ws_open(f"ws://127.0.0.1:{fleet.ws_ports[edge]}/ws", additional_headers={"Authorization": f"Bearer {key}"})
+
+
+async def ws_start(c: Any, cid: str, mode: str) -> str:
+    await c.send(orjson.dumps({"type": "generate", "id": cid, "prompt": PROMPT, "max_tokens": TOKENS,
+                               "ignore_eos": True, "resumable": True, **WS_MODES[mode]}).decode())
+    f = orjson.loads(await asyncio.wait_for(c.recv(), 60))
+    assert f["type"] == "accepted", f
+    return f["request_id"]
+
+
+async def ws_resume(fleet: EdgeFleet, edge: str, key: str, rid: str, nxt: int) -> tuple[str, list[int], int]:
+    async with ws_connect(fleet, edge, key) as c:
+        await c.send(orjson.dumps({"type": "resume", "id": "r", "request_id": rid, "seq": nxt}).decode())
+        return await ws_read(c)
 
 
 async def read_until_deltas(stream: Any, n: int) -> list[Any]:
@@ -119,11 +156,24 @@ async def test_a_response_resumes_on_any_edge_after_a_kill(private_kafka, tiny_d
             assert ref[-1].type == "response.incomplete" and ref[-1].response.usage.output_tokens == TOKENS
             want = merged(normalized(ref, ref_id))
 
-            # edge A (the victim) is killed with the client mid-stream
+            async with ws_connect(fleet, "e2", alice) as c:  # the WebSocket's undisturbed run
+                await ws_start(c, "ref", mode)
+                ws_ref = await ws_read(c)
+            assert len(ws_ref[1]) == TOKENS
+
+            # edge A (the victim) is killed with its clients mid-stream: a Responses and a WebSocket one
+            ws_victim = await ws_connect(fleet, victim, alice).__aenter__()
+            ws_rid = await ws_start(ws_victim, "v", mode)
             stream = await (await client(victim)).responses.create(**base, stream=True, background=True)
             before = await read_until_deltas(stream, KILL_AFTER)
             rid, last = before[0].response.id, before[-1].sequence_number
+            ws_before = await ws_read(ws_victim, 1)
             fleet.kill(victim)
+            with contextlib.suppress(Exception):
+                await ws_victim.__aexit__(None, None, None)
+            ws_after = await ws_resume(fleet, "e2", alice, ws_rid, ws_before[2])
+            assert ws_before[1] + ws_after[1] == ws_ref[1] and ws_before[0] + ws_after[0] == ws_ref[0], mode
+            assert ws_after[2] == TOKENS
             with contextlib.suppress(Exception):
                 await stream.close()
             clients.pop((victim, alice), None)
@@ -146,6 +196,8 @@ async def test_a_response_resumes_on_any_edge_after_a_kill(private_kafka, tiny_d
             got = await (await client(cold)).responses.retrieve(rid)
             assert got.output_text == text_of(ref) and got.status == "incomplete"
 
+            # the WebSocket stream on the cold edge too, from its start
+            assert (await ws_resume(fleet, cold, alice, ws_rid, 0))[1] == ws_ref[1]
             # another key: the 404 of an unknown id, for every call
             other = await client(cold, bob)
             for call in (other.responses.retrieve, other.responses.cancel, other.responses.delete):
