@@ -15,7 +15,8 @@ and their resume positions, a batch job's status) keeps it in a :class:`Compacte
 
 Bounds: ``retention_ms`` (records older than it are gone: the topic's ``retention.ms`` with
 ``cleanup.policy=compact,delete``, and the view forgets them too, so every process agrees),
-``max_entries`` (the view keeps the newest; older ones are evicted and read as missing) and
+``max_entries`` and ``max_bytes`` (the view's count and the sum of its values' sizes: it keeps the
+newest; older ones are evicted and read as missing in this process) and
 ``max_value_bytes`` (a larger value is refused with ``ValueError``: Kafka's default record size
 is 1 MiB). On the memory bus the topic is not compacted (records are kept until retention), which
 the view cannot tell apart.
@@ -58,9 +59,10 @@ class CompactedTable:
     ``clock``: wall-clock milliseconds (record timestamps are wall clock)."""
 
     def __init__(self, bus: Bus, spec: TopicSpec, *, max_entries: int = 100_000, max_value_bytes: int = 1 << 20,
-                 clock: Callable[[], float] = time.time) -> None:
-        if max_entries < 1 or max_value_bytes < 1:
-            raise ValueError(f"max_entries and max_value_bytes must be >= 1, got {max_entries}, {max_value_bytes}")
+                 max_bytes: int = 256 << 20, clock: Callable[[], float] = time.time) -> None:
+        if max_entries < 1 or max_value_bytes < 1 or max_bytes < max_value_bytes:
+            raise ValueError(f"max_entries and max_value_bytes must be >= 1 and max_bytes >= max_value_bytes, got "
+                             f"{max_entries}, {max_value_bytes}, {max_bytes}")
         if spec.retention_ms is not None and spec.retention_ms == 0:
             raise ValueError("retention_ms must be > 0, -1 (forever) or None (the broker's default)")
         self.bus = bus
@@ -68,6 +70,8 @@ class CompactedTable:
         self.topic = spec.name
         self.max_entries = max_entries
         self.max_value_bytes = max_value_bytes
+        self.max_bytes = max_bytes
+        self._bytes = 0  # the values' sizes in the view
         self.clock = clock
         self._view: OrderedDict[str, TableEntry] = OrderedDict()
         self._waiters: list[asyncio.Future[None]] = []
@@ -136,6 +140,7 @@ class CompactedTable:
             return None
         if self._expired(e):
             del self._view[key]
+            self._bytes -= len(e.value)
             return None
         return e.value
 
@@ -174,17 +179,17 @@ class CompactedTable:
         old = self._view.get(key)
         if old is not None and old.partition == partition and old.offset >= offset:
             return  # already newer here (our own write applied before the reader saw it)
-        if not value:
-            self._view.pop(key, None)
-            return
+        if old is not None:
+            del self._view[key]
+            self._bytes -= len(old.value)
         e = TableEntry(value, partition, offset, timestamp_ms)
-        if self._expired(e):
-            self._view.pop(key, None)
+        if not value or self._expired(e):
             return
         self._view[key] = e
-        self._view.move_to_end(key)
-        while len(self._view) > self.max_entries:
-            self._view.popitem(last=False)
+        self._bytes += len(value)
+        while len(self._view) > self.max_entries or self._bytes > self.max_bytes:
+            _, gone = self._view.popitem(last=False)
+            self._bytes -= len(gone.value)
 
     def _apply_record(self, rec: Record) -> None:
         if rec.key is None:

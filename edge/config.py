@@ -210,6 +210,7 @@ class EdgeConfig:
     responses_retention_s: float = 3600.0
     responses_max_stored: int = 100_000
     responses_max_bytes: int = 1_000_000
+    responses_view_bytes: int = 256 << 20  # the memory each edge's view of them may take
     # load shedding
     slo_wait_s: tuple[float, ...] = (2.0, 5.0, 60.0)  # one per tier: checked in __post_init__
     max_queue_depth: tuple[int, int, int] = (0, 0, 0)  # per tier, 0 = no depth limit
@@ -245,6 +246,9 @@ class EdgeConfig:
             raise ConfigError(f"slo_wait_s needs {len(Tier)} positive values (one per tier)")
         if len(self.max_queue_depth) != len(Tier) or any(d < 0 for d in self.max_queue_depth):
             raise ConfigError(f"max_queue_depth needs {len(Tier)} values >= 0 (one per tier)")
+        if self.responses_view_bytes < self.responses_max_bytes:
+            raise ConfigError(f"responses_view_bytes ({self.responses_view_bytes}) must be >= responses_max_bytes "
+                              f"({self.responses_max_bytes})")
         if not self.responses_retention_s > 0 or self.responses_max_stored < 1 or self.responses_max_bytes < 1024:
             raise ConfigError("responses_retention_s must be > 0, responses_max_stored >= 1 and responses_max_bytes "
                               f">= 1024, got {self.responses_retention_s}, {self.responses_max_stored}, "

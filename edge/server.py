@@ -100,7 +100,8 @@ class Edge:
             # the fleet's shared state (stored responses, resumable streams): a bus table, read
             # back by every edge (docs/protocol.md, "Resuming a stream")
             self.table = CompactedTable(self.bus, cfg.layout.table_spec("edge", int(cfg.responses_retention_s * 1000)),
-                                        max_entries=cfg.responses_max_stored, max_value_bytes=cfg.responses_max_bytes)
+                                        max_entries=cfg.responses_max_stored, max_value_bytes=cfg.responses_max_bytes,
+                                        max_bytes=cfg.responses_view_bytes)
             await self.table.start()
             self.admission.directory = StreamDirectory(self.table)
             loop = asyncio.get_running_loop()

@@ -27,12 +27,17 @@ def add_responses_store(p: argparse.ArgumentParser) -> None:
                    help="the largest stored response record (request + output); larger ones are not stored, "
                         "a larger background request is refused (env LOCKGATE_RESPONSES_MAX_BYTES)")
 
+    p.add_argument("--responses-view-bytes", type=int, default=env_default("responses-view-bytes", 256 << 20),
+                   help="the memory each edge's view of the stored responses may take (bytes); the oldest are "
+                        "forgotten first (env LOCKGATE_RESPONSES_VIEW_BYTES)")
+
 
 class ResponsesStore(TypedDict):
     layout: TopicLayout
     responses_retention_s: float
     responses_max_stored: int
     responses_max_bytes: int
+    responses_view_bytes: int
 
 
 def responses_store(args: argparse.Namespace) -> ResponsesStore:
@@ -40,4 +45,4 @@ def responses_store(args: argparse.Namespace) -> ResponsesStore:
     from bus import TopicLayout  # bus loads with the edge, not with every CLI start
     return {"layout": TopicLayout(namespace=args.namespace, partitions=args.partitions),
             "responses_retention_s": args.responses_retention, "responses_max_stored": args.responses_max_stored,
-            "responses_max_bytes": args.responses_max_bytes}
+            "responses_max_bytes": args.responses_max_bytes, "responses_view_bytes": args.responses_view_bytes}

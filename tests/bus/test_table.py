@@ -47,8 +47,18 @@ async def test_bounds_age_count_and_size():
             assert len(t) == 2 and t.peek("a") is None and t.peek("c") == b"v"  # the oldest evicted
             now[0] += 11.0  # past retention: gone here too, whatever the broker still holds
             assert t.peek("c") is None
+    async with MemoryBus("memory://") as bus:
+        async with CompactedTable(bus, spec(), max_value_bytes=4, max_bytes=10) as t:
+            for k in ("a", "b", "c"):
+                await t.put(k, b"1234")
+            assert t.peek("a") is None and t.peek("b") == t.peek("c") == b"1234"  # 12 bytes > 10: a goes
+            await t.put("b", b"12")  # replaced: its old size no longer counts
+            await t.put("d", b"1234")
+            assert t.peek("b") == b"12" and t.peek("c") == t.peek("d") == b"1234"
     with pytest.raises(ValueError):
         CompactedTable(bus, spec(), max_entries=0)
+    with pytest.raises(ValueError):
+        CompactedTable(bus, spec(), max_value_bytes=8, max_bytes=4)
 
 
 async def test_a_table_not_started_refuses_to_wait():
