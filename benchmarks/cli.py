@@ -66,6 +66,12 @@ def _bench_recovery(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_edge_resume(args: argparse.Namespace) -> int:
+    from benchmarks.serving.edge_resume import run
+
+    return run(args)
+
+
 def _bench_priority(args: argparse.Namespace) -> int:
     from benchmarks.serving.priority import run
 
@@ -228,6 +234,13 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     rc = bench.add_parser("recovery", help="kill -9 a worker mid-stream, repeatedly: time to the next token, re-run steps")
     add_recovery_args(rc)
     rc.set_defaults(func=_bench_recovery)
+
+    from benchmarks.serving.edge_resume import add_args as add_edge_resume_args
+
+    er = bench.add_parser("edge-resume", help="kill -9 an edge mid-stream, repeatedly: time to the client's next "
+                                              "event on another edge; the shared state's cost per request")
+    add_edge_resume_args(er)
+    er.set_defaults(func=_bench_edge_resume)
 
     pr = bench.add_parser("priority", help="fifo vs strict vs aging intake under the same overload (PNG plot)")
     add_priority_args(pr)

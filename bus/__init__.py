@@ -67,7 +67,7 @@ from bus.messages import (
     replies_of,
 )
 from bus.partitioner import murmur2, partition_for_key
-from bus.table import Table
+from bus.table import CompactedTable
 from bus.topics import TopicLayout, safe_name
 from bus.window import parse_time_ms, read_time_window
 
@@ -85,6 +85,7 @@ __all__ = [
     "BusError",
     "Cancel",
     "ChatMessage",
+    "CompactedTable",
     "Consumer",
     "DeadLetter",
     "DeadLetterer",
@@ -105,7 +106,6 @@ __all__ = [
     "ReplyBatch",
     "SamplingParams",
     "StartFrom",
-    "Table",
     "Tier",
     "Timings",
     "TokenChunk",

@@ -60,9 +60,8 @@ class TopicSpec:
     partitions: int = 1
     replication: int = 1
     retention_ms: int | None = None  # None = the broker default; -1 = forever
-    # Kafka's cleanup.policy=compact: the broker keeps at least the last record of every key (a
-    # table on the bus, bus.table). The memory bus keeps every record, which readers of a table
-    # cannot tell apart (they keep the last value per key).
+    # a compacted topic (bus.table): Kafka keeps the newest record per key (cleanup.policy
+    # compact,delete: retention still applies); the memory bus keeps every record until retention
     compact: bool = False
 
 

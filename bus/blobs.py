@@ -4,7 +4,7 @@ Kafka refuses a record above the producer's ``max.request.size`` (1 MiB here by 
 blob is cut into ``chunk_bytes`` pieces sent in order to one partition (the blob id's), each keyed
 ``<blob id>/<index>``. :meth:`BlobStore.write` returns a :class:`BlobRef` (the partition, the
 offsets of the first and last chunk, a wall-clock time taken before the first send, the size and
-SHA-256); whoever keeps the reference (a :class:`bus.table.Table` entry) can read the blob back from
+SHA-256); whoever keeps the reference (a :class:`bus.table.CompactedTable` entry) can read the blob back from
 any process: :meth:`BlobStore.read` asks the partition for the records from that time on (the
 broker's time index), keeps the chunks whose offsets the reference names, and checks the digest.
 Other blobs' chunks written meanwhile to the same partition are skipped; the slice read grows

@@ -9,6 +9,8 @@ Layout (``<ns>`` defaults to ``lockgate``, ``<model>`` is the model name made to
 * ``<ns>.status``               — worker heartbeats (``WorkerStatus``).
 * ``<ns>.dlq``                  — dead letters: records that could not be decoded, with the reason.
 * ``<ns>.usage``                — the billing log: one ``UsageRecord`` per finished request, keyed by tenant.
+* ``<ns>.table.<name>``         — a compacted key/value table shared by the fleet (:mod:`bus.table`),
+  e.g. ``<ns>.table.responses``: the edges' stored responses and resume positions.
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ class TopicLayout:
             TopicSpec(self.usage_topic, 1, self.replication, self.retention_ms),
         ]
         return reqs + shared
+
+    def table_topic(self, name: str) -> str:
+        return f"{self.namespace}.table.{safe_name(name)}"
+
+    def table_spec(self, name: str, retention_ms: int, partitions: int | None = None) -> TopicSpec:
+        """A compacted table's topic (:class:`bus.table.CompactedTable`)."""
+        return TopicSpec(self.table_topic(name), partitions or self.partitions, self.replication, retention_ms,
+                         compact=True)
 
     def reply_spec(self, owner: str, partitions: int | None = None) -> TopicSpec:
         return TopicSpec(self.reply_topic(owner), partitions or self.partitions, self.replication, self.reply_retention_ms)

@@ -222,6 +222,13 @@ class EdgeConfig:
     # -> same partition (worker, prefix cache), hot prefixes spread; False: by request id
     prefix_affinity: bool = True
     affinity_tokens: int = 64  # the prompt prefix keyed on when there is no system message
+    # stored responses, shared by the fleet on the bus table <ns>.table.responses (docs/protocol.md,
+    # "Resuming a stream"): kept this long (the topic's retention; a stream resumes while its reply
+    # topic still holds its replies too), at most this many in each edge's view, each at most this big
+    responses_retention_s: float = 3600.0
+    responses_max_stored: int = 100_000
+    responses_max_bytes: int = 1_000_000
+    responses_view_bytes: int = 256 << 20  # the memory each edge's view of them may take
     # load shedding
     slo_wait_s: tuple[float, ...] = (2.0, 5.0, 60.0)  # one per tier: checked in __post_init__
     max_queue_depth: tuple[int, int, int] = (0, 0, 0)  # per tier, 0 = no depth limit
@@ -257,6 +264,13 @@ class EdgeConfig:
             raise ConfigError(f"slo_wait_s needs {len(Tier)} positive values (one per tier)")
         if len(self.max_queue_depth) != len(Tier) or any(d < 0 for d in self.max_queue_depth):
             raise ConfigError(f"max_queue_depth needs {len(Tier)} values >= 0 (one per tier)")
+        if self.responses_view_bytes < self.responses_max_bytes:
+            raise ConfigError(f"responses_view_bytes ({self.responses_view_bytes}) must be >= responses_max_bytes "
+                              f"({self.responses_max_bytes})")
+        if not self.responses_retention_s > 0 or self.responses_max_stored < 1 or self.responses_max_bytes < 1024:
+            raise ConfigError("responses_retention_s must be > 0, responses_max_stored >= 1 and responses_max_bytes "
+                              f">= 1024, got {self.responses_retention_s}, {self.responses_max_stored}, "
+                              f"{self.responses_max_bytes}")
         if self.max_connections_per_key < 0:
             raise ConfigError(f"max_connections_per_key must be >= 0, got {self.max_connections_per_key}")
         if not self.lora_load_timeout_s > 0:

@@ -42,6 +42,8 @@ class Generate:
     token_ids: bool = False  # echo token ids in each delta
     prompt_token_ids: tuple[int, ...] | None = None  # a pre-tokenized prompt (OpenAI completions)
     cache_salt: str | None = None  # a prefix-cache namespace within the tenant's (vLLM's cache_salt)
+    # runs on when its client goes away, for a resume on any edge (edge.admission.resumable)
+    resumable: bool = False
 
 
 # --- tokenization -------------------------------------------------------------------------------

@@ -35,13 +35,15 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from bus import Bus, DecodeError, WorkerStatus, decode
+from bus import Bus, CompactedTable, DecodeError, WorkerStatus, decode
 from edge.admission.auth import AuthError, Principal, extract_key, select_subprotocol
 from edge.admission.gate import Admission
+from edge.admission.resumable import StreamDirectory
 from edge.admission.router import checkpoint
 from edge.anthropic.routes import MessagesRoutes
 from edge.config import EdgeConfig
 from edge.metrics import CONTENT_TYPE, EdgeMetrics
+from edge.openai.responses.store import ResponseStore
 from edge.openai.routes import OpenAIServer
 from edge.request import PromptEncoder
 from edge.ws.session import Session, TickFlusher
@@ -68,6 +70,7 @@ class Edge:
         self.auth = self.admission.auth
         self.router = self.admission.router
         self.openai: OpenAIServer | None = None
+        self.table: CompactedTable | None = None  # the fleet's stored responses (with the OpenAI API)
         self.sessions: set[Session] = set()
         self.flusher = TickFlusher()  # flushes the sessions' frames once per loop tick
         # set by process_request, taken by the handler; weak so failed handshakes leave nothing behind
@@ -95,6 +98,13 @@ class Edge:
             specs = {spec.name: spec for m in self.admission.models.bases for spec in cfg.layout.model_specs(m)}
             await self.bus.ensure_topics([*specs.values(), cfg.layout.reply_spec(cfg.edge_id)])
             self.admission.open_outbox()
+            # the fleet's shared state (stored responses, resumable streams): a bus table, read
+            # back by every edge (docs/protocol.md, "Resuming a stream")
+            self.table = CompactedTable(self.bus, cfg.layout.table_spec("edge", int(cfg.responses_retention_s * 1000)),
+                                        max_entries=cfg.responses_max_stored, max_value_bytes=cfg.responses_max_bytes,
+                                        max_bytes=cfg.responses_view_bytes)
+            await self.table.start()
+            self.admission.directory = StreamDirectory(self.table)
             loop = asyncio.get_running_loop()
             self._tasks = [
                 loop.create_task(self.router.run(), name="edge-router"),
@@ -112,7 +122,9 @@ class Edge:
                     ping_interval=cfg.ping_interval_s, ping_timeout=cfg.ping_timeout_s,
                     close_timeout=cfg.close_timeout_s, backlog=4096, reuse_port=cfg.reuse_port or None)
                 if cfg.openai_port is not None:
-                    self.openai = OpenAIServer(self.admission, cfg.host, cfg.openai_port, self.readiness)
+                    assert self.table is not None
+                    self.openai = OpenAIServer(self.admission, cfg.host, cfg.openai_port, ResponseStore(self.table),
+                                               self.readiness)
                     MessagesRoutes(self.admission).add_to(self.openai.app)
                     await self.openai.start()
             except BaseException:
@@ -147,6 +159,9 @@ class Edge:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self.table is not None:
+            await self.table.stop()
+            self.table = None
 
     async def __aenter__(self) -> Edge:
         await self.start()

@@ -66,12 +66,13 @@ from bus.topics import validate_topic
 log = logging.getLogger(__name__)
 
 
-def _topic_configs(spec: TopicSpec) -> dict[str, str]:
-    configs = {"retention.ms": str(spec.retention_ms)} if spec.retention_ms is not None else {}
-    if spec.compact:
-        configs["cleanup.policy"] = "compact"
-    return configs
-
+def _topic_configs(s: TopicSpec) -> dict[str, str]:
+    """The topic-level configs a spec asks for: ``retention.ms``, and compaction (``compact,delete``:
+    the newest record per key is kept, and records past retention still go)."""
+    out = {"retention.ms": str(s.retention_ms)} if s.retention_ms is not None else {}
+    if s.compact:
+        out["cleanup.policy"] = "compact,delete"
+    return out
 
 class KafkaBus(Bus):
     """A connection to a Kafka cluster; see the module docstring. Owns its producer, admin client

@@ -33,6 +33,7 @@ from edge.admission.lifecycle import Lifecycle, OwnedStreams, Stream, StreamSink
 from edge.admission.loras import RuntimeLoras
 from edge.admission.models import ModelCatalog
 from edge.admission.ratelimit import RateLimiter
+from edge.admission.resumable import StreamDirectory
 from edge.admission.router import ReplyRouter
 from edge.admission.shedding import LoadShedder
 from edge.config import EdgeConfig
@@ -84,6 +85,10 @@ class Admission:
         self._cancels: asyncio.Queue[Cancel] | None = None
         self._grammars: GrammarChecker | None = None  # structured-output compile check, on first use
         self.placement = Placement(bus, PrefixAffinity(config.affinity_tokens) if config.prefix_affinity else None)
+        # resumable streams: where other edges find them (set by the edge's start), and their owner
+        # here, never left (they outlive their connection: edge.admission.resumable)
+        self.directory: StreamDirectory | None = None
+        self.resumables = OwnedStreams(self.lifecycle)
 
     @property
     def encoder(self) -> PromptEncoder | None:

@@ -44,6 +44,7 @@ from edge.openai.reply import (
     refusal,
 )
 from edge.openai.responses.routes import ResponsesRoutes
+from edge.openai.responses.store import ResponseStore
 from edge.openai.schema import OpenAIRequest, openai_param, parse_chat, parse_completion
 from edge.openai.stream import DONE, OpenAIStream, merged_response, merged_usage, sse
 from edge.openai.tokenize import TokenizeRoutes
@@ -64,7 +65,7 @@ def _echo(req: OpenAIRequest, g: Generate, encoder: PromptEncoder) -> str:
 class OpenAIServer:
     """The aiohttp application and its listener. ``start()``/``stop()`` are called by the edge."""
 
-    def __init__(self, adm: Admission, host: str, port: int,
+    def __init__(self, adm: Admission, host: str, port: int, responses: ResponseStore,
                  readiness: Readiness = lambda: (True, "ready: no readiness check wired")) -> None:
         self.adm = adm
         self.host = host
@@ -79,7 +80,7 @@ class OpenAIServer:
         # routes of their own modules (one concept each), sharing this app and its admission
         TokenizeRoutes(adm).add_to(app)
         OpsRoutes(adm, readiness).add_to(app)
-        self.responses = ResponsesRoutes(adm)
+        self.responses = ResponsesRoutes(adm, responses)
         embeddings = EmbeddingsRoutes(adm)
         embeddings.add_to(app)
         LoraAdminRoutes(adm).add_to(app)
@@ -95,6 +96,7 @@ class OpenAIServer:
         self.app = app
 
     async def start(self) -> None:
+        await self.responses.start()
         await self.batches.start()
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -110,6 +112,7 @@ class OpenAIServer:
             await self._runner.cleanup()
             self._runner = None
         await self.batches.stop()  # after the handlers: the runner's lines are cancelled on the bus
+        await self.responses.stop()
 
     # --- handlers -----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

@@ -25,9 +25,10 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop
                     "frequency_penalty", "min_tokens")
 # logit_bias, response_format and the guided_* fields are converted by edge.guided (as for OpenAI)
 _GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids", "logit_bias", "response_format",
-                              "cache_salt")
+                              "cache_salt", "resumable")
                              + _SAMPLING_FIELDS + GUIDED_FIELDS)
 _CANCEL_FIELDS = frozenset(("type", "id", "request_id"))
+_RESUME_FIELDS = frozenset(("type", "id", "request_id", "seq"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,18 @@ class CancelFrame:
     request_id: str | None = None
 
 
-ClientFrame = Generate | CancelFrame
+@dataclass(frozen=True, slots=True)
+class ResumeFrame:
+    """Pick up a resumable request again (on any edge): its deltas from output index ``seq`` on (the
+    index the client expects next: the last delta's ``seq`` plus its ``token_ids`` count), then live,
+    under the client id ``id`` on this connection."""
+
+    id: str
+    request_id: str
+    seq: int
+
+
+ClientFrame = Generate | CancelFrame | ResumeFrame
 
 
 def _str(obj: dict, name: str, fid: str | None, *, required: bool = False, max_len: int | None = None) -> str | None:
@@ -80,9 +92,20 @@ def parse_client_frame(data: str | bytes, default_max_tokens: int = 256) -> Clie
         if not cid and not rid:
             raise ProtocolError("cancel needs id or request_id", "id", fid)
         return CancelFrame(cid or None, rid or None)
+    if kind == "resume":
+        unknown = set(obj) - _RESUME_FIELDS
+        if unknown:
+            raise ProtocolError(f"unknown field {sorted(unknown)[0]!r}", sorted(unknown)[0], fid)
+        cid = _str(obj, "id", fid, required=True, max_len=MAX_ID_LEN)
+        rid = _str(obj, "request_id", fid, required=True, max_len=MAX_ID_LEN)
+        seq = obj.get("seq", 0)
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise ProtocolError("seq must be an integer >= 0 (the output index expected next)", "seq", fid)
+        assert cid is not None and rid is not None  # required: _str raised otherwise
+        return ResumeFrame(cid, rid, seq)
     if kind is None:
-        raise ProtocolError("type is required ('generate' or 'cancel')", "type", fid)
-    raise ProtocolError(f"unknown type {str(kind)[:40]!r}: expected 'generate' or 'cancel'", "type", fid)
+        raise ProtocolError("type is required ('generate', 'cancel' or 'resume')", "type", fid)
+    raise ProtocolError(f"unknown type {str(kind)[:40]!r}: expected 'generate', 'cancel' or 'resume'", "type", fid)
 
 
 def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Generate:
@@ -120,6 +143,9 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
     token_ids = obj.get("token_ids", False)
     if not isinstance(token_ids, bool):
         raise ProtocolError("token_ids must be a boolean", "token_ids", cid)
+    resumable = obj.get("resumable", False)
+    if not isinstance(resumable, bool):
+        raise ProtocolError("resumable must be a boolean", "resumable", cid)
     kwargs = {k: obj[k] for k in _SAMPLING_FIELDS if k in obj and obj[k] is not None}
     kwargs.setdefault("max_tokens", default_max_tokens)
     for k in ("stop", "stop_token_ids"):
@@ -143,7 +169,9 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
         field = next((k for k in sorted(kwargs, key=len, reverse=True) if msg.startswith(k)), None)
         raise ProtocolError(msg[:300], field, cid) from None
     salt = _str(obj, "cache_salt", cid, max_len=MAX_CACHE_SALT)
-    return Generate(cid, sampling, messages, prompt, model, "max_tokens" in obj, token_ids, cache_salt=salt)
+    # a resumable request's deltas always carry token_ids: its client counts the index to resume from
+    return Generate(cid, sampling, messages, prompt, model, "max_tokens" in obj, token_ids or resumable,
+                    cache_salt=salt, resumable=resumable)
 
 
 # --- server frames ------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ Concurrency contract:
   beyond the queue and the socket's write buffer (websockets' ``write_limit``).
 * :meth:`run` owns the connection's streams (:class:`~edge.admission.lifecycle.OwnedStreams`): when
   it returns (client gone, closed, or the task cancelled), every request still in flight is
-  cancelled by the lifecycle (a :class:`~bus.messages.Cancel`, reason ``disconnect``).
+  cancelled by the lifecycle (a :class:`~bus.messages.Cancel`, reason ``disconnect``) — except
+  resumable ones (``"resumable": true``), owned by the admission's ``resumables``: they run on, and
+  their client picks them up again with a ``resume`` frame, on any edge (:meth:`Session.resume`: a
+  replay from the reply topic, :mod:`edge.admission.replay`, in a task this session owns).
 """
 
 from __future__ import annotations
@@ -38,13 +41,16 @@ from typing import Any
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from bus import ErrorCode
+from bus import BusError, ErrorCode, InferenceRequest
 from edge.admission.auth import Principal
 from edge.admission.gate import Admission
 from edge.admission.lifecycle import Cancelled, Done, End, Failed, Stream
+from edge.admission.replay import Replay, ReplyOrigin, detached_stream
+from edge.admission.resumable import ResumableStream
 from edge.request import Generate, ProtocolError
 from edge.ws.protocol import (
     CancelFrame,
+    ResumeFrame,
     accepted_frame,
     delta_frame,
     done_frame,
@@ -155,6 +161,25 @@ class TickFlusher:
                 s.kill(1011, "internal error")
 
 
+class _Resumed:
+    """The sink of a resumed stream: the session's, less the deltas its client already has (those
+    before output index ``start``; the replay's deltas end where the live ones did, so ``start``
+    falls between two of them)."""
+
+    __slots__ = ("session", "start")
+
+    def __init__(self, session: Session, start: int) -> None:
+        self.session, self.start = session, start
+
+    def on_delta(self, s: Stream, seq: int, text: str, token_ids: tuple, logprobs: tuple | None) -> bool:
+        if seq < self.start:
+            return True
+        return self.session.on_delta(s, seq, text, token_ids, logprobs)
+
+    def on_end(self, s: Stream, end: End) -> None:
+        self.session.on_end(s, end)
+
+
 class Session:
     def __init__(self, admission: Admission, flusher: TickFlusher, ws: Any, principal: Principal) -> None:
         self.adm = admission
@@ -166,6 +191,7 @@ class Session:
         self._ended = False  # run() has finished: nothing is written any more
         self.streams: dict[str, Stream] = {}  # client id -> stream, while it is open
         self._owned = admission.streams()  # ends, in run(), whatever is still open when the connection ends
+        self._replays: set[asyncio.Task] = set()  # resumed streams' replays, cancelled when run() ends
         self.send_since: float | None = None  # loop time the current socket write started
         self.closing = False
         self._close_task: asyncio.Task | None = None
@@ -309,6 +335,9 @@ class Session:
                     if self._writer_task is not None:
                         self._writer_task.cancel()
         finally:
+            for t in self._replays:
+                t.cancel()
+            await asyncio.gather(*self._replays, return_exceptions=True)
             if self._writer_task is not None:
                 await asyncio.gather(self._writer_task, return_exceptions=True)
             if self._close_task is not None:
@@ -319,6 +348,8 @@ class Session:
             frame = parse_client_frame(message, self.adm.config.default_max_tokens)
             if isinstance(frame, Generate):
                 await self.generate(frame)
+            elif isinstance(frame, ResumeFrame):
+                await self.resume(frame)
             else:
                 self.cancel(frame)
         except ProtocolError as exc:
@@ -332,6 +363,9 @@ class Session:
         if s is None:
             raise ProtocolError("no request in flight with that id", "request_id" if frame.request_id else "id",
                                 frame.id)
+        if self.adm.lifecycle.get(s.request_id) is not s:  # resumed here: the workers' abort ends its replay
+            self.adm.publish_cancel(s.request_id, "client")
+            return
         self.adm.lifecycle.cancel(s, "client")  # its done frame comes back through on_end
 
     async def generate(self, g: Generate) -> None:
@@ -342,11 +376,71 @@ class Session:
             raise ProtocolError(f"{len(self.streams)} requests in flight on this connection, at most "
                                 f"{cfg.max_streams_per_connection}", "max_streams_per_connection", g.id,
                                 code=ErrorCode.RATE_LIMITED, retry_after=1.0)
-        admitted = await self.adm.admit(g, self.principal, self, "ws", self._owned, token_ids=g.token_ids,
+        owner = self.adm.resumables if g.resumable else self._owned
+        admitted = await self.adm.admit(g, self.principal, self, "ws", owner, token_ids=g.token_ids,
                                         gone=lambda: self.closing, trace_parent=self.trace_parent)
         if admitted is None:
             return
         s = admitted.stream
         self.streams[g.id] = s
         self.push(accepted_frame(g.id, s.request_id, s.prompt_tokens, s.max_tokens, admitted.request.sampling.seed))
-        await self.adm.publish(admitted)
+        if not g.resumable:
+            await self.adm.publish(admitted)
+            return
+        # its record (where any edge finds it) is written along with the publish
+        put = asyncio.ensure_future(self._record(admitted.request, s))
+        try:
+            await self.adm.publish(admitted)
+        finally:
+            await put
+
+    async def _record(self, req: InferenceRequest, s: Stream) -> None:
+        directory = self.adm.directory
+        if directory is None:
+            return
+        rec = ResumableStream(self.principal.entry.key_hash, ReplyOrigin(req.request_id, req.reply_to,
+                                                                         int(req.enqueued_at * 1000)),
+                              s.prompt_tokens, s.max_tokens)
+        try:
+            async with asyncio.timeout(self.adm.config.publish_timeout_s):
+                await directory.put(rec)
+        except (BusError, TimeoutError) as exc:  # it runs, but cannot be resumed on another edge
+            log.warning("recording resumable request %s failed: %s", req.request_id, exc)
+
+    async def resume(self, f: ResumeFrame) -> None:
+        """Continue the resumable request ``f.request_id`` (this key's, admitted by any edge) from
+        output index ``f.seq``: replayed from its reply topic, then live, as client id ``f.id``."""
+        cfg = self.adm.config
+        if f.id in self.streams:
+            raise ProtocolError("a request with this id is already in flight on this connection", "id", f.id)
+        if len(self.streams) >= cfg.max_streams_per_connection:
+            raise ProtocolError(f"{len(self.streams)} requests in flight on this connection, at most "
+                                f"{cfg.max_streams_per_connection}", "max_streams_per_connection", f.id,
+                                code=ErrorCode.RATE_LIMITED, retry_after=1.0)
+        directory = self.adm.directory
+        try:
+            rec = await directory.get(self.principal.entry.key_hash, f.request_id) if directory is not None else None
+        except BusError as exc:
+            raise ProtocolError(f"the stream directory is unreachable: {exc}", None, f.id,
+                                code=ErrorCode.OVERLOADED, retry_after=1.0) from None
+        if rec is None:
+            raise ProtocolError("no resumable request with that request_id", "request_id", f.id, code="not_found")
+        s = detached_stream(f.request_id, _Resumed(self, f.seq), rec.prompt_tokens, rec.max_tokens)
+        s.client_id, s.token_ids = f.id, True
+        self.streams[f.id] = s
+        task = self._loop.create_task(self._replay(rec.origin, s))
+        self._replays.add(task)
+        task.add_done_callback(self._replays.discard)
+
+    async def _replay(self, origin: ReplyOrigin, s: Stream) -> None:
+        deadline = self._loop.time() + self.adm.config.request_timeout_s
+        try:
+            async with Replay(self.adm.bus, origin, s) as r:
+                while await r.advance(live=True):
+                    if self.closing:
+                        return
+                    if self._loop.time() > deadline:
+                        self.on_end(s, Failed(ErrorCode.EXPIRED, "no end of the request before the deadline"))
+                        return
+        except BusError as exc:
+            self.on_end(s, Failed(ErrorCode.OVERLOADED, f"the reply topic could not be read: {exc}", 1.0))

@@ -10,6 +10,7 @@ from lockgate.edge_options import add_edge_limits, edge_limits
 from lockgate.lora_options import add_lora_module_arg
 from lockgate.openai_options import add_openai_port, batch_options, openai_base_url, openai_port
 from lockgate.options import env_default
+from lockgate.responses_options import add_responses_store, responses_store
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
 
 DEV_BANNER = """
@@ -50,6 +51,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     p.add_argument("--max-frame-bytes", type=int, default=env_default("max-frame-bytes", 1 << 20))
     p.add_argument("--request-timeout", type=float, default=env_default("request-timeout", 300.0))
     add_edge_limits(p)
+    add_responses_store(p)
     add_lora_module_arg(p, "LoRA adapters a request's model may name, routed to the served model's workers "
                            "with lora=<name> (name or name=path; the path is the workers' business); the edge "
                            "also learns the names the live workers' heartbeats list")
@@ -94,7 +96,7 @@ def _edge(args: argparse.Namespace) -> int:
     config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
                         keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
-                        **edge_limits(args),
+                        **edge_limits(args), **responses_store(args),
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling,
                         **batch_options(args),

@@ -1,5 +1,5 @@
 """The bus's two storage helpers, on the memory bus and on real Kafka: a compacted-topic table
-(``bus.Table``: every opener sees the same entries, last write wins, reads its own writes) and
+(``bus.CompactedTable``: every opener sees the same entries, last write wins, reads its own writes) and
 chunked blobs (``bus.BlobStore``: a payload larger than one record, read back exactly, even with
 another blob's chunks written in between)."""
 
@@ -10,35 +10,36 @@ import os
 
 import pytest
 
-from bus import BlobStore, Bus, BusError, Table
+from bus import BlobStore, Bus, BusError, CompactedTable, TopicSpec
 from tests.waiting import wait_until
 
 
 async def test_a_table_is_shared_replayed_and_reads_its_own_writes(bus: Bus, name: str) -> None:
-    a = Table(bus, f"{name}.tab", partitions=3)
+    a = CompactedTable(bus, TopicSpec(f"{name}.tab", 3))
     await a.start()
     try:
         await a.put("x", b"1")
         await a.put("y", b"2")
         await a.put("x", b"3")
         await a.delete("y")
-        assert a.get("x") == b"3" and a.get("y") is None  # at once, before the follower reads them back
+        assert a.peek("x") == b"3" and a.peek("y") is None  # at once, before the follower reads them back
         with pytest.raises(ValueError):
             await a.put("z", b"")
-        b = Table(bus, f"{name}.tab", partitions=3)  # another process opening it: replays the topic
+        b = CompactedTable(bus, TopicSpec(f"{name}.tab", 3))  # another process opening it: replays the topic
         await b.start()
+        await b.sync(20)
         try:
-            assert b.get("x") == b"3" and b.get("y") is None
+            assert b.peek("x") == b"3" and b.peek("y") is None
             await b.put("x/1", b"p")
             await b.put("w", b"q")
-            await wait_until(lambda: a.get("x/1") == b"p" and a.get("w") == b"q", timeout=20)  # followed live
+            await wait_until(lambda: a.peek("x/1") == b"p" and a.peek("w") == b"q", timeout=20)  # followed live
             assert sorted(k for k, _ in a.items("x")) == ["x", "x/1"]
             for i in range(20):  # a's own rapid writes never roll back while the follower catches up
                 await a.put("c", str(i).encode())
-                assert a.get("c") == str(i).encode()
-            await wait_until(lambda: b.get("c") == b"19", timeout=20)
+                assert a.peek("c") == str(i).encode()
+            await wait_until(lambda: b.peek("c") == b"19", timeout=20)
             await asyncio.sleep(0.3)
-            assert a.get("c") == b"19"
+            assert a.peek("c") == b"19"
         finally:
             await b.stop()
     finally:

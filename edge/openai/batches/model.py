@@ -1,6 +1,6 @@
 """The Files and Batches API's objects and the batch input/output line formats. Pure: no I/O.
 
-A file or batch object is stored as JSON in a bus table (:class:`bus.Table`) and shown to its
+A file or batch object is stored as JSON in a bus table (:class:`bus.CompactedTable`) and shown to its
 owner (the tenant of the key that made it) in OpenAI's shape (:meth:`FileObject.api`,
 :meth:`BatchObject.api`). Input validation follows OpenAI's split: what makes the *file* unusable
 (a line that is not a JSON object, a missing or repeated ``custom_id``, a ``method`` other than

@@ -2,7 +2,7 @@
 
 Topics (``<ns>`` = the layout's namespace):
 
-* ``<ns>.files``          a compacted table (:class:`bus.Table`): file objects by id;
+* ``<ns>.files``          a compacted table (:class:`bus.CompactedTable`): file objects by id;
 * ``<ns>.files.chunks``   a compacted blob topic (:class:`bus.BlobStore`): file contents, chunked so
   Kafka's per-record limit does not cap a file (``--max-file-bytes`` does);
 * ``<ns>.batches``        a compacted table: batch objects by id (status, counts, file ids);
@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bus import BlobRef, BlobStore, Bus, Table, TopicLayout, TopicSpec, partition_for_key
+from bus import BlobRef, BlobStore, Bus, CompactedTable, TopicLayout, TopicSpec, partition_for_key
 from edge.openai.batches.model import BatchObject, FileObject
 
 RESULT_RETENTION_MS = 30 * 24 * 3600 * 1000  # longer than any batch's window
 DECODE_CACHE = 100_000
+START_SYNC_S = 30.0  # how long start-up may take to read the tables to their end
 INLINE_RESULT_BYTES = 768 * 1024  # a larger line answer goes to the blob topic (Kafka's record limit: 1 MiB)
 
 
@@ -42,9 +43,9 @@ class BatchStore:
     def __init__(self, bus: Bus, layout: TopicLayout) -> None:
         ns, parts, rep = layout.namespace, layout.partitions, layout.replication
         self.bus = bus
-        self.files = Table(bus, f"{ns}.files", parts, rep)
+        self.files = CompactedTable(bus, TopicSpec(f"{ns}.files", parts, rep, -1, compact=True))
         self.blobs = BlobStore(bus, f"{ns}.files.chunks", parts, rep)
-        self.batches = Table(bus, f"{ns}.batches", parts, rep)
+        self.batches = CompactedTable(bus, TopicSpec(f"{ns}.batches", parts, rep, -1, compact=True))
         self.results_spec = TopicSpec(f"{ns}.batches.results", parts, rep, RESULT_RETENTION_MS)
         self._cache: dict[bytes, BatchObject] = {}
 
@@ -53,6 +54,9 @@ class BatchStore:
         await self.blobs.start()
         await self.files.start()
         await self.batches.start()
+        # the whole of both tables before serving (a batch or file another edge wrote is known)
+        await self.files.sync(START_SYNC_S)
+        await self.batches.sync(START_SYNC_S)
 
     async def stop(self) -> None:
         await self.batches.stop()
@@ -60,7 +64,7 @@ class BatchStore:
 
     # --- files --------------------------------------------------------------------------------
     def file(self, tenant: str, file_id: str) -> FileObject | None:
-        raw = self.files.get(file_id)
+        raw = self.files.peek(file_id)
         f = FileObject.loads(raw) if raw is not None else None
         return f if f is not None and f.tenant == tenant else None
 
@@ -88,7 +92,7 @@ class BatchStore:
     # never overwrite a cancel that it has not read yet.
     def batch(self, batch_id: str, tenant: str | None = None) -> BatchObject | None:
         """The batch as stored; with ``tenant``, only when it is that tenant's."""
-        raw = self.batches.get("batch/" + batch_id)
+        raw = self.batches.peek("batch/" + batch_id)
         b = self._decoded(raw) if raw is not None else None
         return b if b is not None and (tenant is None or b.tenant == tenant) else None
 
@@ -115,7 +119,7 @@ class BatchStore:
         await self.batches.put("batch/" + b.id, b.dumps())
 
     def cancelled_at(self, batch_id: str) -> int | None:
-        raw = self.batches.get("cancel/" + batch_id)
+        raw = self.batches.peek("cancel/" + batch_id)
         return int(json.loads(raw)["at"]) if raw is not None else None
 
     async def cancel(self, batch_id: str) -> None:

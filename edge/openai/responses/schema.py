@@ -29,7 +29,7 @@ from edge.request import MAX_MESSAGES, ProtocolError
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-UNSUPPORTED = ("background", "conversation", "prompt")  # refused when set: no silent change of meaning
+UNSUPPORTED = ("conversation", "prompt")  # refused when set: no silent change of meaning
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,9 @@ class ResponsesRequest:
     previous_response_id: str | None
     echo: dict[str, Any]
     input_items: tuple[dict[str, Any], ...] = ()  # this request's input as GET .../input_items lists it
+    # runs on without its client (create answers at once); readable, resumable and cancellable from
+    # any edge (docs/protocol.md, "Resuming a stream")
+    background: bool = False
 
 
 def _tname(v: object) -> str:
@@ -194,7 +197,9 @@ def parse_responses(obj: Any, default_max_tokens: int, previous: tuple[dict[str,
     head = [{"role": "system", "content": instructions}] if instructions else []
     tools, choice = _tools(obj)
     store, parallel = obj.get("store", True), obj.get("parallel_tool_calls", True)
-    for name, v in (("store", store), ("parallel_tool_calls", parallel), ("stream", obj.get("stream", False))):
+    background = obj.get("background", False)
+    for name, v in (("store", store), ("parallel_tool_calls", parallel), ("stream", obj.get("stream", False)),
+                    ("background", background)):
         if v is not None and not isinstance(v, bool):
             raise ProtocolError(f"{name} must be a boolean", name)
     chat_body: dict[str, Any] = {
@@ -210,6 +215,9 @@ def parse_responses(obj: Any, default_max_tokens: int, previous: tuple[dict[str,
         chat = parse_chat({k: v for k, v in chat_body.items() if v is not None}, default_max_tokens)
     except ProtocolError as exc:
         raise ProtocolError(exc.message, _field(exc.field, (["instructions"] if head else []) + origin), code=exc.code) from None
+    if background and store is False:
+        raise ProtocolError("background responses must be stored: background true needs store true (the default)",
+                            "background")
     prev = obj.get("previous_response_id")
     if prev is not None and not isinstance(prev, str):
         raise ProtocolError("previous_response_id must be a string", "previous_response_id")
@@ -220,4 +228,5 @@ def parse_responses(obj: Any, default_max_tokens: int, previous: tuple[dict[str,
             "user": obj.get("user"), "parallel_tool_calls": parallel is not False, "store": store is not False,
             "previous_response_id": prev, "truncation": "disabled", "reasoning": None}
     return ResponsesRequest(replace(chat, stream=False), tuple(history), bool(obj.get("stream")),
-                            store is not False, parallel is not False, prev, echo, input_items(obj["input"]))
+                            store is not False, parallel is not False, prev, echo, input_items(obj["input"]),
+                            background=bool(background))

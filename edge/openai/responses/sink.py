@@ -43,13 +43,20 @@ def event(kind: str, seq: int, **fields: Any) -> bytes:
 
 class ResponsesSink:
     def __init__(self, config: EdgeConfig, req: ResponsesRequest, max_pending: int,
-                 on_overflow: Callable[[], None]) -> None:
+                 on_overflow: Callable[[], None], response_id: str | None = None, created_at: int | None = None,
+                 on_close: Callable[[ResponsesSink], None] | None = None) -> None:
         self.model = config.model
         self.req = req
         self.max_pending = max_pending
         self.on_overflow = on_overflow
-        self.id = item_id("resp_")
-        self.created_at = int(time.time())
+        # A replay (another edge rebuilding this response from the reply topic, edge.admission.replay)
+        # passes the stored id and creation time: with the item ids derived from the response id
+        # (_new_id), the same tokens give the same events, byte for byte, on every edge.
+        self.id = response_id if response_id is not None else item_id("resp_")
+        self.created_at = created_at if created_at is not None else int(time.time())
+        self.on_close = on_close  # called once, when the response ended (the edge stores the final object)
+        self._items = 0
+        self.muted = False
         self.stream: Stream | None = None
         self.output: list[dict[str, Any]] = []
         self.status = "in_progress"
@@ -72,10 +79,23 @@ class ResponsesSink:
         self.reasoning_tokens = 0  # output tokens of chunks that ended inside the reasoning
 
     # --- events -------------------------------------------------------------------------------
+    def _new_id(self, prefix: str) -> str:
+        """The next output item's id: a function of the response id and the item's rank, so a replay
+        names every item as the first run did."""
+        self._items += 1
+        return f"{prefix}{self.id.removeprefix('resp_')}{self._items:04x}"
+
     def _emit(self, kind: str, **fields: Any) -> None:
         if self.req.stream:
-            self.pending.append(event(kind, self._seq, **fields))
+            if not self.muted:
+                self.pending.append(event(kind, self._seq, **fields))
             self._seq += 1
+
+    def mute(self) -> None:
+        """No reader any more (a background response's client went away; it runs on, and is read
+        back from the bus by whoever resumes it): events are numbered but not kept."""
+        self.muted = True
+        self.pending = []
 
     def bind(self, s: Stream) -> None:
         self.stream = s
@@ -84,7 +104,7 @@ class ResponsesSink:
 
     def _open_message(self) -> dict[str, Any]:
         if self._msg is None:
-            self._msg = {"id": item_id("msg_"), "type": "message", "status": "in_progress",
+            self._msg = {"id": self._new_id("msg_"), "type": "message", "status": "in_progress",
                          "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]}
             self.output.append(self._msg)
             i = len(self.output) - 1
@@ -107,7 +127,7 @@ class ResponsesSink:
 
     def _reason(self, text: str) -> None:
         if self._think is None:
-            self._think = {"id": item_id("rs_"), "type": "reasoning", "status": "in_progress",
+            self._think = {"id": self._new_id("rs_"), "type": "reasoning", "status": "in_progress",
                            "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
             self.output.append(self._think)
             self._emit("response.output_item.added", output_index=len(self.output) - 1,
@@ -151,8 +171,8 @@ class ResponsesSink:
                 continue  # parallel_tool_calls false: the first call only
             if "id" in tc:  # a new call
                 self._close_message()
-                new = {"id": item_id("fc_"), "type": "function_call", "status": "in_progress",
-                       "call_id": tc["id"], "name": tc["function"]["name"], "arguments": ""}
+                new = {"id": self._new_id("fc_"), "type": "function_call", "status": "in_progress",
+                       "call_id": self._new_id("call_"), "name": tc["function"]["name"], "arguments": ""}
                 self._calls[k] = new
                 self.output.append(new)
                 self._emit("response.output_item.added", output_index=len(self.output) - 1, item=dict(new))
@@ -177,6 +197,9 @@ class ResponsesSink:
         self._wake.set()
         if len(self.pending) > self.max_pending:
             self.on_overflow()
+            if self.req.background:  # the response runs on; its client resumes from the bus
+                self.mute()
+                return True
             return False  # the lifecycle fails the stream; on_end emits response.failed
         return True
 
@@ -191,9 +214,12 @@ class ResponsesSink:
             self.status = "failed"
             self._emit("response.failed", response={**self.response(), "error": {"code": end.code,
                                                                                  "message": end.message}})
-        # Cancelled: the handler is leaving; nothing more is written
+        else:  # Cancelled: by POST .../cancel, or the handler is leaving; nothing more is written
+            self.status = "cancelled"
         self.closed = True
         self._wake.set()
+        if self.on_close is not None:
+            self.on_close(self)
 
     def _done(self, s: Stream, end: Done) -> None:
         out = end.completion_tokens
@@ -214,6 +240,8 @@ class ResponsesSink:
             self._emit("response.output_item.done", output_index=i, item=item)
         if end.finish_reason == "length":
             self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
+        elif end.finish_reason == "abort":  # cancelled (POST .../cancel on any edge): the worker stopped it
+            self.status, self.incomplete = "cancelled", {"reason": "cancelled"}
         else:
             self.status = "completed"
         self._emit("response.incomplete" if self.incomplete else "response.completed", response=self.response())
@@ -227,8 +255,17 @@ class ResponsesSink:
         out, self.pending = self.pending, []
         return b"".join(out)
 
+    def take_after(self, seq: int) -> bytes:
+        """The pending events whose ``sequence_number`` is above ``seq`` (a resume's
+        ``starting_after``); the others are dropped. Pending events are numbered consecutively up
+        to the last one emitted."""
+        out, self.pending = self.pending, []
+        first = self._seq - len(out)
+        return b"".join(out[max(0, seq + 1 - first):])
+
     def response(self) -> dict[str, Any]:
         """The ``response`` object as it stands (final once ``closed``)."""
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
                 "error": None, "incomplete_details": self.incomplete, "model": self.model,
-                "output": [dict(o) for o in self.output], "usage": self.usage, **self.req.echo}
+                "output": [dict(o) for o in self.output], "usage": self.usage, "background": self.req.background,
+                **self.req.echo}

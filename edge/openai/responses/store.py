@@ -1,67 +1,112 @@
-"""Stored responses for ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``.
+"""Stored responses, shared by every edge of the fleet: ``previous_response_id``, ``GET``, ``DELETE``,
+``cancel`` and resuming a stream, on whichever edge the call lands.
 
-In the edge's memory, per tenant (a tenant never reads another's response), bounded twice: at most
-``max_items`` responses (the oldest evicted first) and each for ``ttl_s`` seconds after it was
-stored. A response made with ``store: false`` is never put here. An edge restart, or a follow-up
-turn that reaches another edge replica, finds nothing: the client gets a 404 naming
-``previous_response_id`` and can send the whole conversation as ``input`` instead (see
-docs/protocol.md, "Responses API"). The clock is injected (tests, and no wall-clock jumps).
+A response lives in the bus table ``<ns>.table.responses`` (:class:`bus.CompactedTable`, keyed by
+response id), not in one edge's memory. Its record is written twice:
+
+1. when the request is admitted (``status: in_progress``): who made it (the API key's hash: only
+   that key may read, resume, cancel or delete it; any other key gets the 404 of an unknown id),
+   the request body (a replay re-parses it to rebuild the same sink), and where its replies are
+   (:class:`~edge.admission.replay.ReplyOrigin`): enough for any edge, one started cold included,
+   to rebuild its output from the reply topic;
+2. when it ends, by the edge that saw the end (the admitting edge, or any edge that replayed it to
+   its end after the first died): the final response object and the conversation a follow-up turn
+   continues.
+
+A response made with ``store: false`` is never written. Bounds (flags, docs/protocol.md): the
+table's retention (``--responses-retention``: a record older than it is gone on every edge), each
+edge's view size (``--responses-max-stored``: the oldest are evicted first) and the record size
+(``--responses-max-bytes``: a larger request is not stored; a background one is refused). A
+``DELETE`` writes a tombstone: gone on every edge.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-DEFAULT_MAX_ITEMS = 4096
-DEFAULT_TTL_S = 3600.0
+import orjson
+
+from bus import CompactedTable
+from edge.admission.replay import ReplyOrigin
+
+FINAL = ("completed", "incomplete", "failed", "cancelled")
 
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """The response object as it was answered, and the conversation (chat messages, without the
-    instructions) that a follow-up turn continues."""
+    """One response as the fleet knows it. ``response`` is the final object (``None`` while it
+    runs); ``history``: the chat turns a follow-up continues (final only); ``previous``: the
+    stored history its own request continued (a replay re-parses ``body`` with it)."""
 
-    response: dict[str, Any]
-    history: tuple[dict[str, Any], ...]
-    stored_at: float
-    input_items: tuple[dict[str, Any], ...] = ()  # the request's own input (edge.openai.responses.items)
+    id: str
+    owner: str  # the SHA-256 hash of the API key that made it
+    status: str
+    created_at: int
+    background: bool
+    origin: ReplyOrigin
+    prompt_tokens: int
+    body: dict[str, Any]
+    previous: tuple[dict[str, Any], ...] = ()
+    response: dict[str, Any] | None = None
+    history: tuple[dict[str, Any], ...] = ()
+    input_items: tuple[dict[str, Any], ...] = field(default=())
+
+    @property
+    def final(self) -> bool:
+        return self.response is not None
+
+    def ended(self, response: dict[str, Any], history: tuple[dict[str, Any], ...],
+              input_items: tuple[dict[str, Any], ...]) -> StoredResponse:
+        return replace(self, status=response["status"], response=response, history=history, input_items=input_items)
+
+
+def encode_stored(r: StoredResponse) -> bytes:
+    return orjson.dumps(r)
+
+
+def decode_stored(data: bytes) -> StoredResponse:
+    """Raises ``ValueError`` naming what is wrong with a record (it is then treated as absent)."""
+    try:
+        obj = orjson.loads(data)
+        o = obj["origin"]
+        return StoredResponse(
+            id=obj["id"], owner=obj["owner"], status=obj["status"], created_at=int(obj["created_at"]),
+            background=bool(obj["background"]), origin=ReplyOrigin(o["request_id"], o["topic"], int(o["since_ms"])),
+            prompt_tokens=int(obj["prompt_tokens"]), body=obj["body"], previous=tuple(obj.get("previous") or ()),
+            response=obj.get("response"), history=tuple(obj.get("history") or ()),
+            input_items=tuple(obj.get("input_items") or ()))
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a stored response: {exc!r}") from None
 
 
 class ResponseStore:
-    def __init__(self, max_items: int = DEFAULT_MAX_ITEMS, ttl_s: float = DEFAULT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if max_items < 1 or not ttl_s > 0:
-            raise ValueError(f"max_items must be >= 1 and ttl_s > 0, got {max_items}, {ttl_s}")
-        self.max_items = max_items
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self._items: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
+    """The responses table as typed records. ``owner`` is always checked: another key's response
+    reads as absent."""
 
-    def __len__(self) -> int:
-        return len(self._items)
+    def __init__(self, table: CompactedTable, lookup_timeout_s: float = 5.0) -> None:
+        self.table = table
+        self.lookup_timeout_s = lookup_timeout_s
 
-    def _expire(self, now: float) -> None:
-        while self._items:
-            key, first = next(iter(self._items.items()))
-            if now - first.stored_at < self.ttl_s:
-                break
-            del self._items[key]
+    def fits(self, r: StoredResponse) -> bool:
+        return len(encode_stored(r)) <= self.table.max_value_bytes
 
-    def put(self, tenant: str, response: dict[str, Any], history: tuple[dict[str, Any], ...],
-            input_items: tuple[dict[str, Any], ...] = ()) -> None:
-        now = self.clock()
-        self._expire(now)
-        self._items[(tenant, response["id"])] = StoredResponse(response, history, now, input_items)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
+    async def put(self, r: StoredResponse) -> None:
+        """Raises ``ValueError`` (too large) or :class:`bus.BusError`."""
+        await self.table.put(r.id, encode_stored(r))
 
-    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        self._expire(self.clock())
-        return self._items.get((tenant, response_id))
+    async def get(self, owner: str, response_id: str) -> StoredResponse | None:
+        raw = await self.table.get(response_id, self.lookup_timeout_s)
+        if raw is None:
+            return None
+        try:
+            r = decode_stored(raw)
+        except ValueError:
+            return None
+        return r if r.owner == owner else None
 
-    def delete(self, tenant: str, response_id: str) -> bool:
-        return self._items.pop((tenant, response_id), None) is not None
+    async def delete(self, owner: str, response_id: str) -> bool:
+        if await self.get(owner, response_id) is None:
+            return False
+        await self.table.delete(response_id)
+        return True
