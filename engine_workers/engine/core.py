@@ -10,9 +10,9 @@ on a thread of its own for the actors. Loading and ``step()`` hop onto the proce
 (:mod:`engine_workers.engine.torch_thread`), whichever thread calls them: torch's OpenMP pools slow every
 forward down once two threads have run torch work.
 
-Speculative decoding (``--speculative-config``, n-gram proposer only so far): before each schedule,
-every decoding request that may speculate (see :meth:`Engine._propose`) gets up to k proposed
-tokens. The scheduler runs them as extra positions of its decode chunk, the runner returns logits
+Speculative decoding (``--speculative-config``; n-gram prompt lookup, :mod:`engine.ngram`, or a
+draft model, :mod:`engine.draft`): before each schedule, every decoding request that may
+speculate (see :meth:`Engine._propose`) gets up to k proposed tokens. The scheduler runs them as extra positions of its decode chunk, the runner returns logits
 for every position of that chunk, each attending exactly as a single-token decode of its position
 would (``ModelInput.verify``), and the sampler draws every position with the draw plain decoding
 would use there (output position = tokens before it, the sequence's seed) and the penalties and
@@ -40,6 +40,7 @@ import torch
 from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
+from engine_workers.engine.draft import DraftItem, DraftProposer, check_tokenizers
 from engine_workers.engine.guided import GrammarCache, Guide, GuidedSpec, LazyGrammars, MaskBuffer
 from engine_workers.engine.ngram import NgramProposer
 from engine_workers.engine.outputs import CompletedRequest, EngineStats, RequestOutput
@@ -160,15 +161,28 @@ class Engine:
         self._masks = MaskBuffer(loaded.spec.vocab_size)
         self._num_guided = 0
         self.stats = EngineStats()
-        self.speculative = config.speculative_config
-        self._proposer = (NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-                          if self.speculative is not None else None)
+        self.speculative = spec = config.speculative_config
+        self._proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                          if spec is not None and spec.method == "ngram" else None)
+        self.draft: DraftProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft = self._load_draft(config, spec.model, lowp)
         self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
         log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens, %s)",
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
                  num_blocks * config.block_size, str(self.kv_dtype).removeprefix("torch."))
 
     lora: LoraManager | None = None  # with enable_lora: the named adapters (engine_workers.model.lora)
+
+    def _load_draft(self, config: EngineConfig, model: str | None, lowp: str | None) -> DraftProposer:
+        """The draft model of ``--speculative-config``, in the target's weight format (float32 for
+        w8a8, whose calibration is per model), refused unless it shares the target's tokenizer."""
+        draft = load_model(model, self.dtype, self.device, None, config.weight_prepack, config.cpu_kernels,
+                           None if lowp == "w8a8" else lowp)
+        check_tokenizers(self.loaded, draft)
+        return DraftProposer(draft, self.loaded.spec.vocab_size, config.block_size, self.device, self.dtype,
+                             self.kv_dtype, config.cpu_kernels, config.kv_cache_bytes,
+                             config.kv_cache_memory_fraction, self.sampler)
 
     def _load_parallel(self, config: EngineConfig, lowp: str | None, given: TpGroup | None) -> LoadedModel:
         """Start the tensor-parallel group (``self.tp_group``) and load every rank's shard."""
@@ -332,7 +346,7 @@ class Engine:
         """schedule -> ``runner.execute(ModelInput)`` -> postprocess (pool, sample, finish)."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
-        if self._proposer is not None:
+        if self.speculative is not None:
             self._propose()
         sched = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
@@ -357,10 +371,11 @@ class Engine:
         it is not guided (its grammar matcher is not rolled back yet) and not a pooling request.
         Proposals never run past ``max_tokens`` or the context limit."""
         spec = self.speculative
-        assert spec is not None and self._proposer is not None
+        assert spec is not None
         running = self.scheduler.running
         allowed = len(running) <= spec.disable_by_batch_size
         step = self.stats.steps
+        items: list[DraftItem] = []
         for seq in running:
             seq.spec_token_ids = []
             if not allowed or seq.num_computed_tokens + 1 != seq.num_tokens:
@@ -371,7 +386,14 @@ class Engine:
             k = min(spec.num_speculative_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                     self.max_model_len - seq.num_tokens)
             if k > 0:
-                seq.spec_token_ids = self._proposer.propose(seq.all_token_ids, k)
+                items.append(DraftItem(seq, k))
+        if self.draft is not None:
+            for it, proposal in zip(items, self.draft.propose(items), strict=True):
+                it.seq.spec_token_ids = proposal
+        else:
+            assert self._proposer is not None
+            for it in items:
+                it.seq.spec_token_ids = self._proposer.propose(it.seq.all_token_ids, it.k)
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
         """The scheduler's decision with the KV manager's block tables: what the runner computes.
@@ -538,6 +560,8 @@ class Engine:
     def _finish(self, req: _Req, reason: str, now: float, outputs: list) -> None:
         seq = req.seq
         self.pooler.forget(seq.seq_id)
+        if self.draft is not None:
+            self.draft.forget(seq.seq_id)
         self._num_guided -= req.guide is not None
         seq.finish_reason = reason
         seq.status = SeqStatus.FINISHED

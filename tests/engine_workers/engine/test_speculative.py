@@ -47,7 +47,7 @@ def test_config_follows_vllms_keys_and_defaults():
     ('{"num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size"),
     ('{"method": "eagle3", "num_speculative_tokens": 2}', "'eagle3' is not implemented"),
     ('{"method": "bogus", "num_speculative_tokens": 2}', "unknown method 'bogus'"),
-    ('{"model": "x", "num_speculative_tokens": 2}', "'model'"),
+    ('{"method": "ngram", "model": "x", "num_speculative_tokens": 2}', "takes no \"model\""),
     ('{"num_speculative_tokens": 2, "prompt_lookup_maxx": 3}', "unknown key 'prompt_lookup_maxx'"),
 ])
 def test_bad_config_is_an_error_naming_the_key(text, named):
