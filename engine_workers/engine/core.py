@@ -48,7 +48,7 @@ from engine_workers.engine.pooler import Pooler
 from engine_workers.engine.sampler import Row, Sampler, SampleRow, TokenLogprobs
 from engine_workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
-from engine_workers.engine.speculative import SpecBackoff
+from engine_workers.engine.speculative import SpecBackoff, batch_limit
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import auto_cpu_dtype, cpu_weight_plan
 from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
@@ -366,14 +366,17 @@ class Engine:
     def _propose(self) -> None:
         """Proposals for this step's decoding requests (``Sequence.spec_token_ids``). A request
         speculates when: no more than ``disable_by_batch_size`` sequences are running (a large
-        batch is compute-bound: verification rows would cost more than they save); its last draft
-        accepted something or its backoff has run out (``SpecBackoff``: the low-acceptance rule);
+        batch is compute-bound: verification rows would cost more than they save), with fewer
+        tokens the more run (``batch_limit``); its last draft
+        accepted something or its backoff has run out, and as many tokens as its last draft's
+        acceptance suggests (``SpecBackoff``: the low-acceptance rules);
         it is not guided (its grammar matcher is not rolled back yet) and not a pooling request.
         Proposals never run past ``max_tokens`` or the context limit."""
         spec = self.speculative
         assert spec is not None
         running = self.scheduler.running
         allowed = len(running) <= spec.disable_by_batch_size
+        k_batch = batch_limit(spec.num_speculative_tokens, len(running), spec.disable_by_batch_size)
         step = self.stats.steps
         items: list[DraftItem] = []
         for seq in running:
@@ -383,7 +386,7 @@ class Engine:
             req = self._reqs.get(seq.seq_id)
             if req is None or req.guide is not None or seq.params.pooling or not req.backoff.allows(step):
                 continue
-            k = min(spec.num_speculative_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+            k = min(req.backoff.limit(k_batch), seq.params.max_tokens - len(seq.output_token_ids) - 1,
                     self.max_model_len - seq.num_tokens)
             if k > 0:
                 items.append(DraftItem(seq, k))
@@ -501,7 +504,7 @@ class Engine:
         self.stats.spec_num_accepted_tokens += accepted
         seq.spec_token_ids = []
         if not finished:
-            self._reqs[seq.seq_id].backoff.record(self.stats.steps, accepted)
+            self._reqs[seq.seq_id].backoff.record(self.stats.steps, accepted, len(proposed))
             self.kv.truncate(seq.seq_id, seq.num_tokens)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float,

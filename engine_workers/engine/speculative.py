@@ -100,6 +100,13 @@ class SpeculativeConfig:
                    disable_by_batch_size=raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
 
 
+def batch_limit(k: int, running: int, disable_by_batch_size: int) -> int:
+    """The longest draft while ``running`` sequences run: ``k`` alone, one token less per
+    ``disable_by_batch_size / k`` more sequences, at least 1 (a CPU step turns compute-bound as the
+    batch grows, and each proposal is a row of it); past ``disable_by_batch_size`` none run."""
+    return max(1, k - (running - 1) * k // disable_by_batch_size)
+
+
 # A draft with no accepted token makes its request sit out 2**m steps (m: such drafts in a row),
 # at most this many; one accepted token resets it. Low acceptance thus costs few verification rows,
 # and a request whose text starts quoting again speculates again soon.
@@ -108,17 +115,31 @@ MAX_BACKOFF_STEPS = 16
 
 @dataclass(slots=True)
 class SpecBackoff:
-    """One request's speculation schedule (engine.core): the low-acceptance rule."""
+    """One request's speculation schedule (engine.core): the low-acceptance rules.
+
+    Whether: after a draft of which nothing was accepted the request sits out a doubling number of
+    steps. How far: a partly rejected draft of which ``a`` tokens were accepted makes the next one
+    ``a + 1`` tokens long; a fully accepted draft doubles the length (up to ``k``, the config's);
+    the draft after a sit-out probes with one token. Rows that would likely be rejected cost
+    verification compute (each a row of the step's forward) for nothing."""
 
     misses: int = 0  # drafts in a row with no token accepted
     resume_step: int = 0  # the engine step from which the request may speculate again
+    length: int | None = None  # the next draft's length (None: the config's k)
 
     def allows(self, step: int) -> bool:
         return step >= self.resume_step
 
-    def record(self, step: int, accepted: int) -> None:
+    def limit(self, k: int) -> int:
+        """The next draft's length, at most ``k``."""
+        return k if self.length is None else max(1, min(k, self.length))
+
+    def record(self, step: int, accepted: int, proposed: int | None = None) -> None:
         if accepted:
             self.misses, self.resume_step = 0, 0
+            if proposed is not None:
+                self.length = 2 * accepted if accepted >= proposed else accepted + 1
             return
         self.misses += 1
         self.resume_step = step + 1 + min(2 ** self.misses, MAX_BACKOFF_STEPS)
+        self.length = 1
