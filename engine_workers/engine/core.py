@@ -369,9 +369,9 @@ class Engine:
         batch is compute-bound: verification rows would cost more than they save), with fewer
         tokens the more run (``batch_limit``); its last draft
         accepted something or its backoff has run out, and as many tokens as its last draft's
-        acceptance suggests (``SpecBackoff``: the low-acceptance rules);
-        it is not guided (its grammar matcher is not rolled back yet) and not a pooling request.
-        Proposals never run past ``max_tokens`` or the context limit."""
+        acceptance suggests (``SpecBackoff``: the low-acceptance rules); it is not a pooling
+        request. Proposals never run past ``max_tokens`` or the context limit, nor, for a guided
+        request, past the first token its grammar refuses (walked on its matcher, rolled back)."""
         spec = self.speculative
         assert spec is not None
         running = self.scheduler.running
@@ -384,7 +384,7 @@ class Engine:
             if not allowed or seq.num_computed_tokens + 1 != seq.num_tokens:
                 continue
             req = self._reqs.get(seq.seq_id)
-            if req is None or req.guide is not None or seq.params.pooling or not req.backoff.allows(step):
+            if req is None or seq.params.pooling or not req.backoff.allows(step):
                 continue
             k = min(req.backoff.limit(k_batch), seq.params.max_tokens - len(seq.output_token_ids) - 1,
                     self.max_model_len - seq.num_tokens)
@@ -397,6 +397,11 @@ class Engine:
             assert self._proposer is not None
             for it in items:
                 it.seq.spec_token_ids = self._proposer.propose(it.seq.all_token_ids, it.k)
+        if self._num_guided:  # a guided request's proposals stop where its grammar refuses one
+            for it in items:
+                guide = self._reqs[it.seq.seq_id].guide
+                if guide is not None and it.seq.spec_token_ids:
+                    del it.seq.spec_token_ids[guide.allowed_prefix(it.seq.spec_token_ids):]
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
         """The scheduler's decision with the KV manager's block tables: what the runner computes.
@@ -458,12 +463,17 @@ class Engine:
             for j in range(1, item.num_spec + 1):
                 rows.append(Row(s.params, s.seed, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j]))
         mask = None
-        if self._num_guided and rows:  # guided requests never speculate: row i is a whole request
-            guided = [(i, g) for i, s in enumerate(rows)
-                      if isinstance(s, Sequence) and (g := self._reqs[s.seq_id].guide) is not None]
+        if self._num_guided and rows:
+            # a request's first row is its Sequence; a verification chunk's proposal rows follow
+            # it, masked with its grammar's state after the proposals before them (``ahead``)
+            heads = [(i, s) for i, s in enumerate(rows) if isinstance(s, Sequence)]
+            guided = [(i, g) for i, s in heads if (g := self._reqs[s.seq_id].guide) is not None]
+            spec_of = {item.seq.seq_id: item.num_spec for item in items if item.num_spec}
+            ahead = {i: s.spec_token_ids[: spec_of[s.seq_id]] for i, s in heads
+                     if s.seq_id in spec_of and self._reqs[s.seq_id].guide is not None}
             if guided:
                 def mask(x: torch.Tensor) -> None:
-                    self._masks.apply(x, guided)
+                    self._masks.apply(x, guided, ahead)
         drawn = self.sampler(logits, rows, mask) if rows else None
         now = time.monotonic()
         for item in sched.scheduled:
