@@ -42,6 +42,7 @@ from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
 from engine_workers.engine.draft import DraftItem, DraftProposer, check_tokenizers
 from engine_workers.engine.guided import GrammarCache, Guide, GuidedSpec, LazyGrammars, MaskBuffer
+from engine_workers.engine.mtp import MtpProposer
 from engine_workers.engine.ngram import NgramProposer
 from engine_workers.engine.outputs import CompletedRequest, EngineStats, RequestOutput
 from engine_workers.engine.pooler import Pooler
@@ -56,7 +57,7 @@ from engine_workers.model.execution.parallel.group import TpGroup
 from engine_workers.model.execution.parallel.runner import ParallelRunner, load_group
 from engine_workers.model.execution.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
 from engine_workers.model.execution.smoothing import load_smoothed_w8a8
-from engine_workers.model.loading.loader import LoadedModel, load_model
+from engine_workers.model.loading.loader import LoadedModel, load_model, load_mtp
 from engine_workers.model.lora.manager import LoraManager
 from kv_store import KVCacheManager
 from lockgate_types import FinishReason, SamplingParams
@@ -164,9 +165,14 @@ class Engine:
         self.speculative = spec = config.speculative_config
         self._proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
                           if spec is not None and spec.method == "ngram" else None)
-        self.draft: DraftProposer | None = None
+        # a proposer with a model of its own: a draft model, or the checkpoint's MTP module
+        self.draft: DraftProposer | MtpProposer | None = None
         if spec is not None and spec.method == "draft_model":
             self.draft = self._load_draft(config, spec.model, lowp)
+        elif spec is not None and spec.method in ("mtp", "deepseek_mtp"):
+            self.draft = MtpProposer(load_mtp(loaded, self.dtype, self.device), loaded.spec.vocab_size,
+                                     config.block_size, self.device, self.dtype, self.kv_dtype, config.kv_cache_bytes,
+                                     config.kv_cache_memory_fraction, self.sampler)
         self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
         log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens, %s)",
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
@@ -360,6 +366,13 @@ class Engine:
         self.stats.last_batch_seqs = len(sched.scheduled)
         self.stats.computed_tokens += sched.num_batched_tokens
         self._postprocess(sched, batch, result, outputs)
+        if result.states is not None and isinstance(self.draft, MtpProposer):  # the rows the MTP module reads
+            first = 0
+            for item, chunk in zip(sched.scheduled, batch.chunks, strict=True):
+                n = len(chunk.token_ids)
+                if item.seq.seq_id in self._reqs:
+                    self.draft.observe(item.seq, chunk.start, result.states[first : first + n])
+                first += n
         self.stats.busy_s += time.monotonic() - started
         return outputs
 
@@ -428,7 +441,8 @@ class Engine:
             chunks.append(Chunk(tokens, start, self.kv.block_ids(s.seq_id), item.samples))
         hidden, sum_chunks = self.pooler.wants(sched.scheduled)
         loras = tuple(item.seq.lora for item in sched.scheduled) if self.lora is not None else ()
-        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify), loras=loras)
+        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify), loras=loras,
+                          states=isinstance(self.draft, MtpProposer))
 
     def _postprocess(self, sched: SchedulerOutput, batch: ModelInput, result: RunnerOutput,
                      outputs: list[RequestOutput]) -> None:

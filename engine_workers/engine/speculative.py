@@ -1,8 +1,9 @@
 """``--speculative-config``: which proposer speculates and how far, parsed from vLLM's JSON object.
 
-Two proposers exist: n-gram prompt lookup (:mod:`engine_workers.engine.ngram`) and a draft model
-(:mod:`engine_workers.engine.draft`, ``"method": "draft_model"`` with ``"model"``); the MTP and
-EAGLE methods vLLM also accepts are refused by name (not built yet). The keys are vLLM's:
+Three proposers exist: n-gram prompt lookup (:mod:`engine_workers.engine.ngram`), a draft model
+(:mod:`engine_workers.engine.draft`, ``"method": "draft_model"`` with ``"model"``) and the
+checkpoint's own MTP layers (:mod:`engine_workers.engine.mtp`, ``"method": "mtp"``); the EAGLE
+and other methods vLLM also accepts are refused by name (not built yet). The keys are vLLM's:
 ``method``, ``model``, ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``
 and ``disable_by_batch_size``; a key lockgate does not implement is an error naming it, never
 silently ignored. Cheap to import (json and dataclasses only): the CLI parses it.
@@ -13,9 +14,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")
+# mtp / deepseek_mtp (vLLM's older name): the checkpoint's own MTP module (engine.mtp)
+METHODS = ("ngram", "draft_model", "mtp", "deepseek_mtp")
 # vLLM's other methods: refused with a message saying they are not built yet, not as unknown
-_LATER = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp", "suffix")
+_LATER = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 _KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size")
 # vLLM's default when neither prompt_lookup bound is given
@@ -49,8 +51,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: unknown method {self.method!r}; available: {', '.join(METHODS)}")
         if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError("speculative config: method 'draft_model' needs \"model\": the draft checkpoint")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError(f"speculative config: method 'ngram' takes no \"model\" (got {self.model!r}); "
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative config: method {self.method!r} takes no \"model\" (got {self.model!r}); "
                              "a draft checkpoint needs \"method\": \"draft_model\"")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             v = getattr(self, key)
