@@ -107,7 +107,8 @@ def test_config_takes_vllms_draft_model_keys():
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs \"model\""),
     ('{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}', "takes no \"model\""),
     ('{"model": 3, "num_speculative_tokens": 2}', "model must be a string"),
-    ('{"method": "mtp", "num_speculative_tokens": 2}', "'mtp' is not implemented"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not implemented"),
+    ('{"method": "mtp", "model": "/m", "num_speculative_tokens": 2}', "takes no \"model\""),
 ])
 def test_bad_draft_config_is_an_error_naming_it(text, named):
     with pytest.raises(ValueError, match=named):
