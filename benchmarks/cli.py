@@ -204,8 +204,8 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
 
     from benchmarks.engine.spec import add_args as add_spec_args
 
-    b = bench.add_parser("spec", help="speculative decoding (n-gram) vs plain decoding: TPOT, tok/s, acceptance, "
-                                      "identical tokens, on a workload that quotes its prompt")
+    b = bench.add_parser("spec", help="speculative decoding (n-gram or a draft model) vs plain decoding: TPOT, "
+                                      "tok/s, acceptance, identical tokens, on a quoting, held-out or chat workload")
     add_spec_args(b)
     b.set_defaults(func=_bench_spec)
 

@@ -72,7 +72,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=speculative_arg, default=env_default("speculative-config", None),
                    help="speculative decoding as a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; "
-                        "method ngram (prompt lookup) only so far; optional disable_by_batch_size (default 8): "
+                        "methods ngram (prompt lookup) and draft_model (with \"model\": a smaller checkpoint with "
+                        "the same tokenizer); optional disable_by_batch_size (default 8): "
                         "no speculation while more sequences run. Tokens are those of plain decoding, greedy "
                         "and seeded. Default: off [LOCKGATE_SPECULATIVE_CONFIG]")
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),

@@ -42,9 +42,9 @@ def run(model: str, batch: int, max_tokens: int, repeat: int, threads: int) -> l
     masks = engine._masks
     apply, mask_s = masks.apply, [0.0]
 
-    def timed(logits: Any, guided: Any) -> None:  # the mask stage's own time (bitmask fill + apply)
+    def timed(logits: Any, guided: Any, ahead: Any = None) -> None:  # the mask stage's own time (bitmask fill + apply)
         t = time.perf_counter()
-        apply(logits, guided)
+        apply(logits, guided, ahead)
         mask_s[0] += time.perf_counter() - t
 
     masks.apply = timed  # type: ignore[method-assign]  # instrumented for this bench: times the mask stage

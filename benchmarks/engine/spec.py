@@ -1,9 +1,16 @@
-"""Speculative decoding (n-gram) vs plain decoding on a repetitive workload: requests that ask the
-model to summarise a passage quoting it, so its output repeats its prompt (prompt lookup's case).
+"""Speculative decoding (n-gram or a draft model) vs plain decoding, on three workloads.
 
-    lockgate bench spec [--model M] [--batches 1,4] [--max-tokens 128] [--repeat 2]
+    lockgate bench spec [--model M] [--batches 1,4,32] [--workload repetitive,heldout,chat]
+        [--max-tokens 128] [--repeat 2] [--draft-layers N]
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, ...}']
     python -m benchmarks.engine.spec ...   (the same)
+
+Workloads: ``repetitive`` asks the model to summarise passages quoting them (prompt lookup's
+case; the passages the n-gram settings were chosen on); ``heldout`` are other prompts that quote
+their input (edit this code, correct this text, list these items), never used for tuning;
+``chat`` are ordinary questions whose answers quote nothing. ``--draft-layers N`` speculates with
+a draft model instead: the target's first ``N`` layers with its final norm and head, written as a
+checkpoint of their own (a smaller model with the same tokenizer; the only one at hand offline).
 
 Two engines of the same model, one plain and one with ``--speculative-config``, run the same
 requests alternately (``--repeat`` rounds, best round kept). Per batch size and mode: TPOT (mean
@@ -18,8 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 PASSAGES = [
@@ -38,10 +48,70 @@ PASSAGES = [
 ]
 
 
-def prompt_messages(i: int) -> list[dict[str, str]]:
+# Held out: never used to choose the n-gram settings; each quotes its input in its answer.
+HELD_OUT = [
+    "Add a docstring to this Python function and return the whole function unchanged otherwise:\n\n"
+    "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError('window must be positive')\n"
+    "    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n        total += v\n"
+    "        if i >= window:\n            total -= values[i - window]\n        if i >= window - 1:\n"
+    "            out.append(total / window)\n    return out",
+    "Correct the spelling mistakes in this paragraph and write it out again in full: The comittee has decided "
+    "to postpone the anual meeting untill the new building is finnished. All members will recieve an email with "
+    "the new date, and the agenda will be sent seperately a week before the meeting.",
+    "Turn these notes into a numbered list, keeping each item's wording: buy flour and eggs; call the plumber "
+    "about the kitchen sink; return the library books before Friday; book the train tickets to Leeds; water "
+    "the plants on the balcony.",
+    "Rename the variable x to count everywhere in this code and show the result:\n\n"
+    "x = 0\nfor line in open('log.txt'):\n    if 'error' in line:\n        x += 1\nprint('errors:', x)\n"
+    "if x > 10:\n    print('too many errors, x =', x)",
+]
+
+CHAT = [
+    "Why is the sky blue?", "Give me three tips for sleeping better.", "What is a good name for a grey cat?",
+    "Explain what a compiler does in two sentences.", "Write a haiku about the sea.",
+    "What should I pack for a weekend of hiking?", "How do I make a cup of green tea?",
+    "What is the difference between weather and climate?",
+]
+
+WORKLOADS = ("repetitive", "heldout", "chat")
+
+
+def prompt_messages(i: int, workload: str = "repetitive") -> list[dict[str, str]]:
+    if workload == "heldout":
+        return [{"role": "user", "content": HELD_OUT[i % len(HELD_OUT)]}]
+    if workload == "chat":
+        return [{"role": "user", "content": CHAT[i % len(CHAT)]}]
     text = PASSAGES[i % len(PASSAGES)]
     return [{"role": "user", "content": "Summarise the following passage, quoting its most important sentences "
                                         f"word for word.\n\nPassage:\n{text}"}]
+
+
+def truncated_draft(model: str | None, layers: int, out: Path) -> Path:
+    """A draft checkpoint of the target's first ``layers`` layers, its final norm, head and tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenization.model_store import resolve_model
+
+    src = resolve_model(model)
+    assert isinstance(src, Path), "--draft-layers needs a local checkpoint"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    if not 1 <= layers < cfg["num_hidden_layers"]:
+        raise ValueError(f"--draft-layers must be in [1, {cfg['num_hidden_layers']}), got {layers}")
+    cfg["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(cfg))
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            parts = name.split(".")
+            if len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= layers:
+                continue
+            state[name] = t.contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def _round(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -78,12 +148,21 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     spec = args.speculative_config or SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2,
                                                         prompt_lookup_max=4)
+    if args.draft_layers:
+        where = Path(tempfile.mkdtemp(prefix="lockgate-draft-"))
+        draft = truncated_draft(args.model, args.draft_layers, where)
+        spec = SpeculativeConfig(num_speculative_tokens=spec.num_speculative_tokens, method="draft_model",
+                                 model=str(draft), disable_by_batch_size=spec.disable_by_batch_size)
     batches = [int(b) for b in str(args.batches).split(",")]
     base = dict(model=args.model, num_threads=args.threads, max_num_seqs=max(batches))
-    engines = {"plain": Engine(EngineConfig(**base)), "ngram": Engine(EngineConfig(**base, speculative_config=spec))}
+    engines = {"plain": Engine(EngineConfig(**base)), "spec": Engine(EngineConfig(**base, speculative_config=spec))}
     rows = []
-    for b in batches:
-        prompts = [engines["plain"].encode_prompt(messages=prompt_messages(i)) for i in range(b)]
+    workloads = str(args.workload).split(",")
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        raise ValueError(f"--workload {bad[0]!r}: expected one or more of {', '.join(WORKLOADS)}")
+    for workload, b in ((w, b) for w in workloads for b in batches):
+        prompts = [engines["plain"].encode_prompt(messages=prompt_messages(i, workload)) for i in range(b)]
         for e in engines.values():  # warm-up: first-step costs (allocations, oneDNN plans) out of the timing
             _round(e, prompts[:1], 4)
         best: dict[str, dict[str, Any]] = {}
@@ -92,13 +171,14 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                 got = _round(e, prompts, args.max_tokens)
                 if mode not in best or got["wall_s"] < best[mode]["wall_s"]:
                     best[mode] = got
-        identical = best["plain"]["tokens"] == best["ngram"]["tokens"]
+        identical = best["plain"]["tokens"] == best["spec"]["tokens"]
         for mode, got in best.items():
-            row: dict[str, Any] = {"batch": b, "mode": mode, "generated": got["generated"],
+            name = spec.method if mode == "spec" else mode
+            row: dict[str, Any] = {"batch": b, "workload": workload, "mode": name, "generated": got["generated"],
                                    "wall_s": round(got["wall_s"], 3), "tok_s": round(got["tok_s"], 2),
                                    "tpot_ms": round(got["tpot_ms"], 2) if got["tpot_ms"] is not None else None,
                                    "identical": identical}
-            if mode == "ngram":
+            if mode == "spec":
                 row["drafts"] = got["drafts"]  # 0: nothing speculated (e.g. above disable_by_batch_size)
                 row["acceptance_rate"] = round(got["accepted_tokens"] / max(1, got["draft_tokens"]), 3)
                 row["tokens_per_verification"] = round(1 + got["accepted_tokens"] / max(1, got["drafts"]), 3)
@@ -113,6 +193,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default="default")
     p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
+    p.add_argument("--workload", default="repetitive",
+                   help="comma-separated: repetitive (quotes its prompt), heldout (other quoting prompts), chat")
+    p.add_argument("--draft-layers", type=int, default=0,
+                   help="speculate with a draft model: the target's first N layers (0 = the config's method)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeat", type=int, default=2, help="rounds per (batch, mode); the fastest is kept")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

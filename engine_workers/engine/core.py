@@ -10,9 +10,9 @@ on a thread of its own for the actors. Loading and ``step()`` hop onto the proce
 (:mod:`engine_workers.engine.torch_thread`), whichever thread calls them: torch's OpenMP pools slow every
 forward down once two threads have run torch work.
 
-Speculative decoding (``--speculative-config``, n-gram proposer only so far): before each schedule,
-every decoding request that may speculate (see :meth:`Engine._propose`) gets up to k proposed
-tokens. The scheduler runs them as extra positions of its decode chunk, the runner returns logits
+Speculative decoding (``--speculative-config``; n-gram prompt lookup, :mod:`engine.ngram`, or a
+draft model, :mod:`engine.draft`): before each schedule, every decoding request that may
+speculate (see :meth:`Engine._propose`) gets up to k proposed tokens. The scheduler runs them as extra positions of its decode chunk, the runner returns logits
 for every position of that chunk, each attending exactly as a single-token decode of its position
 would (``ModelInput.verify``), and the sampler draws every position with the draw plain decoding
 would use there (output position = tokens before it, the sequence's seed) and the penalties and
@@ -40,14 +40,16 @@ import torch
 from engine_workers.engine import torch_thread
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
+from engine_workers.engine.draft import DraftItem, DraftProposer, check_tokenizers
 from engine_workers.engine.guided import GrammarCache, Guide, GuidedSpec, LazyGrammars, MaskBuffer
+from engine_workers.engine.mtp import MtpProposer
 from engine_workers.engine.ngram import NgramProposer
 from engine_workers.engine.outputs import CompletedRequest, EngineStats, RequestOutput
 from engine_workers.engine.pooler import Pooler
 from engine_workers.engine.sampler import Row, Sampler, SampleRow, TokenLogprobs
 from engine_workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
-from engine_workers.engine.speculative import SpecBackoff
+from engine_workers.engine.speculative import SpecBackoff, batch_limit
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import auto_cpu_dtype, cpu_weight_plan
 from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
@@ -55,7 +57,7 @@ from engine_workers.model.execution.parallel.group import TpGroup
 from engine_workers.model.execution.parallel.runner import ParallelRunner, load_group
 from engine_workers.model.execution.runner import ModelRunner, kv_budget_blocks, resolve_dtype, resolve_kv_dtype
 from engine_workers.model.execution.smoothing import load_smoothed_w8a8
-from engine_workers.model.loading.loader import LoadedModel, load_model
+from engine_workers.model.loading.loader import LoadedModel, load_model, load_mtp
 from engine_workers.model.lora.manager import LoraManager
 from kv_store import KVCacheManager
 from lockgate_types import FinishReason, SamplingParams
@@ -165,15 +167,33 @@ class Engine:
         self._retiring: set[str] = set()
         self._unloaded: set[str] = set()
         self.stats = EngineStats()
-        self.speculative = config.speculative_config
-        self._proposer = (NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-                          if self.speculative is not None else None)
+        self.speculative = spec = config.speculative_config
+        self._proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                          if spec is not None and spec.method == "ngram" else None)
+        # a proposer with a model of its own: a draft model, or the checkpoint's MTP module
+        self.draft: DraftProposer | MtpProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.draft = self._load_draft(config, spec.model, lowp)
+        elif spec is not None and spec.method in ("mtp", "deepseek_mtp"):
+            self.draft = MtpProposer(load_mtp(loaded, self.dtype, self.device), loaded.spec.vocab_size,
+                                     config.block_size, self.device, self.dtype, self.kv_dtype, config.kv_cache_bytes,
+                                     config.kv_cache_memory_fraction, self.sampler)
         self._extra = (loaded.spec.model_type + ":" + str(loaded.path)).encode()
         log.info("engine ready: %s on %s/%s (weights %s), max_model_len=%d, KV %d blocks (%d tokens, %s)",
                  loaded.path, self.device, self.dtype, self.weight_format, self.max_model_len, num_blocks,
                  num_blocks * config.block_size, str(self.kv_dtype).removeprefix("torch."))
 
     lora: LoraManager | None = None  # with enable_lora: the named adapters (engine_workers.model.lora)
+
+    def _load_draft(self, config: EngineConfig, model: str | None, lowp: str | None) -> DraftProposer:
+        """The draft model of ``--speculative-config``, in the target's weight format (float32 for
+        w8a8, whose calibration is per model), refused unless it shares the target's tokenizer."""
+        draft = load_model(model, self.dtype, self.device, None, config.weight_prepack, config.cpu_kernels,
+                           None if lowp == "w8a8" else lowp)
+        check_tokenizers(self.loaded, draft)
+        return DraftProposer(draft, self.loaded.spec.vocab_size, config.block_size, self.device, self.dtype,
+                             self.kv_dtype, config.cpu_kernels, config.kv_cache_bytes,
+                             config.kv_cache_memory_fraction, self.sampler)
 
     def _load_parallel(self, config: EngineConfig, lowp: str | None, given: TpGroup | None) -> LoadedModel:
         """Start the tensor-parallel group (``self.tp_group``) and load every rank's shard."""
@@ -346,7 +366,7 @@ class Engine:
         """schedule -> ``runner.execute(ModelInput)`` -> postprocess (pool, sample, finish)."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
-        if self._proposer is not None:
+        if self.speculative is not None:
             self._propose()
         sched = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
@@ -362,6 +382,13 @@ class Engine:
         self.stats.last_batch_seqs = len(sched.scheduled)
         self.stats.computed_tokens += sched.num_batched_tokens
         self._postprocess(sched, batch, result, outputs)
+        if result.states is not None and isinstance(self.draft, MtpProposer):  # the rows the MTP module reads
+            first = 0
+            for item, chunk in zip(sched.scheduled, batch.chunks, strict=True):
+                n = len(chunk.token_ids)
+                if item.seq.seq_id in self._reqs:
+                    self.draft.observe(item.seq, chunk.start, result.states[first : first + n])
+                first += n
         if self._retiring:  # the step's finished requests may have been an unloading adapter's last
             self._retire_loras()
         self.stats.busy_s += time.monotonic() - started
@@ -370,26 +397,42 @@ class Engine:
     def _propose(self) -> None:
         """Proposals for this step's decoding requests (``Sequence.spec_token_ids``). A request
         speculates when: no more than ``disable_by_batch_size`` sequences are running (a large
-        batch is compute-bound: verification rows would cost more than they save); its last draft
-        accepted something or its backoff has run out (``SpecBackoff``: the low-acceptance rule);
-        it is not guided (its grammar matcher is not rolled back yet) and not a pooling request.
-        Proposals never run past ``max_tokens`` or the context limit."""
+        batch is compute-bound: verification rows would cost more than they save), with fewer
+        tokens the more run (``batch_limit``); its last draft
+        accepted something or its backoff has run out, and as many tokens as its last draft's
+        acceptance suggests (``SpecBackoff``: the low-acceptance rules); it is not a pooling
+        request. Proposals never run past ``max_tokens`` or the context limit, nor, for a guided
+        request, past the first token its grammar refuses (walked on its matcher, rolled back)."""
         spec = self.speculative
-        assert spec is not None and self._proposer is not None
+        assert spec is not None
         running = self.scheduler.running
         allowed = len(running) <= spec.disable_by_batch_size
+        k_batch = batch_limit(spec.num_speculative_tokens, len(running), spec.disable_by_batch_size)
         step = self.stats.steps
+        items: list[DraftItem] = []
         for seq in running:
             seq.spec_token_ids = []
             if not allowed or seq.num_computed_tokens + 1 != seq.num_tokens:
                 continue
             req = self._reqs.get(seq.seq_id)
-            if req is None or req.guide is not None or seq.params.pooling or not req.backoff.allows(step):
+            if req is None or seq.params.pooling or not req.backoff.allows(step):
                 continue
-            k = min(spec.num_speculative_tokens, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+            k = min(req.backoff.limit(k_batch), seq.params.max_tokens - len(seq.output_token_ids) - 1,
                     self.max_model_len - seq.num_tokens)
             if k > 0:
-                seq.spec_token_ids = self._proposer.propose(seq.all_token_ids, k)
+                items.append(DraftItem(seq, k))
+        if self.draft is not None:
+            for it, proposal in zip(items, self.draft.propose(items), strict=True):
+                it.seq.spec_token_ids = proposal
+        else:
+            assert self._proposer is not None
+            for it in items:
+                it.seq.spec_token_ids = self._proposer.propose(it.seq.all_token_ids, it.k)
+        if self._num_guided:  # a guided request's proposals stop where its grammar refuses one
+            for it in items:
+                guide = self._reqs[it.seq.seq_id].guide
+                if guide is not None and it.seq.spec_token_ids:
+                    del it.seq.spec_token_ids[guide.allowed_prefix(it.seq.spec_token_ids):]
 
     def _model_input(self, sched: SchedulerOutput) -> ModelInput:
         """The scheduler's decision with the KV manager's block tables: what the runner computes.
@@ -416,7 +459,8 @@ class Engine:
             chunks.append(Chunk(tokens, start, self.kv.block_ids(s.seq_id), item.samples))
         hidden, sum_chunks = self.pooler.wants(sched.scheduled)
         loras = tuple(item.seq.lora for item in sched.scheduled) if self.lora is not None else ()
-        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify), loras=loras)
+        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify), loras=loras,
+                          states=isinstance(self.draft, MtpProposer))
 
     def _postprocess(self, sched: SchedulerOutput, batch: ModelInput, result: RunnerOutput,
                      outputs: list[RequestOutput]) -> None:
@@ -451,12 +495,17 @@ class Engine:
             for j in range(1, item.num_spec + 1):
                 rows.append(Row(s.params, s.seed, s.prompt_token_ids, s.output_token_ids + s.spec_token_ids[:j]))
         mask = None
-        if self._num_guided and rows:  # guided requests never speculate: row i is a whole request
-            guided = [(i, g) for i, s in enumerate(rows)
-                      if isinstance(s, Sequence) and (g := self._reqs[s.seq_id].guide) is not None]
+        if self._num_guided and rows:
+            # a request's first row is its Sequence; a verification chunk's proposal rows follow
+            # it, masked with its grammar's state after the proposals before them (``ahead``)
+            heads = [(i, s) for i, s in enumerate(rows) if isinstance(s, Sequence)]
+            guided = [(i, g) for i, s in heads if (g := self._reqs[s.seq_id].guide) is not None]
+            spec_of = {item.seq.seq_id: item.num_spec for item in items if item.num_spec}
+            ahead = {i: s.spec_token_ids[: spec_of[s.seq_id]] for i, s in heads
+                     if s.seq_id in spec_of and self._reqs[s.seq_id].guide is not None}
             if guided:
                 def mask(x: torch.Tensor) -> None:
-                    self._masks.apply(x, guided)
+                    self._masks.apply(x, guided, ahead)
         drawn = self.sampler(logits, rows, mask) if rows else None
         now = time.monotonic()
         for item in sched.scheduled:
@@ -497,7 +546,7 @@ class Engine:
         self.stats.spec_num_accepted_tokens += accepted
         seq.spec_token_ids = []
         if not finished:
-            self._reqs[seq.seq_id].backoff.record(self.stats.steps, accepted)
+            self._reqs[seq.seq_id].backoff.record(self.stats.steps, accepted, len(proposed))
             self.kv.truncate(seq.seq_id, seq.num_tokens)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float,
@@ -556,6 +605,8 @@ class Engine:
     def _finish(self, req: _Req, reason: str, now: float, outputs: list) -> None:
         seq = req.seq
         self.pooler.forget(seq.seq_id)
+        if self.draft is not None:
+            self.draft.forget(seq.seq_id)
         self._num_guided -= req.guide is not None
         seq.finish_reason = reason
         seq.status = SeqStatus.FINISHED

@@ -14,7 +14,7 @@ loop over the vocabulary). See docs/design.md, "Structured output".
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -69,6 +69,20 @@ class Guide:
     def accept(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))
 
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar accepts one after another (up to the first it refuses,
+        or through the one that ends it); the matcher is left as it was (rolled back)."""
+        n = 0
+        for t in tokens:
+            if not self.matcher.accept_token(t):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                break
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     @property
     def terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
@@ -81,15 +95,31 @@ class MaskBuffer:
         self.vocab_size = vocab_size
         self._buf: torch.Tensor | None = None
 
-    def apply(self, logits: torch.Tensor, guided: Sequence[tuple[int, Guide]]) -> None:
+    def apply(self, logits: torch.Tensor, guided: Sequence[tuple[int, Guide]],
+              ahead: Mapping[int, Sequence[int]] | None = None) -> None:
         """Mask in place the rows ``i`` of ``logits`` for each ``(i, guide)``: tokens the guide's
-        grammar does not allow next become ``-inf``. Other rows are untouched."""
+        grammar does not allow next become ``-inf``. Other rows are untouched.
+
+        ``ahead`` (speculative verification): for a row ``i``, the proposed tokens that follow it;
+        row ``i + j`` is masked with the grammar's state after the first ``j`` of them (walked and
+        rolled back: the matcher ends as it was). They must be tokens the grammar accepts in turn
+        (:meth:`Guide.allowed_prefix`)."""
         rows = logits.shape[0]
         if self._buf is None or self._buf.shape[0] < rows:
             self._buf = xgr.allocate_token_bitmask(max(rows, 8), self.vocab_size)
         buf = self._buf
+        indices = []
         for i, g in guided:
             g.matcher.fill_next_token_bitmask(buf, i)
+            indices.append(i)
+            walk = ahead.get(i, ()) if ahead else ()
+            for j, t in enumerate(walk, 1):
+                if not g.matcher.accept_token(t):
+                    raise ValueError(f"proposed token {t} is not allowed by the grammar")
+                g.matcher.fill_next_token_bitmask(buf, i + j)
+                indices.append(i + j)
+            if walk:
+                g.matcher.rollback(len(walk))
         mask = buf if logits.device.type == "cpu" else buf.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[-1]),
-                                        indices=[i for i, _ in guided])
+                                        indices=indices)

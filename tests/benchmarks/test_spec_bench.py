@@ -28,3 +28,23 @@ def test_bench_spec_is_a_lockgate_bench_subcommand():
 
     args = build_parser().parse_args(["bench", "spec", "--batches", "1", "--max-tokens", "4"])
     assert args.batches == "1" and args.max_tokens == 4 and callable(args.func)
+
+
+def test_bench_spec_draft_model_case_on_the_chat_workload(tiny_model_dir):
+    """--draft-layers 1: the tiny target's first layer as the draft; tokens still identical."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--model", tiny_model_dir, "--batches", "1", "--max-tokens", "10", "--repeat", "1",
+                         "--workload", "chat", "--draft-layers", "1"])
+    rows = run_bench(args)
+    assert [(r["batch"], r["workload"], r["mode"]) for r in rows] == [(1, "chat", "plain"), (1, "chat", "draft_model")]
+    assert all(r["identical"] is True for r in rows) and rows[1]["drafts"] > 0
+
+
+def test_bench_spec_truncated_draft_refuses_a_bad_layer_count(tiny_model_dir, tmp_path):
+    import pytest
+
+    from benchmarks.engine.spec import truncated_draft
+
+    with pytest.raises(ValueError, match="--draft-layers"):
+        truncated_draft(tiny_model_dir, 2, tmp_path / "d")

@@ -50,6 +50,7 @@ class ModelInput:
     sum_chunks: tuple[int, ...] = ()
     verify: tuple[int, ...] = ()
     loras: tuple[str | None, ...] = ()
+    states: bool = False  # also return every row's last hidden state before the final norm (MTP)
 
     def __post_init__(self) -> None:
         if self.loras and len(self.loras) != len(self.chunks):
@@ -74,8 +75,10 @@ class ModelInput:
 class RunnerOutput:
     """``logits``: float32 ``[rows, vocab]``, one row per logit row of the input, in order.
     ``hidden``: float32 ``[rows, hidden]`` final-norm states of the same rows, when asked for.
-    ``sums``: float32 ``[len(sum_chunks), hidden]``, when ``sum_chunks`` was given."""
+    ``sums``: float32 ``[len(sum_chunks), hidden]``, when ``sum_chunks`` was given.
+    ``states``: float32 ``[tokens, hidden]``, every row's state before the final norm (``states``)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
     sums: torch.Tensor | None = None
+    states: torch.Tensor | None = None  # float32 [tokens, hidden], every row's, when asked for

@@ -154,7 +154,7 @@ class ModelRunner:
     def execute(self, batch: ModelInput) -> RunnerOutput:
         """Run ``batch``'s one forward (:class:`~engine_workers.model.execution.batch.ModelInput` says which
         rows come back and what with them)."""
-        if self.graphs is not None and not batch.verify:
+        if self.graphs is not None and not batch.verify and not batch.states:
             out = self.graphs.run(batch.chunks, batch.every_row, batch.hidden, bool(batch.sum_chunks))
             if out is not None:
                 return RunnerOutput(out)
@@ -181,15 +181,18 @@ class ModelRunner:
         hidden: list[torch.Tensor] | None = [] if batch.hidden else None
         sums: list[torch.Tensor] | None = [] if batch.sum_chunks else None
         spans = [(firsts[i], len(batch.chunks[i].token_ids)) for i in batch.sum_chunks] if sums is not None else None
+        states: list[torch.Tensor] | None = [] if batch.states else None
         if self.lora is not None:
             self.lora.prepare(batch.loras or [None] * len(batch.chunks), [len(c.token_ids) for c in batch.chunks])
         try:
             with sdpa_kernel(list(self.sdpa_backends)) if self.sdpa_backends else contextlib.nullcontext():
-                logits = self.model(input_ids, positions, self.kv_caches, meta, rows, hidden, spans, sums)
+                logits = self.model(input_ids, positions, self.kv_caches, meta, rows, hidden, spans, sums,
+                                    *((states,) if states is not None else ()))
         finally:
             if self.lora is not None:
                 self.lora.done()
-        return RunnerOutput(logits, hidden[0] if hidden else None, sums[0] if sums else None)
+        return RunnerOutput(logits, hidden[0] if hidden else None, sums[0] if sums else None,
+                            states[0] if states else None)
 
 def _decode_graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int):
     """The runner's captured decode graphs, or None (logged) where its model cannot be captured

@@ -156,6 +156,71 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
     return LoadedModel(path, model, full_spec, tokenizer, hf_config, _eos_ids(path, hf_config, tokenizer))
 
 
+class _MtpNames:
+    """The checkpoint's MTP module ``model.layers.{L}.*`` seen as a one-layer model's names (layer
+    0, ``model.norm``, ``lm_head``, ``model.embed_tokens``), so :func:`_map_state` maps it."""
+
+    def __init__(self, reader: CheckpointReader, layer: int) -> None:
+        self.reader, self.src = reader, f"model.layers.{layer}."
+
+    def _name(self, name: str) -> str:
+        if name.startswith("model.layers.0."):
+            return self.src + name.removeprefix("model.layers.0.")
+        if name == "model.norm.weight":
+            return self.src + "shared_head.norm.weight"
+        if name == "lm_head.weight":
+            own = self.src + "shared_head.head.weight"
+            return own if own in self.reader else name
+        if name == "model.embed_tokens.weight":
+            own = self.src + "embed_tokens.weight"
+            return own if own in self.reader else name
+        return name
+
+    def take(self, name: str, split: Split | None = None) -> torch.Tensor:
+        return self.reader.take(self._name(name), split)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._name(name) in self.reader
+
+
+def load_mtp(loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """The first MTP module of ``loaded``'s checkpoint (DeepSeek-V3's ``num_nextn_predict_layers``)
+    as a one-layer :class:`~engine_workers.model.models.mtp.MtpForPagedLM`, in ``dtype`` (plain
+    torch linears: it runs a few rows per step). ModelError naming what is missing."""
+    from engine_workers.model.models.mtp import MtpForPagedLM, mtp_spec
+
+    path = Path(loaded.path)
+    n = getattr(loaded.hf_config, "num_nextn_predict_layers", None) or getattr(loaded.hf_config, "num_mtp_layers", None)
+    if not n:
+        raise ModelError(f"model {path} has no MTP layers (its config has no num_nextn_predict_layers): "
+                         "speculative method 'mtp' needs a checkpoint that carries them")
+    spec = mtp_spec(loaded.spec)
+    layer = loaded.spec.num_layers
+    with CheckpointReader(path, loaded.spec) as reader:
+        names = _MtpNames(reader, layer)
+        if f"model.layers.{layer}.eh_proj.weight" not in reader:
+            raise ModelError(f"weights of {path} lack the MTP module model.layers.{layer}.* "
+                             f"(num_nextn_predict_layers={n})")
+        state = _map_state(names, spec, path)
+        for ours in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+            state[ours] = reader.take(f"model.layers.{layer}.{ours}")
+    with torch.device("meta"):
+        model = MtpForPagedLM(spec)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    for name, shape in expected.items():
+        if name not in state:
+            raise ModelError(f"weights of {path}: the MTP module lacks {name}")
+        if tuple(state[name].shape) != tuple(shape):
+            raise ModelError(f"weights of {path}: MTP {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
+    model.load_state_dict({k: v.float() if _keep_fp32(k, spec) else v.to(dtype) for k, v in state.items() if k in expected},
+                          assign=True)
+    model = model.to(device=device).eval()
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    model.set_ropes(loaded.hf_config, loaded.spec.max_position_embeddings, device)
+    return LoadedModel(path, model, spec, loaded.tokenizer, loaded.hf_config, loaded.eos_token_ids)
+
+
 def _keep_fp32(name: str, spec: ModelSpec) -> bool:
     """DeepSeek-V3's router weight and selection bias stay float32 in any model dtype, as its
     reference keeps them: top-k over sigmoid scores that differ in the third digit."""

@@ -225,8 +225,9 @@ class LlamaForPagedLM(nn.Module):
         hidden_out: list[torch.Tensor] | None = None,  # given: the rows' final-norm states [S, hidden] appended
         sum_spans: list[tuple[int, int]] | None = None,  # (first row, rows) whose final-norm states are summed
         sums_out: list[torch.Tensor] | None = None,  # given with sum_spans: those sums [len(spans), hidden] appended
+        states_out: list[torch.Tensor] | None = None,  # given: every row's last hidden state before the final norm [T, hidden]
     ) -> torch.Tensor:
-        residual = self.embed_tokens(input_ids)  # a fresh tensor: the layers add into it in place
+        residual = self.embed(input_ids)  # a fresh tensor: the layers add into it in place
         if self.spec.embed_scale is not None:
             # Gemma: the scale rounded to the model dtype first, as transformers does
             residual.mul_(torch.tensor(self.spec.embed_scale, dtype=residual.dtype))
@@ -239,6 +240,8 @@ class LlamaForPagedLM(nn.Module):
         assert delta is not None  # a model has layers
         if sum_spans is not None and sums_out is not None:
             sums_out.append(self._span_sums(residual, delta, sum_spans))
+        if states_out is not None:  # MTP speculation reads them (engine_workers.model.models.mtp)
+            states_out.append((residual + delta).float())
         x = self.norm.add_forward(residual.index_select(0, logit_rows), delta.index_select(0, logit_rows))
         if hidden_out is not None:
             hidden_out.append(x.float())
@@ -247,6 +250,10 @@ class LlamaForPagedLM(nn.Module):
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input rows (an MTP module replaces it: models/mtp.py)."""
+        return self.embed_tokens(input_ids)
 
     def _span_sums(self, residual: torch.Tensor, delta: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         """Per span, the sum of its rows' final-norm states (float32). The norm runs on copies

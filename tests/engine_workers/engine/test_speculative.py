@@ -13,7 +13,7 @@ from engine_workers.engine.core import Engine
 from engine_workers.engine.ngram import NgramProposer
 from engine_workers.engine.scheduler import Scheduler, SchedulerConfig
 from engine_workers.engine.sequence import Sequence
-from engine_workers.engine.speculative import MAX_BACKOFF_STEPS, SpecBackoff, SpeculativeConfig
+from engine_workers.engine.speculative import MAX_BACKOFF_STEPS, SpecBackoff, SpeculativeConfig, batch_limit
 from engine_workers.model.execution.batch import Chunk, ModelInput
 from kv_store import KVCacheManager
 from lockgate.options import add_engine_args, engine_config_from_args
@@ -47,7 +47,7 @@ def test_config_follows_vllms_keys_and_defaults():
     ('{"num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size"),
     ('{"method": "eagle3", "num_speculative_tokens": 2}', "'eagle3' is not implemented"),
     ('{"method": "bogus", "num_speculative_tokens": 2}', "unknown method 'bogus'"),
-    ('{"model": "x", "num_speculative_tokens": 2}', "'model'"),
+    ('{"method": "ngram", "model": "x", "num_speculative_tokens": 2}', "takes no \"model\""),
     ('{"num_speculative_tokens": 2, "prompt_lookup_maxx": 3}', "unknown key 'prompt_lookup_maxx'"),
 ])
 def test_bad_config_is_an_error_naming_the_key(text, named):
@@ -104,6 +104,23 @@ def test_backoff_skips_more_steps_after_each_fully_rejected_draft():
     assert b.allows(21 + MAX_BACKOFF_STEPS) and not b.allows(20 + MAX_BACKOFF_STEPS)
     b.record(40, 2)
     assert b.allows(41)
+
+
+def test_draft_length_follows_acceptance_and_batch_size():
+    b = SpecBackoff()
+    assert b.limit(4) == 4
+    b.record(1, 0, 4)  # nothing accepted: the next draft (after the sit-out) probes with one token
+    assert b.limit(4) == 1
+    b.record(9, 1, 1)  # fully accepted: double
+    assert b.limit(4) == 2
+    b.record(10, 2, 2)
+    assert b.limit(4) == 4 and b.limit(3) == 3
+    b.record(11, 1, 4)  # one of four: two next
+    assert b.limit(4) == 2
+    b.record(12, 3, 4)
+    assert b.limit(4) == 4
+    assert [batch_limit(4, n, 8) for n in (1, 2, 3, 4, 6, 8)] == [4, 4, 3, 3, 2, 1]
+    assert batch_limit(1, 8, 8) == 1 and batch_limit(8, 1, 1) == 8
 
 
 # -- scheduler and KV ---------------------------------------------------------------------------
