@@ -230,7 +230,35 @@ class UsageRecord:
     lora: str | None = None  # revision 2: the LoRA adapter the request ran with (None: the base model)
 
 
-Message = InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch | UsageRecord
+@dataclass(frozen=True, slots=True)
+class KeyLoad:
+    """One API key's load at one edge, in an :class:`EdgeStatus`: ``key`` is a prefix of the key's
+    SHA-256 hex (never the key), ``demand`` the requests it attempted per second (admitted or
+    refused, decayed over seconds), ``streams`` its streams in flight, ``stream_demand`` those plus
+    its recent ``max_streams`` refusals (decayed)."""
+
+    key: str
+    demand: float = 0.0
+    streams: int = 0
+    stream_demand: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeStatus:
+    """An edge's heartbeat on ``<ns>.edges`` (``TopicLayout.edges_topic``): what every edge reads to
+    split each key's limits over the live edges (edge/admission/fleet.py, docs/protocol.md,
+    "Fleet-wide limits"). ``gone``: the edge is stopping, its share is free at once. ``keys``: the
+    keys with load at this edge; a key left out has none."""
+
+    edge_id: str
+    ts: float
+    seq: int = 0
+    gone: bool = False
+    keys: tuple[KeyLoad, ...] = ()
+
+
+Message = (InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch | UsageRecord
+           | EdgeStatus)
 
 _TYPE_NAMES: dict[type, str] = {
     InferenceRequest: "request",
@@ -241,6 +269,7 @@ _TYPE_NAMES: dict[type, str] = {
     WorkerStatus: "status",
     ReplyBatch: "replies",
     UsageRecord: "usage",
+    EdgeStatus: "edge",
 }
 _BY_NAME: dict[str, type] = {v: k for k, v in _TYPE_NAMES.items()}
 
