@@ -9,7 +9,7 @@ import pytest
 from bus import EdgeStatus, KeyLoad, decode, encode
 from edge.admission.fleet import FLOOR, FleetLimits, apportion, key_id, weights
 from edge.admission.ratelimit import RateLimiter
-from edge.config import KeyEntry, hash_key
+from edge.config import ConfigError, EdgeConfig, KeyEntry, hash_key
 
 STALE = 3.0
 ENTRY = KeyEntry(hash_key("k"), "acme", 1, requests_per_min=60, tokens_per_min=0, max_streams=4)
@@ -157,3 +157,11 @@ def test_bad_arguments_are_named() -> None:
         FleetLimits("", 1.0)
     with pytest.raises(ValueError, match="stale_s"):
         FleetLimits("a", 0)
+
+
+def test_the_config_checks_the_fleet_timings() -> None:
+    with pytest.raises(ConfigError, match="fleet_edge_stale_s at least twice"):
+        EdgeConfig(model="m", fleet_sync_interval_s=1.0, fleet_edge_stale_s=1.5)
+    with pytest.raises(ConfigError, match="fleet_sync_interval_s must be > 0"):
+        EdgeConfig(model="m", fleet_sync_interval_s=0)
+    assert EdgeConfig(model="m").fleet_limits  # on by default (dev mode has no limits to share)
