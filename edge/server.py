@@ -278,7 +278,10 @@ class Edge:
 
     def _index(self) -> bytes:
         if self._page is None or os.environ.get("LOCKGATE_DEV_STATIC"):
-            self._page = (STATIC_DIR / "index.html").read_bytes()
+            page = (STATIC_DIR / "index.html").read_bytes()
+            if self.config.dev_mode:  # no key is needed: the page connects by itself
+                page = page.replace(b'data-dev-mode="0"', b'data-dev-mode="1"', 1)
+            self._page = page
         return self._page
 
     async def _handle(self, ws: ServerConnection) -> None:
