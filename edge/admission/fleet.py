@@ -121,7 +121,7 @@ class FleetLimits:
         self._echo_at: float | None = None  # when we last read our own heartbeat back
         self._seq = 0
         self._version = 0  # bumped whenever a split may change; keys the cache below
-        self._cache: dict[str, tuple[int, Share]] = {}
+        self._cache: dict[tuple[str, int], tuple[int, Share]] = {}
         self.truncated = False  # a heartbeat had to leave keys out (more than MAX_KEYS_PER_STATUS)
 
     # --- observations -------------------------------------------------------------------------
@@ -194,13 +194,14 @@ class FleetLimits:
     def share(self, entry: KeyEntry) -> Share:
         """This edge's part of ``entry``'s limits under the current view."""
         kid = key_id(entry.key_hash)
-        hit = self._cache.get(kid)
-        if hit is not None and hit[0] == self._version and (hit[1].streams is None) == (entry.max_streams == 0):
+        ck = (kid, entry.max_streams)
+        hit = self._cache.get(ck)
+        if hit is not None and hit[0] == self._version:
             return hit[1]
         share = self._compute(kid, entry.max_streams)
         if len(self._cache) > 4 * MAX_KEYS_PER_STATUS:
             self._cache.clear()
-        self._cache[kid] = (self._version, share)
+        self._cache[ck] = (self._version, share)
         return share
 
     def _compute(self, kid: str, max_streams: int) -> Share:
