@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -21,6 +25,7 @@ from edge.config import EdgeConfig, KeyEntry, hash_key
 from edge.server import Edge
 from tests.edge.conftest import MODEL, recv, send, wait_for
 from tests.engine_workers.worker.test_worker_kafka import kafka_url, new_layout
+from tests.waiting import wait_until_sync
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
 
@@ -161,3 +166,57 @@ async def test_limits_fail_closed_while_the_bus_is_away_and_recover(private_kafk
         async with client(a) as wa:
             f = await attempt(wa, "after", 2)
             assert f["type"] == "accepted", f
+
+
+VICTIM = """
+import asyncio, sys
+from bus import TopicLayout, connect
+from edge.config import EdgeConfig, KeyEntry
+from edge.server import Edge
+
+async def main() -> None:
+    ns, bootstrap, path, key_hash = sys.argv[1:5]
+    entry = KeyEntry(key_hash, "acme", 1, requests_per_min=60, tokens_per_min=0, max_streams=0)
+    cfg = EdgeConfig(model="tiny", model_path=path, port=0, layout=TopicLayout(namespace=ns, partitions=2),
+                     keys={key_hash: entry}, edge_id="victim", fleet_sync_interval_s=0.2, fleet_edge_stale_s=2.0)
+    async with connect(f"kafka://{bootstrap}") as bus, Edge(cfg, bus):
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_edge_keeps_its_share_until_stale_then_frees_it(kafka_bootstrap: str, encoder, tiny_path) -> None:
+    """kill -9 an edge (no `gone` heartbeat): the survivor keeps counting it (its clients' streams
+    may still be winding down) until `fleet_edge_stale_s` of its own heartbeats have come back,
+    then takes the whole key."""
+    entry = KeyEntry(hash_key(KEY), "acme", 1, requests_per_min=60, tokens_per_min=0, max_streams=0)
+    layout = new_layout(2)
+    async with connect(kafka_url(kafka_bootstrap)) as bus:
+        await bus.ensure_topics(layout.model_specs(MODEL) + [layout.edges_spec()])
+        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        proc = subprocess.Popen([sys.executable, "-c", VICTIM, layout.namespace, kafka_bootstrap, tiny_path,
+                                 entry.key_hash], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+            assert line.strip() == "ready", line
+            cfg = EdgeConfig(model=MODEL, port=0, layout=layout, ping_interval_s=None, edge_id="survivor",
+                             keys={entry.key_hash: entry}, fleet_sync_interval_s=0.2, fleet_edge_stale_s=2.0)
+            async with Edge(cfg, bus, encoder) as a:
+                fleet = a.limiter.fleet
+                assert fleet is not None
+                await wait_for(lambda: fleet.live_edges() == 2, timeout=15)
+                assert fleet.share(entry).rate == pytest.approx(0.5)
+                proc.send_signal(signal.SIGKILL)
+                assert fleet.live_edges() == 2  # silence alone frees nothing at once
+                await asyncio.to_thread(proc.wait, 30)
+                await wait_for(lambda: fleet.live_edges() == 1, timeout=15)
+                assert fleet.share(entry).rate == 1.0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                wait_until_sync(lambda: proc.poll() is not None, timeout=30)
+            if proc.stdout is not None:
+                proc.stdout.close()
