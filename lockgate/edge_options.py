@@ -25,9 +25,9 @@ def add_edge_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fleet-sync-interval", type=float, default=env_default("fleet-sync-interval", 0.5),
                    help="seconds between an edge's fleet-limit heartbeats (env LOCKGATE_FLEET_SYNC_INTERVAL)")
     p.add_argument("--fleet-edge-stale", type=float, default=env_default("fleet-edge-stale", 3.0),
-                   help="seconds (of the bus's clock) after which a silent edge's share is freed, and after which an "
-                        "edge that cannot read its own heartbeat back refuses keys with limits (503) "
-                        "(env LOCKGATE_FLEET_EDGE_STALE)")
+                   help="seconds (of the bus's clock) after which a silent edge's share is freed; an edge that cannot "
+                        "read its own heartbeat back for half as long refuses keys with limits (503); at least 4 x "
+                        "--fleet-sync-interval (env LOCKGATE_FLEET_EDGE_STALE)")
 
 
 class EdgeLimits(TypedDict):

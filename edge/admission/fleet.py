@@ -3,30 +3,35 @@ every edge publishes on ``<ns>.edges`` (docs/protocol.md, "Fleet-wide limits"). 
 synchronous: callers pass ``now`` (monotonic seconds); the async shell is
 :mod:`edge.admission.fleetsync`.
 
-Every edge publishes, each sync interval, an :class:`~bus.EdgeStatus` naming the keys with load on
-it: attempted requests per second (``demand``, admitted or refused), streams in flight, and
-``stream_demand`` (streams plus recent ``max_streams`` refusals). From the last heartbeat of every
-live edge, its own included, an edge computes each key's split:
+Every edge publishes, each sync interval, an :class:`~bus.EdgeStatus`: the edges it counts
+(``members``) and, per key with load here or at another edge, the attempted requests per second
+(``demand``, admitted or refused), the streams in flight, ``stream_demand`` (streams plus recent
+``max_streams`` refusals) and its ``claim`` on the key's ``max_streams``. The heartbeat topic has one
+partition: every edge reads the same heartbeats in the same order, and an edge that reads its own
+heartbeat back (its *echo*) has read every earlier one.
 
-* **rate** (``requests_per_min``, ``tokens_per_min``): edge ``i`` gets the fraction
-  ``FLOOR / n + (1 - FLOOR) * demand_i / sum(demand)`` (``1 / n`` while no edge has demand); its
-  token buckets hold that fraction of the key's bucket and refill at that fraction of its rate.
-  ``FLOOR`` keeps a little of every key on every edge, so an idle edge admits a first request,
-  whose attempt then counts as demand at the next heartbeat.
-* **concurrency** (``max_streams``): the key's ``max_streams`` apportioned over the edges by the
-  same formula on ``stream_demand`` (largest remainders, ties by edge id), capped by what the
-  other edges hold: ``min(alloc_i, max_streams - sum(streams_j, j != i))``, because a stream
-  admitted before a rebalance cannot be taken back.
+* **Rate** (``requests_per_min``, ``tokens_per_min``): edge ``i`` of ``n`` gets the fraction
+  ``FLOOR / n + (1 - FLOOR) * demand_i / sum(demand)`` (``1 / n`` while no edge has demand), from
+  the others' last published demand and its own live one; its token buckets hold that fraction of
+  the key's bucket (ratelimit.py: a smaller fraction cuts the bucket at once, a larger one only
+  refills faster, so the fractions summing past 1 while the edges' views differ adds little).
+* **Concurrency** (``max_streams``, strict): an edge holds a *claim* per key, and may hold at most
+  ``min(its own claim, max_streams - the others' claims)`` streams. A key nobody lists is claimed
+  by every edge at its even share of ``max_streams`` among the ``members`` of its heartbeat (so a
+  first request is admitted at once); a listed key's claim is ``max(streams held, target)``, the
+  target apportioning ``max_streams`` by ``stream_demand`` (the rate formula, largest remainders).
+  Safety: an edge uses a raised claim only once its heartbeat announcing it came back, and a
+  lowered one at once (its own bound is the least claim among its heartbeats not yet read back
+  and the one last read back); the edge whose last echo is latest has read every other edge's
+  claim that bounds that edge's use, so the streams of all edges never sum past ``max_streams``.
+  A newcomer counts the others' claims as *their* heartbeats state them (their ``members`` without
+  it: their larger even shares), so it gets room only once they have counted it.
 
-Invariants: every edge computes every split from the same published values (an edge uses its own
-*published* load, not its live counters), so the fractions sum to 1 and the stream allocations to
-``max_streams`` whenever the edges have read the same heartbeats; they differ only by what one
-heartbeat interval changed (the tolerance, docs). Liveness is judged on the bus's clock: the heartbeat
-topic has one partition, so reading our own heartbeat back means every earlier one has been read. A
-peer is dead when ``stale_s`` of our own heartbeats have come back since its last one (or it said
-``gone``); when our heartbeats do not come back (the bus slow or away) no peer expires, so no share
-ever grows from silence, and after ``stale_s`` without one this edge's own view is *stale*: it admits
-no request of a limited key (fail closed) until its heartbeats come back.
+Liveness is judged on the bus's clock: a peer is dead when ``stale_s`` of our own heartbeats have come
+back since its last one (or it said ``gone``). When our heartbeats do not come back (the bus slow or
+away) no peer expires, so nothing grows from silence, and after ``stale_s / 2`` without one this
+edge's view is *stale*: it admits no request of a limited key (fail closed) until they come back —
+half the time after which the others free its claims, to leave room for clock skew and delay.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 from bus import EdgeStatus, KeyLoad
 from edge.config import KeyEntry
@@ -41,8 +47,9 @@ from edge.config import KeyEntry
 FLOOR = 0.1  # the part of a key's limit spread evenly over the live edges (the rest follows demand)
 DEMAND_TAU_S = 5.0  # time constant of the decayed demand counters
 KEY_HEX = 16  # the key-hash prefix a heartbeat names (64 bits: collisions are negligible)
-MAX_KEYS_PER_STATUS = 4096  # the most loaded keys one heartbeat lists (~100 bytes each)
+MAX_KEYS_PER_STATUS = 4096  # the most keys one heartbeat lists (~120 bytes each)
 MIN_DEMAND = 1e-3  # a key whose demand decayed below this and that holds no stream is left out
+MAX_UNECHOED = 64  # heartbeats sent but not read back kept for the own bound; more: the view is stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +95,23 @@ class _Demand:
 class _Edge:
     """The last heartbeat heard from one edge (ours: the last one we published)."""
 
-    __slots__ = ("loads", "heard_at")
+    __slots__ = ("loads", "members", "heard_at")
 
-    def __init__(self, loads: dict[str, KeyLoad], heard_at: float) -> None:
+    def __init__(self, loads: dict[str, KeyLoad], members: tuple[str, ...], heard_at: float) -> None:
         self.loads = loads
+        self.members = members
         self.heard_at = heard_at
+
+
+class _Sent:
+    """One of our heartbeats, for the own bound: its ``seq``, members and explicit claims."""
+
+    __slots__ = ("seq", "members", "claims")
+
+    def __init__(self, seq: int, members: tuple[str, ...], claims: dict[str, int]) -> None:
+        self.seq = seq
+        self.members = members
+        self.claims = claims
 
 
 def key_id(key_hash: str) -> str:
@@ -107,21 +126,25 @@ def limited(entry: KeyEntry) -> bool:
 
 class FleetLimits:
     """One edge's view of the fleet and its shares. ``instance`` must be unique per process (an
-    edge id may be shared by ``--reuse-port`` processes). Not thread-safe; one event loop owns it."""
+    edge id may be shared by ``--reuse-port`` processes); ``keys``: the key file's entries, which
+    give the ``max_streams`` of a key another edge lists. Not thread-safe; one event loop owns it."""
 
-    def __init__(self, instance: str, stale_s: float) -> None:
+    def __init__(self, instance: str, stale_s: float, keys: Mapping[str, KeyEntry] | None = None) -> None:
         if not instance:
             raise ValueError("instance must be a non-empty id")
         if not stale_s > 0:
             raise ValueError(f"stale_s must be > 0, got {stale_s}")
         self.instance = instance
         self.stale_s = stale_s
+        self._max_streams = {key_id(h): e.max_streams for h, e in (keys or {}).items() if e.max_streams}
         self._demand: dict[str, _Demand] = {}
         self._edges: dict[str, _Edge] = {}  # live edges by instance id, ours included once published
         self._echo_at: float | None = None  # when we last read our own heartbeat back
+        self._sent: list[_Sent] = []  # the last heartbeat read back (first), then those not yet
+        self._echoed = False
         self._seq = 0
         self._version = 0  # bumped whenever a split may change; keys the cache below
-        self._cache: dict[tuple[str, int], tuple[int, Share]] = {}
+        self._cache: dict[tuple[str, int], tuple[int, int]] = {}  # (key, max_streams) -> (version, streams)
         self.truncated = False  # a heartbeat had to leave keys out (more than MAX_KEYS_PER_STATUS)
 
     # --- observations -------------------------------------------------------------------------
@@ -136,85 +159,160 @@ class FleetLimits:
 
     def observe(self, st: EdgeStatus, now: float) -> None:
         """A heartbeat read from the bus, ours included, in the topic's order."""
+        self._version += 1
         if st.edge_id == self.instance:
             self._echo_at = now
+            i = next((i for i, s in enumerate(self._sent) if s.seq == st.seq), None)
+            if i is not None:  # older ones no longer bound us: everyone reading this read those
+                del self._sent[:i]
+                self._echoed = True
             self._expire(now)
             return
         if st.gone:
-            if self._edges.pop(st.edge_id, None) is not None:
-                self._version += 1
+            self._edges.pop(st.edge_id, None)
             return
-        self._edges[st.edge_id] = _Edge({k.key: k for k in st.keys}, now)
-        self._version += 1
+        self._edges[st.edge_id] = _Edge({k.key: k for k in st.keys}, st.members, now)
 
     def _expire(self, now: float) -> None:
         dead = [e for e, v in self._edges.items() if e != self.instance and now - v.heard_at > self.stale_s]
         for e in dead:
             del self._edges[e]
-        if dead:
-            self._version += 1
 
     # --- publishing ---------------------------------------------------------------------------
+    def members(self) -> tuple[str, ...]:
+        return tuple(sorted(set(self._edges) | {self.instance}))
+
     def status(self, streams: Mapping[str, int], now: float, ts: float) -> EdgeStatus:
         """The heartbeat to publish now; ``streams``: streams in flight per key hash. From here on
         this edge's splits use exactly these values, as the other edges will."""
-        loads: list[KeyLoad] = []
+        held = {key_id(h): n for h, n in streams.items()}
+        loads: dict[str, KeyLoad] = {}
         for h in set(self._demand) | set(streams):
             d = self._demand.get(h)
             demand = d.attempts.rate(now) if d is not None else 0.0
             refusals = d.stream_refusals.rate(now) * DEMAND_TAU_S if d is not None else 0.0
-            held = streams.get(h, 0)
-            if demand < MIN_DEMAND and held == 0:
+            n = streams.get(h, 0)
+            if demand < MIN_DEMAND and n == 0:
                 self._demand.pop(h, None)  # idle: forgotten (memory stays bounded by the active keys)
                 continue
-            loads.append(KeyLoad(key_id(h), round(demand, 4), held, round(held + refusals, 4)))
+            loads[key_id(h)] = KeyLoad(key_id(h), round(demand, 4), n, round(n + refusals, 4))
+        # a key another edge lists is listed here too, so this edge's claim on it is explicit
+        for e, v in self._edges.items():
+            if e != self.instance:
+                for kid in v.loads:
+                    if kid not in loads and kid in self._max_streams:
+                        loads[kid] = KeyLoad(kid)
         self.truncated = len(loads) > MAX_KEYS_PER_STATUS
-        if self.truncated:
-            loads.sort(key=lambda k: (k.stream_demand, k.demand), reverse=True)
-            del loads[MAX_KEYS_PER_STATUS:]
+        keep = sorted(loads.values(), key=lambda k: (k.streams, k.stream_demand, k.demand), reverse=True)
+        keep = keep[:MAX_KEYS_PER_STATUS]
+        # Before its first echo an edge has not read the others' heartbeats: it names no members,
+        # which claims nothing of the keys it does not list (it admits nothing yet either), instead
+        # of a lone edge's whole key, which would stop the others until its next heartbeat.
+        members = self.members() if self._echo_at is not None else ()
+        # claims: from the loads just computed, this edge's as the others will read them
+        self._edges[self.instance] = _Edge({k.key: k for k in keep}, members, now)
+        out = []
+        for k in keep:
+            m = self._max_streams.get(k.key, 0)
+            claim = max(held.get(k.key, 0), self._target(k.key, m)) if m else 0
+            out.append(KeyLoad(k.key, k.demand, k.streams, k.stream_demand, claim))
+        loads_out = {k.key: k for k in out}
+        self._edges[self.instance] = _Edge(loads_out, members, now)
         self._seq += 1
-        self._edges[self.instance] = _Edge({k.key: k for k in loads}, now)
+        self._sent.append(_Sent(self._seq, members, {k.key: k.claim for k in out}))
         self._version += 1
-        return EdgeStatus(self.instance, ts, self._seq, False, tuple(sorted(loads, key=lambda k: k.key)))
+        return EdgeStatus(self.instance, ts, self._seq, False, tuple(sorted(out, key=lambda k: k.key)), members)
 
     def leaving(self, ts: float) -> EdgeStatus:
         """The last heartbeat of a stopping edge: the others drop it at once."""
         self._seq += 1
-        return EdgeStatus(self.instance, ts, self._seq, True)
+        return EdgeStatus(self.instance, ts, self._seq, True, (), ())
 
     # --- decisions ----------------------------------------------------------------------------
     def fresh(self, now: float) -> bool:
-        """Our own heartbeat came back within ``stale_s``: the view is current enough to admit on."""
-        return self._echo_at is not None and now - self._echo_at <= self.stale_s
+        """Our own heartbeat came back within ``stale_s / 2`` (and not too many are outstanding):
+        the view is current enough to admit on."""
+        return (self._echo_at is not None and now - self._echo_at <= self.stale_s / 2
+                and len(self._sent) <= MAX_UNECHOED)
+
+    def ready(self) -> bool:
+        """A heartbeat naming the members came back: this edge's even shares are usable (its first
+        heartbeat, sent before it had read the others', reserves nothing)."""
+        return self._echoed and bool(self._sent[0].members)
+
+    def counted(self) -> bool:
+        """Every other live edge's last heartbeat counts this one: it has room beside them."""
+        return all(self.instance in v.members for e, v in self._edges.items() if e != self.instance)
 
     def live_edges(self) -> int:
         """Edges in the view, this one included (1 before anything was heard)."""
         return len(self._edges) + (self.instance not in self._edges)
 
-    def share(self, entry: KeyEntry) -> Share:
+    def share(self, entry: KeyEntry, now: float) -> Share:
         """This edge's part of ``entry``'s limits under the current view."""
         kid = key_id(entry.key_hash)
-        ck = (kid, entry.max_streams)
-        hit = self._cache.get(ck)
-        if hit is not None and hit[0] == self._version:
-            return hit[1]
-        share = self._compute(kid, entry.max_streams)
-        if len(self._cache) > 4 * MAX_KEYS_PER_STATUS:
-            self._cache.clear()
-        self._cache[ck] = (self._version, share)
-        return share
+        streams: int | None = None
+        if entry.max_streams:
+            ck = (kid, entry.max_streams)
+            hit = self._cache.get(ck)
+            if hit is not None and hit[0] == self._version:
+                streams = hit[1]
+            else:
+                streams = self._streams(kid, entry.max_streams)
+                if len(self._cache) > 4 * MAX_KEYS_PER_STATUS:
+                    self._cache.clear()
+                self._cache[ck] = (self._version, streams)
+        return Share(self._rate(entry.key_hash, now), streams)
 
-    def _compute(self, kid: str, max_streams: int) -> Share:
-        ids = sorted(set(self._edges) | {self.instance})
+    def _rate(self, key_hash: str, now: float) -> float:
+        """The others' published demand, this edge's live one: when a key's traffic starts on two
+        edges at once, the one that publishes first must not cut the other's bucket to its floor
+        (a cut loses tokens). The fractions may then sum past 1 for an interval; buckets never
+        jump up, so that only adds the excess x the refill rate x the interval (docs)."""
+        kid = key_id(key_hash)
+        ids = self.members()
+        none = KeyLoad(kid)
+        d = self._demand.get(key_hash)
+        demands = [self._edges[e].loads.get(kid, none).demand if e in self._edges else 0.0 for e in ids]
+        me = ids.index(self.instance)
+        demands[me] = d.attempts.rate(now) if d is not None else 0.0
+        return weights(demands)[me]
+
+    def _target(self, kid: str, max_streams: int) -> int:
+        """This edge's part of ``max_streams`` by stream demand, from the published loads."""
+        ids = self.members()
         none = KeyLoad(kid)
         loads = [self._edges[e].loads.get(kid, none) if e in self._edges else none for e in ids]
-        me = ids.index(self.instance)
-        rate = weights([k.demand for k in loads])[me]
-        if max_streams == 0:
-            return Share(rate, None)
-        alloc = apportion(max_streams, weights([k.stream_demand for k in loads]))[me]
-        others = sum(k.streams for i, k in enumerate(loads) if i != me)
-        return Share(rate, max(0, min(alloc, max_streams - others)))
+        return apportion(max_streams, weights([k.stream_demand for k in loads]))[ids.index(self.instance)]
+
+    def _streams(self, kid: str, max_streams: int) -> int:
+        if not self._echoed:
+            return 0
+        own = min(s.claims[kid] if kid in s.claims else even_share(max_streams, s.members, self.instance)
+                  for s in self._sent)
+        if kid not in self._sent[-1].claims:  # a newcomer seen since: the even share shrinks at once
+            own = min(own, even_share(max_streams, self.members(), self.instance))
+        others = 0
+        for e, v in self._edges.items():
+            if e != self.instance:
+                k = v.loads.get(kid)
+                if k is not None:
+                    others += k.claim
+                else:  # its even share among the edges it counted (none before its first echo)
+                    others += even_share(max_streams, v.members, e)
+        return max(0, min(own, max_streams - others))
+
+
+def even_share(total: int, members: tuple[str, ...], who: str) -> int:
+    """``who``'s even share of ``total`` among ``members`` (sorted ids), 0 if not a member."""
+    if who not in members:
+        return 0
+    return _even(total, len(members))[members.index(who)]
+
+
+@lru_cache(maxsize=1024)
+def _even(total: int, n: int) -> tuple[int, ...]:
+    return tuple(apportion(total, [1.0 / n] * n))
 
 
 def weights(demands: list[float]) -> list[float]:

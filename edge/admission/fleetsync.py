@@ -4,7 +4,8 @@
 ``stop()`` publishes a ``gone`` heartbeat (bounded) and cancels and awaits them.
 
 The reader starts ``stale_s`` back in time, so the heartbeats of every live edge are read before
-this edge's first one comes back; :meth:`wait_fresh` waits for that (the edge's start does, bounded).
+this edge's first one comes back; then it publishes again at once, and :meth:`wait_fresh` waits for
+that second one to come back (the edge's start does, bounded).
 A publish that the bus does not take within the interval is dropped, not queued: the next heartbeat
 carries newer values, and missing echoes are exactly what turns the view stale (fail closed).
 """
@@ -35,7 +36,8 @@ class FleetSync:
         self.interval_s = interval_s
         self.publish_timeout_s = publish_timeout_s
         self._tasks: list[asyncio.Task] = []
-        self._echo = asyncio.Event()
+        self._ready = asyncio.Event()  # set once fleet.ready(): the start waits for it
+        self._kick = asyncio.Event()  # publish now, not after the interval (the first echo came back)
         self._warned_truncated = False
 
     async def start(self) -> None:
@@ -49,12 +51,14 @@ class FleetSync:
                        loop.create_task(self._publish(), name="edge-fleet-publish")]
 
     async def wait_fresh(self, timeout: float) -> bool:
-        """Wait until this edge has read its own heartbeat back (its view of the fleet is current);
-        False after ``timeout`` s (the edge then refuses limited keys until it is)."""
+        """Wait until this edge's view of the fleet is current and its shares usable: a heartbeat
+        it sent after reading the others' came back (two round trips), and every other live edge
+        counts it (their next heartbeat). False after ``timeout`` s (it then refuses keys with
+        limits until its view is current, and has room for streams once the others count it)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                await self._echo.wait()
-        return self.fleet.fresh(time.monotonic())
+                await self._ready.wait()
+        return self.fleet.fresh(time.monotonic()) and self.fleet.ready() and self.fleet.counted()
 
     async def stop(self) -> None:
         if not self._tasks:
@@ -84,7 +88,10 @@ class FleetSync:
                 raise
             except Exception as exc:  # no echo then: the view turns stale by itself
                 log.warning("fleet limits: heartbeat not published: %s", exc)
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await self._kick.wait()
+            self._kick.clear()
 
     async def _read(self, consumer: Consumer) -> None:
         try:
@@ -100,7 +107,9 @@ class FleetSync:
                         continue
                     if isinstance(msg, EdgeStatus):
                         self.fleet.observe(msg, now)
-                        if msg.edge_id == self.fleet.instance:
-                            self._echo.set()
+                        if msg.edge_id == self.fleet.instance and not self.fleet.ready():
+                            self._kick.set()  # the first echo: the view is complete, say so at once
+                if not self._ready.is_set() and self.fleet.ready() and self.fleet.counted():
+                    self._ready.set()
         finally:
             await consumer.stop()

@@ -69,7 +69,7 @@ class Admission:
         # sharing one: a repeated id would be aborted by a worker's cancelled-set or routed to
         # another client's stream. The same pair names this process in the fleet's heartbeats.
         self._nonce = secrets.token_hex(4)
-        self.fleet = FleetLimits(f"{config.edge_id}-{self._nonce}", config.fleet_edge_stale_s) \
+        self.fleet = FleetLimits(f"{config.edge_id}-{self._nonce}", config.fleet_edge_stale_s, config.keys) \
             if config.fleet_limits and not config.dev_mode else None
         self.limiter = RateLimiter(self.fleet)
         self.shedder = LoadShedder(config.model, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)

@@ -167,7 +167,7 @@ class RateLimiter:
             # fail closed: without a current view another edge may be using this key's whole limit
             return Limited("fleet_limits", "this edge cannot see the other edges' use of the key's limits "
                            "(the bus is slow or unreachable); try again shortly", fleet.stale_s, overloaded=True)
-        share = fleet.share(entry)
+        share = fleet.share(entry, now)
         lim = self._keys.get(entry.key_hash)
         if lim is None or lim.entry != entry:
             lim = self._keys[entry.key_hash] = KeyLimiter(entry, now, share.rate)

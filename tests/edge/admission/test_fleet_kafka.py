@@ -95,6 +95,10 @@ async def test_max_streams_holds_across_two_edges_and_follows_demand(kafka_boots
     limit = 4
     entry = KeyEntry(hash_key(KEY), "acme", 1, requests_per_min=0, tokens_per_min=0, max_streams=limit)
     async with two_edges(kafka_bootstrap, encoder, entry, 0.05) as (a, b):
+        fa, fb = a.limiter.fleet, b.limiter.fleet
+        assert fa is not None and fb is not None
+        # both have published a heartbeat counting the other: each reserves its even share, 2 of 4
+        await wait_for(lambda: fa.share(entry, time.monotonic()).streams == 2 and fb.share(entry, time.monotonic()).streams == 2, timeout=15)
         async with client(a) as wa, client(b) as wb:
             # long streams (1000 tokens at 20/s), sent to both edges in turn: at most `limit` run at once
             accepted: list[tuple[ClientConnection, str]] = []
@@ -136,10 +140,10 @@ async def test_a_stopping_edge_frees_its_share_at_once(kafka_bootstrap: str, enc
     entry = KeyEntry(hash_key(KEY), "acme", 1, requests_per_min=60, tokens_per_min=0, max_streams=0)
     async with two_edges(kafka_bootstrap, encoder, entry, 0.0) as (a, b):
         fleet = a.limiter.fleet
-        assert fleet is not None and fleet.share(entry).rate == pytest.approx(0.5)
+        assert fleet is not None and fleet.share(entry, time.monotonic()).rate == pytest.approx(0.5)
         await b.stop()  # its last heartbeat says `gone`
         await wait_for(lambda: fleet.live_edges() == 1, timeout=5)
-        assert fleet.share(entry).rate == 1.0
+        assert fleet.share(entry, time.monotonic()).rate == 1.0
 
 
 async def test_limits_fail_closed_while_the_bus_is_away_and_recover(private_kafka, encoder) -> None:
@@ -161,7 +165,7 @@ async def test_limits_fail_closed_while_the_bus_is_away_and_recover(private_kafk
         assert fa.live_edges() == 2 and fb.live_edges() == 2  # silence expires no peer
         await private_kafka.start()
         await wait_for(lambda: fa.fresh(time.monotonic()) and fb.fresh(time.monotonic()), timeout=60)
-        assert fa.live_edges() == 2 and fa.share(entry).rate == pytest.approx(0.5)
+        assert fa.live_edges() == 2 and fa.share(entry, time.monotonic()).rate == pytest.approx(0.5)
         await wait_for(lambda: a.readiness()[0], timeout=30)  # the fake worker's heartbeats are back too
         async with client(a) as wa:
             f = await attempt(wa, "after", 2)
@@ -208,12 +212,12 @@ async def test_a_killed_edge_keeps_its_share_until_stale_then_frees_it(kafka_boo
                 fleet = a.limiter.fleet
                 assert fleet is not None
                 await wait_for(lambda: fleet.live_edges() == 2, timeout=15)
-                assert fleet.share(entry).rate == pytest.approx(0.5)
+                assert fleet.share(entry, time.monotonic()).rate == pytest.approx(0.5)
                 proc.send_signal(signal.SIGKILL)
                 assert fleet.live_edges() == 2  # silence alone frees nothing at once
                 await asyncio.to_thread(proc.wait, 30)
                 await wait_for(lambda: fleet.live_edges() == 1, timeout=15)
-                assert fleet.share(entry).rate == 1.0
+                assert fleet.share(entry, time.monotonic()).rate == 1.0
         finally:
             if proc.poll() is None:
                 proc.kill()
