@@ -49,7 +49,7 @@ DEMAND_TAU_S = 5.0  # time constant of the decayed demand counters
 KEY_HEX = 16  # the key-hash prefix a heartbeat names (64 bits: collisions are negligible)
 MAX_KEYS_PER_STATUS = 4096  # the most keys one heartbeat lists (~120 bytes each)
 MIN_DEMAND = 1e-3  # a key whose demand decayed below this and that holds no stream is left out
-MAX_UNECHOED = 64  # heartbeats sent but not read back kept for the own bound; more: the view is stale
+MAX_UNECHOED = 64  # heartbeats sent but not read back kept for the own bound; then they are dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +219,11 @@ class FleetLimits:
         loads_out = {k.key: k for k in out}
         self._edges[self.instance] = _Edge(loads_out, members, now)
         self._seq += 1
+        if len(self._sent) >= MAX_UNECHOED:
+            # none came back for a long while (the bus away): forget them rather than grow, and
+            # hold no stream until a new one comes back (an edge without an echo claims nothing)
+            self._sent.clear()
+            self._echoed = False
         self._sent.append(_Sent(self._seq, members, {k.key: k.claim for k in out}))
         self._version += 1
         return EdgeStatus(self.instance, ts, self._seq, False, tuple(sorted(out, key=lambda k: k.key)), members)
@@ -230,10 +235,8 @@ class FleetLimits:
 
     # --- decisions ----------------------------------------------------------------------------
     def fresh(self, now: float) -> bool:
-        """Our own heartbeat came back within ``stale_s / 2`` (and not too many are outstanding):
-        the view is current enough to admit on."""
-        return (self._echo_at is not None and now - self._echo_at <= self.stale_s / 2
-                and len(self._sent) <= MAX_UNECHOED)
+        """Our own heartbeat came back within ``stale_s / 2``: the view is current enough to admit on."""
+        return self._echo_at is not None and now - self._echo_at <= self.stale_s / 2
 
     def ready(self) -> bool:
         """A heartbeat naming the members came back: this edge's even shares are usable (its first

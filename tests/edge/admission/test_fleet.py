@@ -264,3 +264,15 @@ def test_the_config_checks_the_fleet_timings() -> None:
     with pytest.raises(ConfigError, match="fleet_sync_interval_s must be > 0"):
         EdgeConfig(model="m", fleet_sync_interval_s=0)
     assert EdgeConfig(model="m").fleet_limits  # on by default (dev mode has no limits to share)
+
+
+def test_heartbeats_that_never_come_back_are_dropped_and_then_nothing_is_held() -> None:
+    from edge.admission.fleet import MAX_UNECHOED
+
+    a = fleet_of("a")
+    assert a.share(ENTRY, 1.0).streams == 4
+    for t in range(MAX_UNECHOED + 1):  # the bus away: none comes back
+        a.status({}, 1.0 + t, 1.0 + t)
+    assert a.share(ENTRY, 100.0).streams == 0  # memory stays bounded, and the edge claims nothing
+    sync(a, 101.0)
+    assert a.share(ENTRY, 101.0).streams == 4  # one came back: its claim is usable again
