@@ -75,19 +75,27 @@ class FleetSync:
             log.info("fleet limits: could not publish the leaving heartbeat: %s", exc)
 
     async def _publish(self) -> None:
+        failing = False
         while True:
             st = self.fleet.status(self.limiter.in_flight(), time.monotonic(), time.time())
             if self.fleet.truncated and not self._warned_truncated:
                 self._warned_truncated = True
                 log.warning("fleet limits: more than %d keys have load at this edge; the heartbeat lists the "
-                            "most loaded ones, the others are not shared fleet-wide", MAX_KEYS_PER_STATUS)
+                            "most loaded ones, the others get only their even share of max_streams here",
+                            MAX_KEYS_PER_STATUS)
             try:
                 async with asyncio.timeout(max(self.interval_s, min(self.publish_timeout_s, 2 * self.interval_s))):
                     await self.bus.send(self.topic, encode(st), key=self.fleet.instance.encode())
+                if failing:
+                    failing = False
+                    log.info("fleet limits: heartbeats published again")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # no echo then: the view turns stale by itself
-                log.warning("fleet limits: heartbeat not published: %s", exc)
+                if not failing:  # once per outage, not twice a second
+                    failing = True
+                    log.warning("fleet limits: heartbeat not published (keys with limits are refused until "
+                                "heartbeats come back): %s", exc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):
                     await self._kick.wait()
