@@ -35,6 +35,7 @@ from bus.base import (
     UnknownTopicError,
     checked_topic_names,
 )
+from bus.blobs import BlobRef, BlobStore
 from bus.deadletter import DeadLetter, DeadLetterer, decode_or_deadletter, parse_dead_letter, read_dead_letters, send_dead_letter
 from bus.logcontext import REQUEST_ID, TRACE_ID, bound
 from bus.memory import MemoryBroker, MemoryBus, forget_named, named_broker
@@ -52,6 +53,8 @@ from bus.messages import (
     FinishReason,
     InferenceRequest,
     KeyLoad,
+    LoraAck,
+    LoraControl,
     Message,
     ReplyBatch,
     SamplingParams,
@@ -66,6 +69,7 @@ from bus.messages import (
     replies_of,
 )
 from bus.partitioner import murmur2, partition_for_key
+from bus.table import Table
 from bus.topics import TopicLayout, safe_name
 from bus.window import parse_time_ms, read_time_window
 
@@ -77,6 +81,8 @@ __all__ = [
     "REQUEST_ID",
     "SCHEMA_VERSION",
     "TRACE_ID",
+    "BlobRef",
+    "BlobStore",
     "Bus",
     "BusError",
     "Cancel",
@@ -92,6 +98,8 @@ __all__ = [
     "Finished",
     "InferenceRequest",
     "KeyLoad",
+    "LoraAck",
+    "LoraControl",
     "MemoryBroker",
     "MemoryBus",
     "Message",
@@ -101,6 +109,7 @@ __all__ = [
     "ReplyBatch",
     "SamplingParams",
     "StartFrom",
+    "Table",
     "Tier",
     "Timings",
     "TokenChunk",

@@ -60,6 +60,10 @@ class TopicSpec:
     partitions: int = 1
     replication: int = 1
     retention_ms: int | None = None  # None = the broker default; -1 = forever
+    # Kafka's cleanup.policy=compact: the broker keeps at least the last record of every key (a
+    # table on the bus, bus.table). The memory bus keeps every record, which readers of a table
+    # cannot tell apart (they keep the last value per key).
+    compact: bool = False
 
 
 StartFrom = Literal["earliest", "latest"] | int  # int = a timestamp in ms

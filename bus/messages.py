@@ -82,12 +82,20 @@ class InferenceRequest:
     # the base model. Must-understand: a worker without adapters refuses it rather than silently
     # serving the base model (docs/bus.md, "Record evolution"; docs/lora.md).
     lora: str | None = field(default=None, metadata=must_understand())
+    # Revision 2: where the adapter ``lora`` was loaded from at run time (POST /v1/load_lora_adapter,
+    # docs/lora.md): a worker that lacks it loads it from there before running the request (a worker
+    # started after the load, or one re-running the request after a crash). Only a hint: a worker
+    # that ignores it answers ``invalid_request`` for an adapter it lacks, never the base model.
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError("request_id must be a non-empty string")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
             raise ValueError("lora must be a non-empty adapter name or null")
+        if self.lora_path is not None and (self.lora is None or not isinstance(self.lora_path, str)
+                                           or not self.lora_path):
+            raise ValueError("lora_path must be a non-empty folder, and only with lora")
         weight = check_float("weight", self.weight)
         if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
             raise ValueError(f"weight must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {self.weight}")
@@ -230,6 +238,47 @@ class UsageRecord:
     lora: str | None = None  # revision 2: the LoRA adapter the request ran with (None: the base model)
 
 
+LORA_ACTIONS = ("load", "unload")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraControl:
+    """Load or unload LoRA adapter ``lora_name`` on every worker of ``model``, at run time (vLLM's
+    ``/v1/load_lora_adapter`` / ``unload_lora_adapter``, docs/lora.md). Broadcast on the control
+    topic (every worker reads all of it); each worker of ``model`` answers one :class:`LoraAck` on
+    ``reply_to``, keyed by ``op_id``. ``lora_path`` is the PEFT folder as the workers see it (load only)."""
+
+    op_id: str
+    model: str
+    action: str
+    lora_name: str
+    reply_to: str
+    lora_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("op_id", "model", "lora_name", "reply_to"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.action not in LORA_ACTIONS:
+            raise ValueError(f"action must be one of {LORA_ACTIONS}, got {self.action!r}")
+        if self.action == "load" and (not isinstance(self.lora_path, str) or not self.lora_path):
+            raise ValueError("a load needs lora_path, the adapter's folder")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAck:
+    """One worker's answer to a :class:`LoraControl` (on the control's ``reply_to``). ``ok`` False:
+    ``code`` (an :class:`ErrorCode`) and ``message`` say what was wrong (a missing folder, a
+    malformed config, an adapter of another model, LoRA off on that worker)."""
+
+    op_id: str
+    worker_id: str
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class KeyLoad:
     """One API key's load at one edge, in an :class:`EdgeStatus`: ``key`` is a prefix of the key's
@@ -263,7 +312,7 @@ class EdgeStatus:
 
 
 Message = (InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch | UsageRecord
-           | EdgeStatus)
+           | LoraControl | LoraAck | EdgeStatus)
 
 _TYPE_NAMES: dict[type, str] = {
     InferenceRequest: "request",
@@ -274,6 +323,8 @@ _TYPE_NAMES: dict[type, str] = {
     WorkerStatus: "status",
     ReplyBatch: "replies",
     UsageRecord: "usage",
+    LoraControl: "lora_control",
+    LoraAck: "lora_ack",
     EdgeStatus: "edge",
 }
 _BY_NAME: dict[str, type] = {v: k for k, v in _TYPE_NAMES.items()}

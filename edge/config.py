@@ -6,6 +6,9 @@ ignored. Keys are never stored in clear; each entry holds the SHA-256 hex digest
     {"sha256": "9f86d0...", "tenant": "acme", "tier": 1, "requests_per_min": 60,
      "tokens_per_min": 200000, "max_streams": 8, "weight": 2}
 
+``admin`` (default false) lets a key load and unload LoRA adapters at run time
+(``POST /v1/load_lora_adapter``, docs/lora.md); in dev mode (no key file) anyone may.
+
 ``tier`` (0, 1 or 2) picks the priority topic. ``weight`` (default 1, in [0.01, 1000]) is the
 tenant's fair share within its tier at the workers (docs/worker.md, "Fair share"): carried on every
 request as ``InferenceRequest.weight``. The limits are optional (defaults below; ``0`` means
@@ -54,6 +57,7 @@ class KeyEntry:
     tokens_per_min: int = DEFAULT_TOKENS_PER_MIN
     max_streams: int = DEFAULT_MAX_STREAMS
     weight: float = 1.0  # fair share within the tier, at the workers
+    admin: bool = False  # may load and unload LoRA adapters (docs/lora.md)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key_hash, str) or len(self.key_hash) != 64 or any(
@@ -72,10 +76,12 @@ class KeyEntry:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not MIN_WEIGHT <= w <= MAX_WEIGHT:
             raise ConfigError(f"weight must be a number in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {w!r}")
         object.__setattr__(self, "weight", float(w))
+        if not isinstance(self.admin, bool):
+            raise ConfigError(f"admin must be true or false, got {self.admin!r}")
 
     def to_json(self) -> str:
         return json.dumps(
-            {
+            ({"admin": True} if self.admin else {}) | {
                 "sha256": self.key_hash,
                 "tenant": self.tenant,
                 "tier": self.tier,
@@ -87,7 +93,7 @@ class KeyEntry:
         )
 
 
-_ENTRY_FIELDS = {"sha256", "tenant", "tier", "requests_per_min", "tokens_per_min", "max_streams", "weight"}
+_ENTRY_FIELDS = {"sha256", "tenant", "tier", "requests_per_min", "tokens_per_min", "max_streams", "weight", "admin"}
 
 
 def parse_keys(text: str, source: str = "<keys>") -> dict[str, KeyEntry]:
@@ -118,6 +124,7 @@ def parse_keys(text: str, source: str = "<keys>") -> dict[str, KeyEntry]:
                 tokens_per_min=obj.get("tokens_per_min", DEFAULT_TOKENS_PER_MIN),
                 max_streams=obj.get("max_streams", DEFAULT_MAX_STREAMS),
                 weight=obj.get("weight", 1.0),
+                admin=obj.get("admin", False),
             )
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
@@ -137,10 +144,10 @@ def load_keys(path: str | Path) -> dict[str, KeyEntry]:
 
 
 def add_key(path: str | Path | None, tenant: str, tier: int = int(Tier.P1), weight: float = 1.0,
-            **limits: int) -> tuple[str, KeyEntry]:
+            admin: bool = False, **limits: int) -> tuple[str, KeyEntry]:
     """Make a new key; append its hashed entry to ``path`` (when given). Returns (clear key, entry)."""
     key = new_key()
-    entry = KeyEntry(hash_key(key), tenant, tier, weight=weight, **limits)
+    entry = KeyEntry(hash_key(key), tenant, tier, weight=weight, admin=admin, **limits)
     if path is not None:
         p = Path(path)
         if p.exists():
@@ -181,6 +188,17 @@ class EdgeConfig:
     # LoRA adapters a request's ``model`` may name (routed as ``model`` with ``lora=<name>``), beside
     # those the live workers' heartbeats list (docs/lora.md); names only, the workers load them
     lora_modules: tuple[str, ...] = ()
+    # the Files and Batches API (docs/protocol.md, "Files and batches"): the largest upload (OpenAI's
+    # batch input limit; stored chunked on the bus, so Kafka's record limit does not cap it), and
+    # how many lines of one batch run at once (they share the key's max_streams with its live calls)
+    max_file_bytes: int = 200 * 1024 * 1024
+    batch_max_in_flight: int = 8
+    # how long POST /v1/load_lora_adapter waits for every live worker of the model to answer
+    lora_load_timeout_s: float = 30.0
+    # more base models behind this edge (docs/lora.md, "Several base models"): name -> the local
+    # folder with its tokenizer, loaded on the first request that names it. A model some live
+    # worker's heartbeat names is served too when a folder is known for it here
+    models: tuple[tuple[str, str], ...] = ()
     edge_id: str = field(default_factory=lambda: "edge-" + secrets.token_hex(4))
     layout: TopicLayout = field(default_factory=TopicLayout)
     keys: dict[str, KeyEntry] | None = None
@@ -240,7 +258,7 @@ class EdgeConfig:
         if self.dev_tier not in tuple(int(t) for t in Tier):
             raise ConfigError(f"dev_tier must be one of {[int(t) for t in Tier]}")
         for name in ("max_frame_bytes", "max_streams_per_connection", "max_connections", "send_queue_frames",
-                     "default_max_tokens", "affinity_tokens"):
+                     "default_max_tokens", "affinity_tokens", "max_file_bytes", "batch_max_in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if len(self.slo_wait_s) != len(Tier) or any(s <= 0 for s in self.slo_wait_s):
@@ -249,6 +267,11 @@ class EdgeConfig:
             raise ConfigError(f"max_queue_depth needs {len(Tier)} values >= 0 (one per tier)")
         if self.max_connections_per_key < 0:
             raise ConfigError(f"max_connections_per_key must be >= 0, got {self.max_connections_per_key}")
+        if not self.lora_load_timeout_s > 0:
+            raise ConfigError(f"lora_load_timeout_s must be > 0, got {self.lora_load_timeout_s}")
+        for name, path in self.models:
+            if not name or not path or name == self.model:
+                raise ConfigError(f"models: each entry needs a name other than {self.model!r} and a tokenizer folder")
         if not self.publish_timeout_s > 0:
             raise ConfigError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
         if not self.grammar_compile_timeout_s > 0:

@@ -97,7 +97,8 @@ class Edge:
                 if cfg.model_path is None:
                     raise ValueError("EdgeConfig.model_path is required when no encoder is given")
                 self.admission.encoder = await asyncio.to_thread(PromptEncoder.from_path, cfg.model_path)
-            await self.bus.ensure_topics(cfg.layout.model_specs(cfg.model) + [cfg.layout.reply_spec(cfg.edge_id)]
+            specs = {spec.name: spec for m in self.admission.models.bases for spec in cfg.layout.model_specs(m)}
+            await self.bus.ensure_topics([*specs.values(), cfg.layout.reply_spec(cfg.edge_id)]
                                          + ([cfg.layout.edges_spec()] if self.fleet is not None else []))
             self.admission.open_outbox()
             loop = asyncio.get_running_loop()
@@ -207,7 +208,7 @@ class Edge:
                         continue
                     if isinstance(msg, WorkerStatus):
                         age = max(0.0, time.time() - rec.timestamp_ms / 1000)
-                        self.shedder.observe(msg, time.monotonic() - age)
+                        self.admission.models.observe(msg, time.monotonic() - age)  # each model's shedder
         finally:
             await consumer.stop()
 
@@ -223,7 +224,7 @@ class Edge:
                     s.kill(1008, "client too slow: socket write blocked")
             self.admission.lifecycle.expire(now)
             mono = time.monotonic()
-            self.shedder.prune(mono)
+            self.admission.models.prune(mono)
             self.metrics.live_workers.set(len(self.shedder.live(mono)))
             if self.limiter.fleet is not None:
                 self.metrics.live_edges.set(self.limiter.fleet.live_edges())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TypedDict
 
 from lockgate.options import env_default
 
@@ -25,6 +26,23 @@ def add_openai_port(p: argparse.ArgumentParser) -> None:
                    help="/v1/embeddings' pooling of the final hidden states: the last prompt token's or the mean "
                         "of every prompt token's (mean pooling skips the prefix cache), L2-normalised; a request's "
                         "extension field 'pooling' overrides it; default: last [LOCKGATE_EMBEDDING_POOLING]")
+
+    p.add_argument("--max-file-bytes", type=int, default=env_default("max-file-bytes", 200 * 1024 * 1024),
+                   help="largest upload to /v1/files, in bytes (stored chunked on the bus, so Kafka's record limit "
+                        "does not cap it); default: 209715200, OpenAI's batch input limit [LOCKGATE_MAX_FILE_BYTES]")
+    p.add_argument("--batch-max-in-flight", type=int, default=env_default("batch-max-in-flight", 8),
+                   help="lines of one batch (/v1/batches) running at once, at tier 2; they count against the key's "
+                        "max_streams like its live calls; default: 8 [LOCKGATE_BATCH_MAX_IN_FLIGHT]")
+
+
+class BatchOptions(TypedDict):
+    max_file_bytes: int
+    batch_max_in_flight: int
+
+
+def batch_options(args: argparse.Namespace) -> BatchOptions:
+    """The Files and Batches API's flags as ``EdgeConfig`` keyword arguments (it checks the ranges)."""
+    return {"max_file_bytes": args.max_file_bytes, "batch_max_in_flight": args.batch_max_in_flight}
 
 
 def openai_port(args: argparse.Namespace) -> int | None:

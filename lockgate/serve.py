@@ -17,7 +17,7 @@ import signal
 import sys
 
 from lockgate.edge_options import add_edge_limits, edge_limits
-from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
+from lockgate.openai_options import add_openai_port, batch_options, openai_base_url, openai_port
 from lockgate.options import add_engine_args, engine_config_from_args, env_default
 from lockgate.runtime import freeze_heap, run_loop
 from lockgate.worker_flags import add_worker_flags, worker_config_from_args
@@ -59,7 +59,7 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
     edge_cfg = EdgeConfig(model=name, model_path=str(engine.loaded.path), host=args.host, port=args.port, keys=keys, layout=layout,
                           openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
-                          embedding_pooling=args.embedding_pooling, **edge_limits(args),
+                          embedding_pooling=args.embedding_pooling, **edge_limits(args), **batch_options(args),
                           lora_modules=engine.lora.names if engine.lora is not None else ())
     if edge_cfg.dev_mode:
         print(DEV_BANNER.format(tier=edge_cfg.dev_tier), file=sys.stderr, flush=True)

@@ -2,7 +2,9 @@
 to completion together, once on an engine without LoRA, then on one engine with ``--enable-lora``
 with no request naming an adapter, every request naming one adapter, and the requests spread
 round-robin over 4 (and 16) adapters. Generated tokens per second (best of ``--repeat``) and the
-ratio to the base engine's, plus the time to load one adapter.
+ratio to the base engine's, plus the time to load one adapter. Both engines stay loaded and every
+repeat runs all the modes back to back (base first), so each ratio compares runs minutes apart
+at most: on a shared machine only such ratios mean something, not the absolute rates.
 
     python -m benchmarks.engine.lora [--model M] [--requests 16] [--rank 16] [--adapters 1,4] [--repeat 2]
 
@@ -51,6 +53,7 @@ def run(model: str | None, requests: int, rank: int, adapter_counts: list[int], 
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from engine_workers.model.lora.adapter import load_adapter
+    from engine_workers.model.lora.layers import GROUPED_MAX_ROWS
     from lockgate_types import SamplingParams
 
     base_cfg = EngineConfig(model=model, max_num_seqs=requests, num_threads=threads or None)
@@ -64,25 +67,30 @@ def run(model: str | None, requests: int, rank: int, adapter_counts: list[int], 
     load_adapter("a0", paths[0], base.loaded.spec, base.dtype, rank)
     load_s = time.perf_counter() - t0
 
-    def tok_s(engine: Engine, loras) -> float:
-        best = 0.0
-        for r in range(repeat):
-            t = time.perf_counter()
-            done = engine.generate(wl.prompts, params, cache_salt=f"r{r}-{time.monotonic_ns()}", loras=loras)
-            best = max(best, sum(len(d.token_ids) for d in done) / (time.perf_counter() - t))
-        return best
+    def tok_s(engine: Engine, loras, r: int) -> float:
+        t = time.perf_counter()
+        done = engine.generate(wl.prompts, params, cache_salt=f"r{r}-{time.monotonic_ns()}", loras=loras)
+        return sum(len(d.token_ids) for d in done) / (time.perf_counter() - t)
 
-    rows: list[dict[str, Any]] = []
-    base_rate = tok_s(base, None)
-    rows.append({"mode": "base engine (no --enable-lora)", "adapters": 0, "tok_s": round(base_rate, 1), "ratio": 1.0})
-    del base
     lora = Engine(replace(base_cfg, enable_lora=True, max_loras=most, max_lora_rank=rank,
                           lora_modules=tuple((f"a{i}", str(p)) for i, p in enumerate(paths))))
-    for n in [0, *adapter_counts]:
-        loras = [f"a{i % n}" for i in range(requests)] if n else None
-        rate = tok_s(lora, loras)
-        rows.append({"mode": f"--enable-lora, {n} adapters over the requests", "adapters": n, "rank": rank,
-                     "tok_s": round(rate, 1), "ratio": round(rate / base_rate, 3)})
+    assert lora.lora is not None
+    # (engine, per-request adapters, count, grouped path on): several adapters also with the
+    # segment path alone, the comparison the grouped path is for (engine_workers/model/lora/layers.py)
+    modes = [(base, None, -1, True)] + [
+        (lora, [f"a{i % n}" for i in range(requests)] if n else None, n, grouped)
+        for n in [0, *adapter_counts] for grouped in ((True, False) if n > 1 else (True,))]
+    best = [0.0] * len(modes)
+    for r in range(repeat):
+        for i, (engine, loras, _, grouped) in enumerate(modes):
+            lora.lora.batch.grouped_max_rows = GROUPED_MAX_ROWS if grouped else 0
+            best[i] = max(best[i], tok_s(engine, loras, r))
+    rows: list[dict[str, Any]] = [{"mode": "base engine (no --enable-lora)", "adapters": 0, "tok_s": round(best[0], 1),
+                                   "ratio": 1.0}]
+    for (_, _, n, grouped), rate in zip(modes[1:], best[1:], strict=True):
+        path = "" if n < 2 else (", grouped path on" if grouped else ", segment path only (the default)")
+        rows.append({"mode": f"--enable-lora, {n} adapters over the requests{path}", "adapters": n, "rank": rank,
+                     "tok_s": round(rate, 1), "ratio": round(rate / best[0], 3)})
     rows.append({"mode": "load one adapter (read + fuse)", "rank": rank, "seconds": round(load_s, 3)})
     return rows
 

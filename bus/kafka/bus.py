@@ -65,6 +65,14 @@ from bus.topics import validate_topic
 
 log = logging.getLogger(__name__)
 
+
+def _topic_configs(spec: TopicSpec) -> dict[str, str]:
+    configs = {"retention.ms": str(spec.retention_ms)} if spec.retention_ms is not None else {}
+    if spec.compact:
+        configs["cleanup.policy"] = "compact"
+    return configs
+
+
 class KafkaBus(Bus):
     """A connection to a Kafka cluster; see the module docstring. Owns its producer, admin client
     and every consumer it created (``stop`` stops them all). ``stop`` is idempotent."""
@@ -209,11 +217,7 @@ class KafkaBus(Bus):
                 raise ValueError(f"topic {s.name}: partitions and replication must be >= 1")
         if not specs:
             return []
-        new = [
-            NewTopic(s.name, s.partitions, s.replication,
-                     topic_configs={"retention.ms": str(s.retention_ms)} if s.retention_ms is not None else None)
-            for s in specs
-        ]
+        new = [NewTopic(s.name, s.partitions, s.replication, topic_configs=_topic_configs(s) or None) for s in specs]
         try:
             resp = await self._admin.create_topics(new)
         except KafkaError as exc:

@@ -30,9 +30,12 @@ DEV_TENANT = "dev"
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """An authenticated connection: its tenant, tier and limits (``entry``)."""
+    """An authenticated connection: its tenant, tier and limits (``entry``). ``tier_override``:
+    work the key submits at another tier than its own (a batch's lines run at p2); the key's
+    limits (``entry``, keyed by its hash) stay the same."""
 
     entry: KeyEntry
+    tier_override: int | None = None
 
     @property
     def tenant(self) -> str:
@@ -40,7 +43,7 @@ class Principal:
 
     @property
     def tier(self) -> int:
-        return self.entry.tier
+        return self.entry.tier if self.tier_override is None else self.tier_override
 
 
 class AuthError(Exception):
@@ -97,6 +100,15 @@ class Authenticator:
         if entry is None:
             raise AuthError("invalid API key")
         return Principal(entry)
+
+    def by_hash(self, key_hash: str) -> Principal | None:
+        """The principal of a key known by its stored hash (work submitted earlier and resumed
+        later, a batch after an edge restart); ``None`` when the key is no longer in the key file.
+        In dev mode every hash is the dev principal."""
+        if self._keys is None:
+            return self._dev
+        entry = self._keys.get(key_hash)
+        return Principal(entry) if entry is not None else None
 
 
 def select_subprotocol(offered: Sequence[str]) -> Subprotocol | None:

@@ -31,6 +31,8 @@ from edge.admission.affinity import Placement, PrefixAffinity
 from edge.admission.auth import Authenticator, Principal
 from edge.admission.fleet import FleetLimits
 from edge.admission.lifecycle import Lifecycle, OwnedStreams, Stream, StreamSink
+from edge.admission.loras import RuntimeLoras
+from edge.admission.models import ModelCatalog
 from edge.admission.ratelimit import RateLimiter
 from edge.admission.router import ReplyRouter
 from edge.admission.shedding import LoadShedder
@@ -61,7 +63,6 @@ class Admission:
         self.config = config
         self.tracer = tracer  # None: tracing off, no span is built (docs/observability.md, "Tracing")
         self.bus = bus
-        self.encoder = encoder  # set by the edge's start() when it loads the tokenizer itself
         self.metrics = metrics
         self.reply_topic = reply_topic
         # Request ids: edge id, a random per-process nonce, a counter. The nonce keeps ids unique
@@ -72,14 +73,29 @@ class Admission:
         self.fleet = FleetLimits(f"{config.edge_id}-{self._nonce}", config.fleet_edge_stale_s, config.keys) \
             if config.fleet_limits and not config.dev_mode else None
         self.limiter = RateLimiter(self.fleet)
-        self.shedder = LoadShedder(config.model, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)
+        # the base models and adapters a request may name, their heartbeats and tokenizers
+        self.models = ModelCatalog(config, encoder)
+        self.shedder: LoadShedder = self.models.shedders[config.model]  # the edge's own model's
         self.auth = Authenticator(config.keys, config.dev_tier)
         self.lifecycle = Lifecycle(metrics, self.limiter, self.publish_cancel)
         self.router = ReplyRouter(bus, reply_topic, metrics, self.lifecycle)
+        self.loras = self.models.runtime = RuntimeLoras(
+            bus, config.layout.control_topic, reply_topic, config.edge_id, config.lora_load_timeout_s,
+            lambda m: self.models.shedders[m].serving(time.monotonic()) if m in self.models.shedders else [])
+        self.router.on_lora_ack = self.loras.on_ack
         self._ids = itertools.count()
         self._cancels: asyncio.Queue[Cancel] | None = None
         self._grammars: GrammarChecker | None = None  # structured-output compile check, on first use
         self.placement = Placement(bus, PrefixAffinity(config.affinity_tokens) if config.prefix_affinity else None)
+
+    @property
+    def encoder(self) -> PromptEncoder | None:
+        """The edge's own model's tokenizer (set by the edge's start() when it loads it itself)."""
+        return self.models.encoders.get(self.config.model)
+
+    @encoder.setter
+    def encoder(self, encoder: PromptEncoder) -> None:
+        self.models.encoders[self.config.model] = encoder
 
     # --- requests -----------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -103,20 +119,20 @@ class Admission:
         (nothing was charged).
         ``trace_parent``: the client's trace context (:meth:`trace_parent`); the request's span is
         its child, else the root of a new trace."""
-        cfg, encoder = self.config, self.encoder
+        cfg = self.config
         started_ns = time.time_ns() if self.tracer is not None else 0
-        assert encoder is not None, "Admission.encoder is set before the edge serves"
-        lora = None  # a ``model`` naming an adapter: the served model, with that adapter (docs/lora.md)
-        if g.model is not None and g.model != cfg.model:
-            if g.model not in self.adapters():
-                raise ProtocolError(f"model {g.model[:80]!r} is not served here; this edge serves {cfg.model!r}",
-                                    "model", g.id)
-            lora = g.model
+        # a ``model`` naming an adapter: its base model, with that adapter (docs/lora.md)
+        target = self.models.resolve(g.model)
+        if target is None:
+            raise ProtocolError(f"model {(g.model or '')[:80]!r} is not served here; this edge serves "
+                                f"{', '.join(map(repr, self.models.bases))}", "model", g.id)
+        model, lora = target.model, target.lora
+        encoder = await self.encoder_for(model)
         bias = g.sampling.logit_bias
         if bias and max(t for t, _ in bias) >= len(encoder.tokenizer):
             raise ProtocolError(f"logit_bias token ids must be below the vocabulary size {len(encoder.tokenizer)}",
                                 "logit_bias", g.id)
-        shed = self.shedder.check(principal.tier, time.monotonic())
+        shed = self.models.shedders[model].check(principal.tier, time.monotonic())
         if shed is not None:
             raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
         if g.sampling.guided:  # a constraint the grammar engine cannot compile never reaches the bus
@@ -148,7 +164,7 @@ class Admission:
                                 retry_after=limited.retry_after)
         now = asyncio.get_running_loop().time()
         rid = self.new_request_id()
-        labels = (cfg.model, f"p{principal.tier}", api)
+        labels = (model, f"p{principal.tier}", api)
         s = Stream(rid, client_id if client_id is not None else g.id, sink, principal, labels, len(ids), max_tokens,
                    now, now + cfg.request_timeout_s, token_ids)
         if self.tracer is not None:
@@ -156,26 +172,39 @@ class Admission:
             # Requests refused above get no span (the rejection metrics count them).
             s.span = self.tracer.start("lockgate.request", trace_parent, SpanKind.SERVER, started_ns, {
                 "lockgate.request_id": rid, "lockgate.api": api, "lockgate.tier": principal.tier,
-                "lockgate.tenant": principal.tenant, "gen_ai.request.model": cfg.model,
+                "lockgate.tenant": principal.tenant, "gen_ai.request.model": model,
                 "gen_ai.usage.input_tokens": len(ids), "gen_ai.request.max_tokens": max_tokens})
         self.lifecycle.register(s, owner)
         self.metrics.prompt_tokens.labels(*labels).inc(len(ids))
         wall = time.time()
         req = InferenceRequest(
-            request_id=rid, model=cfg.model, prompt_token_ids=tuple(ids), sampling=sampling,
+            request_id=rid, model=model, prompt_token_ids=tuple(ids), sampling=sampling,
             reply_to=self.reply_topic, tenant=principal.tenant, tier=principal.tier, enqueued_at=wall,
             deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages,
             # One prefix-cache namespace per tenant: a tenant never hits (and ``cached_tokens`` never
             # reveals) a prefix that another tenant sent.
             cache_salt=f"tenant:{principal.tenant}" + (f"|{g.cache_salt}" if g.cache_salt else ""),
-            weight=principal.entry.weight, lora=lora)
+            weight=principal.entry.weight, lora=lora, lora_path=target.lora_path)
         return Admitted(s, req)
 
-    def adapters(self) -> list[str]:
-        """The LoRA adapters a request's ``model`` may name: the edge's ``--lora-modules`` and those
-        the live workers' heartbeats list (docs/lora.md), in that order, without repeats."""
-        live = self.shedder.live(time.monotonic())
-        return list(dict.fromkeys([*self.config.lora_modules, *(n for s in live for n in s.loras)]))
+    def adapters(self, model: str | None = None) -> list[str]:
+        """The LoRA adapters of base ``model`` (default: the edge's own) a request's ``model`` may
+        name (docs/lora.md; :meth:`ModelCatalog.adapters`)."""
+        return self.models.adapters(model)
+
+    def serves(self, name: str) -> bool:
+        """Whether a request's ``model`` may be ``name``: a base model of this edge or an adapter of one."""
+        return self.models.resolve(name) is not None
+
+    async def encoder_for(self, model: str | None) -> PromptEncoder:
+        """The tokenizer of the base model that ``model`` (a base model or an adapter; None: the
+        edge's own) runs on, loaded on first use. Raises :class:`ProtocolError` (404) for a name
+        this edge does not serve."""
+        target = self.models.resolve(model)
+        if target is None:
+            raise ProtocolError(f"the model {(model or '')[:200]!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.models.bases))}", "model", code="model_not_found")
+        return await self.models.encoder_for(target.model)
 
     def trace_parent(self, headers: Mapping[str, str]) -> SpanContext | None:
         """The client's context from its HTTP (or WebSocket upgrade) request's ``traceparent``

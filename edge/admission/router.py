@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import orjson
 
@@ -33,6 +34,7 @@ from bus import (
     Error,
     ErrorCode,
     Finished,
+    LoraAck,
     Message,
     Record,
     TokenChunk,
@@ -147,6 +149,8 @@ class ReplyRouter:
         self.lifecycle = lifecycle
         self.connected = False
         self._ready = asyncio.Event()
+        # a worker's answer to a run-time LoRA load or unload (edge/admission/loras.py)
+        self.on_lora_ack: Callable[[LoraAck], None] | None = None
 
     @property
     def streams(self) -> dict[str, Stream]:
@@ -189,6 +193,10 @@ class ReplyRouter:
 
     def _route_one(self, msg: Message, rec: Record) -> None:
         lifecycle = self.lifecycle
+        if isinstance(msg, LoraAck):
+            if self.on_lora_ack is not None:
+                self.on_lora_ack(msg)
+            return
         stream = lifecycle.streams.get(getattr(msg, "request_id", ""))
         if stream is None:
             self.metrics.orphans.inc()

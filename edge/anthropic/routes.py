@@ -26,7 +26,7 @@ from edge.anthropic.schema import MessagesRequest, parse_messages
 from edge.anthropic.sink import MessagesSink
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
-from edge.request import Generate, ProtocolError
+from edge.request import Generate, PromptEncoder, ProtocolError
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -43,21 +43,18 @@ class MessagesRoutes:
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
 
-    async def _parse(self, request: web.Request, count_only: bool) -> MessagesRequest:
+    async def _parse(self, request: web.Request, count_only: bool) -> tuple[MessagesRequest, PromptEncoder]:
         """The body as a request whose prompt is ready for admission: checked, the model served,
         tool turns rendered with the tools (and a forced choice's grammar)."""
         adm = self.adm
-        encoder = adm.encoder
-        assert encoder is not None
         req = parse_messages(await read_json(adm, request), count_only)
-        model = req.generate.model or ""
-        if model != adm.config.model:
-            raise ProtocolError(f"model: the model {model[:200]!r} does not exist; this server serves "
-                                f"{adm.config.model!r}", "model", code="model_not_found")
+        # a base model of this edge or a LoRA adapter of one, as on the OpenAI routes (docs/lora.md);
+        # 404 ``not_found_error`` for any other name
+        encoder = await adm.encoder_for(req.generate.model or "")
         if req.tools is not None:
             g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, self.parser)
             req = replace(req, generate=g)
-        return req
+        return req, encoder
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``{"input_tokens": N}``: the prompt's tokens as ``/v1/messages`` would send them (tools
@@ -68,10 +65,9 @@ class MessagesRoutes:
         except AuthError as exc:
             adm.reject("unauthorized", API)
             return error_response(error_reply("unauthorized", str(exc)))
-        encoder = adm.encoder
-        assert encoder is not None
         try:
-            g: Generate = (await self._parse(request, count_only=True)).generate
+            parsed, encoder = await self._parse(request, count_only=True)
+            g: Generate = parsed.generate
             ids = g.prompt_token_ids if g.prompt_token_ids is not None else await asyncio.to_thread(encoder.encode, g)
         except ProtocolError as exc:
             return refusal(adm, exc)
@@ -84,16 +80,15 @@ class MessagesRoutes:
         except AuthError as exc:
             adm.reject("unauthorized", API)
             return error_response(error_reply("unauthorized", str(exc)))
-        encoder = adm.encoder
-        assert encoder is not None
         try:
-            req = await self._parse(request, count_only=False)
+            req, encoder = await self._parse(request, count_only=False)
         except ProtocolError as exc:
             return refusal(adm, exc)
         wake = asyncio.Event()
         transport = request.transport
         cfg = adm.config
-        sink = MessagesSink(cfg.model, req, self.parser, cfg.reasoning_parser,
+        # the answer names the model asked for: the base model or an adapter (as the OpenAI routes)
+        sink = MessagesSink(req.generate.model or cfg.model, req, self.parser, cfg.reasoning_parser,
                             frozenset(encoder.tokenizer.all_special_ids), cfg.send_queue_frames,
                             on_overflow=lambda: transport.abort() if transport is not None else None, wake=wake)
         with adm.streams() as owned:

@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from bus import ErrorCode, SamplingParams
-from edge.admission.auth import AuthError
+from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
 from edge.admission.lifecycle import Done, End, Failed, Stream
 from edge.openai.reply import (
@@ -157,13 +157,23 @@ class EmbeddingsRoutes:
             return error_response("unauthorized", str(exc))
         try:
             body = await read_json(adm, request)
+        except ProtocolError as exc:
+            return refusal(adm, exc)
+        return await self.answer(body, who, request)
+
+    async def answer(self, body: Any, who: Principal, request: web.Request | None = None) -> web.Response:
+        """One embeddings request from its decoded body: what ``POST`` answers (``request`` None:
+        a batch line, no trace header)."""
+        adm = self.adm
+        try:
             inputs, fmt = parse_inputs(body, adm.config.embedding_pooling)
             check_model(adm, body)
         except ProtocolError as exc:
             return refusal(adm, exc)
         wake = asyncio.Event()
         sinks: list[EmbeddingSink] = []
-        parent = adm.trace_parent(request.headers)  # every input's span joins the client's trace
+        # every input's span joins the client's trace
+        parent = adm.trace_parent(request.headers) if request is not None else None
         with adm.streams() as owned:  # leaving it (the client gone, an input failed or refused) cancels the rest
             admitted: list[Admitted] = []
             for i, g in enumerate(inputs):
@@ -190,5 +200,5 @@ class EmbeddingsRoutes:
             n = sum(s.prompt_tokens for s in sinks)
             data = [{"object": "embedding", "index": i, "embedding": encode(s.vector or (), fmt)}
                     for i, s in enumerate(sinks)]
-            return json_response(200, {"object": "list", "data": data, "model": adm.config.model,
+            return json_response(200, {"object": "list", "data": data, "model": body["model"],  # as asked: a base model or an adapter
                                        "usage": {"prompt_tokens": n, "total_tokens": n}})

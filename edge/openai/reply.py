@@ -68,6 +68,6 @@ def check_model(adm: Admission, body: dict[str, Any], required: bool = True) -> 
         return
     if not isinstance(model, str) or not model:
         raise ProtocolError("model is required (a non-empty string)", "model")
-    if model != adm.config.model and model not in adm.adapters():  # an adapter of the served model: docs/lora.md
+    if not adm.serves(model):  # a base model of this edge or an adapter of one: docs/lora.md
         raise ProtocolError(f"the model {model[:200]!r} does not exist; this server serves {adm.config.model!r}",
                             "model", code="model_not_found")

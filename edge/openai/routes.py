@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), on its own port next to the WebSocket listener.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``; and, from their own modules, ``/tokenize`` ``/detokenize``
+``GET /v1/models/{id}``; and, from their own modules, ``/v1/files`` and ``/v1/batches``
+(:mod:`edge.openai.batches`), ``/tokenize`` ``/detokenize``
 (:mod:`edge.openai.tokenize`), ``/v1/responses`` (:mod:`edge.openai.responses`), ``/v1/embeddings``
 (:mod:`edge.openai.embeddings`) and the probes ``/health`` ``/ready`` ``/metrics`` ``/version``
 (:mod:`edge.openai.ops`). Admission is the WebSocket path's own (:class:`~edge.admission.gate.Admission`,
@@ -29,7 +30,9 @@ from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
+from edge.openai.batches.routes import BatchService
 from edge.openai.embeddings import EmbeddingsRoutes
+from edge.openai.lora_admin import LoraAdminRoutes
 from edge.openai.ops import OpsRoutes, Readiness
 from edge.openai.reply import (
     API,
@@ -77,11 +80,22 @@ class OpenAIServer:
         TokenizeRoutes(adm).add_to(app)
         OpsRoutes(adm, readiness).add_to(app)
         self.responses = ResponsesRoutes(adm)
-        EmbeddingsRoutes(adm).add_to(app)
+        embeddings = EmbeddingsRoutes(adm)
+        embeddings.add_to(app)
+        LoraAdminRoutes(adm).add_to(app)
         self.responses.add_to(app)
+        # the Files and Batches API: a batch line runs through the same ``answer`` as its endpoint
+        self.batches = BatchService(adm, {
+            "/v1/chat/completions": lambda body, who: self.answer(body, who, True),
+            "/v1/completions": lambda body, who: self.answer(body, who, False),
+            "/v1/embeddings": embeddings.answer,
+            "/v1/responses": self.responses.answer,
+        })
+        self.batches.add_to(app)
         self.app = app
 
     async def start(self) -> None:
+        await self.batches.start()
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         self._site = web.TCPSite(self._runner, self.host, self.port, backlog=4096,
@@ -95,6 +109,7 @@ class OpenAIServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.batches.stop()  # after the handlers: the runner's lines are cancelled on the bus
 
     # --- handlers -----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -122,18 +137,22 @@ class OpenAIServer:
         return error_response("model_not_found", f"the model {name!r} does not exist or has no live worker", "model")
 
     def _served(self) -> list[dict[str, Any]]:
-        """The served model while at least one worker for it sent a fresh heartbeat."""
-        live = self.adm.shedder.live(time.monotonic())
-        if not live:
-            return []
-        created = int(min(s.ts for s in live))
-        base = self.adm.config.model
-        # OpenAI's model object, with Anthropic's fields (type, display_name, created_at) besides;
-        # the adapters of the served model with their parent (vLLM's shape, docs/lora.md)
-        def entry(name: str, **extra: str) -> dict:
-            return {"id": name, "object": "model", "created": created, "owned_by": "lockgate", "type": "model",
-                    "display_name": name, "created_at": datetime.fromtimestamp(created, UTC).isoformat(), **extra}
-        return [entry(base)] + [entry(name, parent=base) for name in self.adm.adapters()]
+        """Each base model of this edge while at least one worker for it sent a fresh heartbeat,
+        each followed by its adapters with their ``parent`` (vLLM's shape, docs/lora.md)."""
+        out: list[dict[str, Any]] = []
+        now = time.monotonic()
+        for base in self.adm.models.bases:
+            live = self.adm.models.live(base, now)
+            if not live:
+                continue
+            created = int(min(s.ts for s in live))
+
+            # OpenAI's model object, with Anthropic's fields (type, display_name, created_at) besides
+            def entry(name: str, created: int = created, **extra: str) -> dict:
+                return {"id": name, "object": "model", "created": created, "owned_by": "lockgate", "type": "model",
+                        "display_name": name, "created_at": datetime.fromtimestamp(created, UTC).isoformat(), **extra}
+            out += [entry(base)] + [entry(name, parent=base) for name in self.adm.adapters(base)]
+        return out
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -148,26 +167,32 @@ class OpenAIServer:
         except AuthError as exc:
             adm.reject("unauthorized", API)
             return error_response("unauthorized", str(exc))
-        encoder = adm.encoder
-        assert encoder is not None
         try:
             body = await read_json(adm, request)
+        except ProtocolError as exc:
+            return refusal(adm, exc)
+        return await self.answer(body, who, chat, request)
+
+    async def answer(self, body: Any, who: Principal, chat: bool,
+                     request: web.Request | None = None) -> web.StreamResponse:
+        """One chat or completions request from its decoded body: what ``POST`` answers. Without
+        ``request`` (a batch line, :mod:`edge.openai.batches`) nothing is streamed (the caller
+        refuses ``stream``) and there is no client connection or trace header."""
+        adm = self.adm
+        try:
+            model = body.get("model") if isinstance(body, dict) else None
+            # a base model of this edge or an adapter of one (docs/lora.md); its tokenizer on first use
+            encoder = await adm.encoder_for(model if isinstance(model, str) and model else adm.config.model)
             req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
-            model = req.generate.model or ""
-            if model != adm.config.model:
-                if model not in adm.adapters():  # an adapter of the served model (docs/lora.md) is served too
-                    adm.reject("model_not_found", API)
-                    return error_response("model_not_found", f"the model {model[:200]!r} does not exist; "
-                                          f"this server serves {adm.config.model!r}", "model")
             if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.chat.tools
                 g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)
         except ProtocolError as exc:
             return refusal(adm, exc)
-        return await self._answer(request, req, who, body)
+        return await self._answer(request, req, who, body, encoder)
 
-    async def _answer(self, request: web.Request, req: OpenAIRequest, who: Principal,
-                      body: dict[str, Any]) -> web.StreamResponse:
+    async def _answer(self, request: web.Request | None, req: OpenAIRequest, who: Principal,
+                      body: dict[str, Any], encoder: PromptEncoder) -> web.StreamResponse:
         """Every chat and completions request, ``n`` = 1 included (one choice of one prompt): one
         request on the bus per choice of each prompt, with seeds ``seed``, ``seed + 1``, ... per
         prompt (the client's seed, or one drawn), so the choices differ and each is reproducible
@@ -175,14 +200,14 @@ class OpenAIServer:
         share one wake-up; one answer (or one event stream) holds them all. A choice refused at
         admission refunds the others; one failing fails the whole answer (leaving the ``with``
         block cancels the rest, as it does when the client goes away)."""
-        adm, encoder = self.adm, self.adm.encoder
-        assert encoder is not None
+        adm = self.adm
         base = req.generate.sampling.seeded().seed
         assert base is not None
         wake = asyncio.Event()
-        transport = request.transport
+        transport = request.transport if request is not None else None
         sinks: list[OpenAIStream] = []
-        parent = adm.trace_parent(request.headers)  # every choice's span joins the client's trace
+        # every choice's span joins the client's trace
+        parent = adm.trace_parent(request.headers) if request is not None else None
         admitted: list[Admitted] = []
         with adm.streams() as owned:
             for p, i in ((p, i) for p in range(len(req.batch)) for i in range(req.n)):
@@ -203,6 +228,7 @@ class OpenAIServer:
                 sinks.append(sink)
                 admitted.append(a)
             if req.stream:
+                assert request is not None, "a batch line never streams"
                 return await self._stream(request, sinks, admitted, wake)
             for a in admitted:
                 await adm.publish(a)

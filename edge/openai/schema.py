@@ -42,6 +42,9 @@ HTTP_ERRORS: dict[str, tuple[int, str, str | None]] = {
     ErrorCode.UNAUTHORIZED: (401, "invalid_request_error", "invalid_api_key"),
     "model_not_found": (404, "invalid_request_error", "model_not_found"),
     "not_found": (404, "invalid_request_error", "not_found"),
+    "permission_denied": (403, "invalid_request_error", "permission_denied"),
+    "conflict": (409, "invalid_request_error", "conflict"),  # a batch that can no longer be cancelled
+    "too_large": (413, "invalid_request_error", "file_too_large"),  # an upload over --max-file-bytes
     ErrorCode.RATE_LIMITED: (429, "rate_limit_error", "rate_limit_exceeded"),
     ErrorCode.OVERLOADED: (503, "server_error", "overloaded"),
     ErrorCode.EXPIRED: (504, "server_error", "expired"),

@@ -116,6 +116,8 @@ class TokenizeRoutes:
             body = await read_json(adm, request)
             if isinstance(body, dict):
                 check_model(adm, body, required=False)
+                if isinstance(body.get("model"), str):  # another base model's tokenizer (docs/lora.md)
+                    encoder = await adm.encoder_for(body["model"])
             if _size(body) > THREAD_CHARS:
                 out = await asyncio.to_thread(fn, encoder, body)
             else:

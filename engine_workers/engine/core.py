@@ -159,6 +159,11 @@ class Engine:
         self._grammars = LazyGrammars(loaded.tokenizer, loaded.spec.vocab_size, sorted(self.eos_token_ids))
         self._masks = MaskBuffer(loaded.spec.vocab_size)
         self._num_guided = 0
+        # adapters unloaded at run time: ``_retiring`` still used by requests (removed once they
+        # finish, new requests refused), ``_unloaded`` never loaded again from a request's
+        # ``lora_path`` (only by ``add_lora``): an unload is final until an explicit load
+        self._retiring: set[str] = set()
+        self._unloaded: set[str] = set()
         self.stats = EngineStats()
         self.speculative = config.speculative_config
         self._proposer = (NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
@@ -235,6 +240,7 @@ class Engine:
         arrival_time: float | None = None,
         resume_token_ids: Seq[int] = (),
         lora: str | None = None,
+        lora_path: str | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the field for bad input; the engine's
         other requests are unaffected.
@@ -248,7 +254,9 @@ class Engine:
         (``text_offset``).
 
         ``lora``: the name of a LoRA adapter the engine serves (``lora_modules``) to run the
-        request with; None = the base model. Part of the request's prefix-cache key."""
+        request with; None = the base model. Part of the request's prefix-cache key. ``lora_path``:
+        where that adapter was loaded from at run time; an engine that lacks it loads it from there
+        first (a ``ValueError`` naming what is wrong if that fails), unless it was unloaded here."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -260,6 +268,12 @@ class Engine:
         if lora is not None:
             if self.lora is None:
                 raise ValueError(f"lora={lora!r}: this engine serves no LoRA adapters (--enable-lora)")
+            if lora in self._retiring:
+                raise ValueError(f"LoRA adapter {lora!r} is being unloaded")
+            if lora_path is not None and lora not in self.lora.paths:
+                if lora in self._unloaded:
+                    raise ValueError(f"LoRA adapter {lora!r} was unloaded")
+                self.lora.add(lora, lora_path)  # loaded on first use (docs/lora.md, "At run time")
             self.lora.check(lora)
             extra += self.lora.identity(lora)
         ids = self.encode_prompt(prompt, messages)
@@ -336,6 +350,8 @@ class Engine:
             self._propose()
         sched = self.scheduler.schedule()
         self.stats.preemptions = self.scheduler.num_preemptions
+        if self._retiring:
+            self._retire_loras()
         if sched.is_empty:
             return outputs
         batch = self._model_input(sched)
@@ -346,6 +362,8 @@ class Engine:
         self.stats.last_batch_seqs = len(sched.scheduled)
         self.stats.computed_tokens += sched.num_batched_tokens
         self._postprocess(sched, batch, result, outputs)
+        if self._retiring:  # the step's finished requests may have been an unloading adapter's last
+            self._retire_loras()
         self.stats.busy_s += time.monotonic() - started
         return outputs
 
@@ -593,18 +611,35 @@ class Engine:
         ``ValueError`` (a :class:`~engine_workers.model.lora.peft_config.LoraError`) naming what is wrong."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        if name in self._retiring:
+            raise ValueError(f"LoRA adapter {name!r} is being unloaded; load it again once its requests finish")
         self.lora.add(name, path)
+        self._unloaded.discard(name)
 
-    def remove_lora(self, name: str) -> None:
-        """Stop serving adapter ``name`` (vLLM's ``unload_lora_adapter``); refused while a waiting
-        or running request names it."""
+    def remove_lora(self, name: str, *, when_idle: bool = False) -> int:
+        """Stop serving adapter ``name`` (vLLM's ``unload_lora_adapter``). While a waiting or
+        running request names it: refused, or with ``when_idle`` new requests for it are refused
+        and it goes once they finish. Returns how many requests still use it (0: gone now)."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
         self.lora.check(name)
         users = sum(req.seq.lora == name for req in self._reqs.values())
-        if users:
+        if users and not when_idle:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish")
-        self.lora.remove(name)
+        self._unloaded.add(name)
+        if users:
+            self._retiring.add(name)
+        else:
+            self.lora.remove(name)
+        return users
+
+    def _retire_loras(self) -> None:
+        """Remove the adapters being unloaded whose last request finished."""
+        assert self.lora is not None
+        busy = {req.seq.lora for req in self._reqs.values()}
+        for name in [n for n in self._retiring if n not in busy]:
+            self._retiring.discard(name)
+            self.lora.remove(name)
 
     def lora_snapshot(self) -> dict:
         """``running_loras``, ``waiting_loras`` (sorted adapter names) and ``max_loras`` for the

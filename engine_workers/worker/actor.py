@@ -10,7 +10,8 @@ A thin asyncio shell around the stages ``wiring.wire`` builds from the one :clas
   priority) and the ledger commits at most every ``commit_interval_s``.
 * **replies** — the engine's per-step outputs go to the way back (``replies/``); a failed send is
   re-run, answered or dead-lettered by ``pipeline/failures.py`` in a task owned here.
-* **control** — ``Cancel`` aborts the request wherever it is (``aborts``);
+* **control** — ``Cancel`` aborts the request wherever it is (``aborts``); ``LoraControl`` loads
+  or unloads an adapter at run time (``lora_control``);
   **heartbeat** — ``WorkerStatus`` every ``heartbeat_s`` (``loops``); ``/healthz``/``/readyz``/
   ``/metrics`` (``health``).
 
@@ -35,6 +36,7 @@ from engine_workers.worker.config import WorkerConfig
 from engine_workers.worker.health.metrics import CONTENT_TYPE
 from engine_workers.worker.health.server import HealthServer
 from engine_workers.worker.loops import heartbeat, read_cancels
+from engine_workers.worker.lora_control import LoraControls
 from engine_workers.worker.wiring import wire
 from tracing import Tracer
 
@@ -108,9 +110,10 @@ class Worker:
         self.state = "started"
         st.serving.on = True
         cfg = self.config
+        loras = LoraControls(self.aengine.engine, self.bus, cfg.model, cfg.worker_id)
         for name, coro in (("intake", self._intake_loop()),
                            ("send-failures", st.pipeline.failures.run()),
-                           ("control", read_cancels(self._control, self.cancel, cfg.worker_id)),
+                           ("control", read_cancels(self._control, self.cancel, cfg.worker_id, loras.handle)),
                            ("heartbeat", heartbeat(self.bus, cfg.layout.status_topic, cfg.worker_id, self.status,
                                                    cfg.heartbeat_s, before=st.observe, refresh=self._refresh_lag)),
                            # a crashed step loop (say a tensor-parallel rank died) ends run(): the

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from bus import Bus, BusError, Cancel, Consumer, DecodeError, WorkerStatus, decode, encode
+from bus import Bus, BusError, Cancel, Consumer, DecodeError, LoraControl, WorkerStatus, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +19,10 @@ CONTROL_POLL_MS = 500
 RETRY_S = 0.5  # pause after a failed fetch
 
 
-async def read_cancels(control: Consumer, on_cancel: Callable[[str], object], worker_id: str) -> None:
-    """Read the control topic and call ``on_cancel(request_id)`` for each ``Cancel``; records of
+async def read_cancels(control: Consumer, on_cancel: Callable[[str], object], worker_id: str,
+                       on_lora: Callable[[LoraControl], Awaitable[None]] | None = None) -> None:
+    """Read the control topic and call ``on_cancel(request_id)`` for each ``Cancel`` and await
+    ``on_lora(control)`` for each ``LoraControl`` (a run-time adapter load or unload); records of
     other types are ignored (the topic is shared), undecodable ones logged and skipped."""
     while True:
         try:
@@ -37,6 +39,8 @@ async def read_cancels(control: Consumer, on_cancel: Callable[[str], object], wo
                 continue
             if isinstance(msg, Cancel):
                 on_cancel(msg.request_id)
+            elif isinstance(msg, LoraControl) and on_lora is not None:
+                await on_lora(msg)
 
 
 async def heartbeat(bus: Bus, topic: str, worker_id: str, status: Callable[[], WorkerStatus],

@@ -8,7 +8,7 @@ import sys
 
 from lockgate.edge_options import add_edge_limits, edge_limits
 from lockgate.lora_options import add_lora_module_arg
-from lockgate.openai_options import add_openai_port, openai_base_url, openai_port
+from lockgate.openai_options import add_openai_port, batch_options, openai_base_url, openai_port
 from lockgate.options import env_default
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
 
@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     add_lora_module_arg(p, "LoRA adapters a request's model may name, routed to the served model's workers "
                            "with lora=<name> (name or name=path; the path is the workers' business); the edge "
                            "also learns the names the live workers' heartbeats list")
+    p.add_argument("--models", nargs="+", default=str(env_default("models", "")).split(), metavar="NAME=MODEL",
+                   help="more base models behind this edge beside --model, each NAME=model spec or folder (its "
+                        "tokenizer, loaded on first use); their workers share the bus (docs/lora.md, \"Several "
+                        "base models\") [LOCKGATE_MODELS, space-separated]")
     p.set_defaults(func=_edge)
 
     k = sub.add_parser("keys", help="API keys for the edge")
@@ -66,6 +70,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     a.add_argument("--tokens-per-min", type=int, default=500_000)
     a.add_argument("--max-streams", type=int, default=16)
     a.add_argument("--weight", type=float, default=1.0, help="fair share within the tier at the workers")
+    a.add_argument("--admin", action="store_true", help="the key may load and unload LoRA adapters (docs/lora.md)")
     a.set_defaults(func=_keys_add)
 
 
@@ -81,13 +86,20 @@ def _edge(args: argparse.Namespace) -> int:
     slo = tuple(float(x) for x in str(args.slo_wait).split(","))
     path = resolve_model(args.model)
     kw = {"edge_id": args.edge_id} if args.edge_id else {}
+    models = []
+    for item in args.models or ():
+        name, sep, spec = item.partition("=")
+        if not sep or not name or not spec:
+            raise ValueError(f"--models takes NAME=MODEL, got {item!r}")
+        models.append((name, str(resolve_model(spec))))
     config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
                         keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
                         **edge_limits(args),
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser, embedding_pooling=args.embedding_pooling,
-                        lora_modules=tuple(name for name, _ in args.lora_modules or ()), **kw)
+                        **batch_options(args),
+                        lora_modules=tuple(name for name, _ in args.lora_modules or ()), models=tuple(models), **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
     if config.reuse_port and not config.dev_mode and not config.fleet_limits:
@@ -132,7 +144,8 @@ def _keys_add(args: argparse.Namespace) -> int:
     from edge.config import add_key
 
     key, entry = add_key(args.keys, args.tenant, args.tier, requests_per_min=args.requests_per_min,
-                         tokens_per_min=args.tokens_per_min, max_streams=args.max_streams, weight=args.weight)
+                         tokens_per_min=args.tokens_per_min, max_streams=args.max_streams, weight=args.weight,
+                         admin=args.admin)
     print(key)
     if args.keys:
         print(f"appended the hashed entry to {args.keys}; the key above is not stored anywhere", file=sys.stderr)

@@ -117,11 +117,19 @@ class ResponsesRoutes:
         who = self._auth(request)
         if isinstance(who, web.Response):
             return who
-        encoder = adm.encoder
-        assert encoder is not None
-        body: Any = None
         try:
             body = await read_json(adm, request)
+        except ProtocolError as exc:
+            return refusal(adm, exc)
+        return await self.answer(body, who, request)
+
+    async def answer(self, body: Any, who: Principal, request: web.Request | None = None) -> web.StreamResponse:
+        """One Responses request from its decoded body: what ``POST`` answers. Without
+        ``request`` (a batch line) nothing is streamed (the caller refuses ``stream``)."""
+        adm = self.adm
+        encoder = adm.encoder
+        assert encoder is not None
+        try:
             previous: tuple[dict[str, Any], ...] = ()
             prev_id = body.get("previous_response_id") if isinstance(body, dict) else None
             if isinstance(prev_id, str):
@@ -131,27 +139,26 @@ class ResponsesRoutes:
                 previous = got.history
             req = parse_responses(body, encoder.context_len, previous)
             model = req.chat.generate.model or ""
-            if model != adm.config.model and model not in adm.adapters():  # an adapter: docs/lora.md
-                raise ProtocolError(f"the model {model[:200]!r} does not exist; this server serves "
-                                    f"{adm.config.model!r}", "model", code="model_not_found")
+            encoder = await adm.encoder_for(model)  # a base model or an adapter of one: docs/lora.md (404 else)
             if req.chat.tools is not None:
                 g = await asyncio.to_thread(prepare, req.chat.generate, req.chat.tools, encoder, configured_parser(
                     adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, chat=replace(req.chat, generate=g))
         except ProtocolError as exc:
             return refusal(adm, exc)
-        transport = request.transport
+        transport = request.transport if request is not None else None
         sink = ResponsesSink(adm.config, req, adm.config.send_queue_frames,
                              on_overflow=lambda: transport.abort() if transport is not None else None)
         with adm.streams() as owned:  # leaving it (the client gone, a failed write) cancels the request
             try:
                 admitted = await adm.admit(req.chat.generate, who, sink, API, owned, client_id="",
-                                           trace_parent=adm.trace_parent(request.headers))
+                                           trace_parent=adm.trace_parent(request.headers) if request else None)
             except ProtocolError as exc:
                 return refusal(adm, exc, openai_param(exc.field, body, "text", "text.format", guided_fields=False))
             assert admitted is not None
             sink.bind(admitted.stream)
             if req.stream:
+                assert request is not None, "a batch line never streams"
                 return await self._stream(request, sink, admitted, who, req)
             await adm.publish(admitted)
             while not sink.closed:

@@ -125,7 +125,8 @@ class EngineAdmission:
         try:
             fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), r.sampling,
                                       cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.order_time),
-                                      arrival_time=arrival_mono, resume_token_ids=list(job.resume), lora=r.lora)
+                                      arrival_time=arrival_mono, resume_token_ids=list(job.resume), lora=r.lora,
+                                      lora_path=r.lora_path)
         except queue.Full:
             log.warning("worker %s: engine command queue full; %s waits in the intake", self.worker_id, job.eid)
             self.enqueue(job)

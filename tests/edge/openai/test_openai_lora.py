@@ -43,3 +43,21 @@ async def test_responses_api_routes_an_adapter(encoder):
         r = await client.responses.create(model="sql", input="hello there", max_output_tokens=3)
         assert r.usage.output_tokens == 3
         assert (fw.seen[-1].model, fw.seen[-1].lora) == (MODEL, "sql")
+
+
+async def test_anthropic_messages_route_an_adapter(encoder):
+    """``/v1/messages`` maps ``model`` to an adapter as the OpenAI routes do; the answer names it."""
+    import anthropic
+
+    from tests.edge.anthropic.test_messages import base_url
+    from tests.edge.conftest import KEY
+
+    async with api(encoder, worker_kw={"loras": ("sql",)}) as (edge, fw, _):
+        async with anthropic.AsyncAnthropic(base_url=base_url(edge), api_key=KEY, max_retries=0, timeout=20) as c:
+            m = await c.messages.create(model="sql", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+            assert m.model == "sql" and m.usage.output_tokens == 3
+            assert (fw.seen[-1].model, fw.seen[-1].lora) == (MODEL, "sql")
+            n = await c.messages.count_tokens(model="sql", messages=[{"role": "user", "content": "hi"}])
+            assert n.input_tokens > 0
+            with pytest.raises(anthropic.NotFoundError):
+                await c.messages.create(model="nope", max_tokens=3, messages=[{"role": "user", "content": "hi"}])

@@ -1,0 +1,1 @@
+"""The OpenAI Files and Batches API on the bus (docs/protocol.md, "Files and batches")."""
