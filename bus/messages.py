@@ -279,8 +279,40 @@ class LoraAck:
     message: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class KeyLoad:
+    """One API key's load at one edge, in an :class:`EdgeStatus`: ``key`` is a prefix of the key's
+    SHA-256 hex (never the key), ``demand`` the requests it attempted per second (admitted or
+    refused, decayed over seconds), ``streams`` its streams in flight, ``stream_demand`` those plus
+    its recent ``max_streams`` refusals (decayed), ``claim`` the streams it reserves (never below
+    ``streams``)."""
+
+    key: str
+    demand: float = 0.0
+    streams: int = 0
+    stream_demand: float = 0.0
+    claim: int = 0  # the most streams of the key this edge may hold (its part of max_streams)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeStatus:
+    """An edge's heartbeat on ``<ns>.edges`` (``TopicLayout.edges_topic``): what every edge reads to
+    split each key's limits over the live edges (edge/admission/fleet.py, docs/protocol.md,
+    "Fleet-wide limits"). ``gone``: the edge is stopping, its share is free at once. ``keys``: the
+    keys with load at this edge or at another; a key left out has none here and its even share of
+    ``max_streams`` among ``members`` reserved. ``members``: the edges this one counts, itself included
+    (empty before it has read its own heartbeat back: it reserves nothing then)."""
+
+    edge_id: str
+    ts: float
+    seq: int = 0
+    gone: bool = False
+    keys: tuple[KeyLoad, ...] = ()
+    members: tuple[str, ...] = ()
+
+
 Message = (InferenceRequest | TokenChunk | Finished | Error | Cancel | WorkerStatus | ReplyBatch | UsageRecord
-           | LoraControl | LoraAck)
+           | LoraControl | LoraAck | EdgeStatus)
 
 _TYPE_NAMES: dict[type, str] = {
     InferenceRequest: "request",
@@ -293,6 +325,7 @@ _TYPE_NAMES: dict[type, str] = {
     UsageRecord: "usage",
     LoraControl: "lora_control",
     LoraAck: "lora_ack",
+    EdgeStatus: "edge",
 }
 _BY_NAME: dict[str, type] = {v: k for k, v in _TYPE_NAMES.items()}
 

@@ -11,6 +11,7 @@ Layout (``<ns>`` defaults to ``lockgate``, ``<model>`` is the model name made to
 * ``<ns>.usage``                — the billing log: one ``UsageRecord`` per finished request, keyed by tenant.
 * ``<ns>.table.<name>``         — a compacted key/value table shared by the fleet (:mod:`bus.table`),
   e.g. ``<ns>.table.responses``: the edges' stored responses and resume positions.
+* ``<ns>.edges``                — edge heartbeats (``EdgeStatus``): each key's load per edge, for fleet-wide limits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from bus.base import TopicSpec, safe_name, validate_topic
 from bus.messages import Tier
 
 __all__ = ["TopicLayout", "safe_name", "validate_topic"]
+
+EDGES_RETENTION_MS = 600_000  # edge heartbeats matter for seconds; ten minutes keeps a short history to read
+
 
 @dataclass(frozen=True, slots=True)
 class TopicLayout:
@@ -56,6 +60,15 @@ class TopicLayout:
     @property
     def usage_topic(self) -> str:
         return f"{self.namespace}.usage"
+
+    @property
+    def edges_topic(self) -> str:
+        return f"{self.namespace}.edges"
+
+    def edges_spec(self) -> TopicSpec:
+        """One partition: every edge reads the heartbeats in one order, so an edge that reads its
+        own heartbeat back has read every heartbeat written before it (edge/admission/fleet.py)."""
+        return TopicSpec(self.edges_topic, 1, self.replication, EDGES_RETENTION_MS)
 
     def model_specs(self, model: str) -> list[TopicSpec]:
         """Everything one model needs: its priority topics plus the shared control/status/dlq/usage."""

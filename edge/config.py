@@ -233,6 +233,14 @@ class EdgeConfig:
     slo_wait_s: tuple[float, ...] = (2.0, 5.0, 60.0)  # one per tier: checked in __post_init__
     max_queue_depth: tuple[int, int, int] = (0, 0, 0)  # per tier, 0 = no depth limit
     heartbeat_stale_s: float = 3.0
+    # fleet-wide key limits (edge/admission/fleet.py, docs/protocol.md "Fleet-wide limits"): the
+    # edges split each key's limits by the heartbeats they publish on <ns>.edges every
+    # fleet_sync_interval_s; a peer silent for fleet_edge_stale_s (on the bus's clock) is dead, and
+    # an edge that has not read its own heartbeat back for half as long refuses limited keys (503).
+    # False: each edge enforces every key's whole limits (N edges: up to N x). Off in dev mode.
+    fleet_limits: bool = True
+    fleet_sync_interval_s: float = 0.5
+    fleet_edge_stale_s: float = 3.0
     # slow clients
     send_queue_frames: int = 1024
     slow_client_grace_s: float = 5.0
@@ -282,6 +290,9 @@ class EdgeConfig:
             raise ConfigError(f"publish_timeout_s must be > 0, got {self.publish_timeout_s}")
         if not self.grammar_compile_timeout_s > 0:
             raise ConfigError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if not (0 < self.fleet_sync_interval_s and self.fleet_edge_stale_s >= 4 * self.fleet_sync_interval_s):
+            raise ConfigError(f"fleet_sync_interval_s must be > 0 and fleet_edge_stale_s at least 4 times it, got "
+                              f"{self.fleet_sync_interval_s} and {self.fleet_edge_stale_s}")
         if self.heartbeat_stale_s <= 0 or self.request_timeout_s <= 0 or self.slow_client_grace_s < 0:
             raise ConfigError("heartbeat_stale_s and request_timeout_s must be > 0, slow_client_grace_s >= 0")
 

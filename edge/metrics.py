@@ -66,6 +66,8 @@ class EdgeMetrics:
         self.cancels = Counter("lockgate:edge_cancels", "Cancel messages published, by reason.", ["reason"],
                                registry=r)
         self.live_workers = Gauge("lockgate:edge_live_workers", "Workers with a fresh heartbeat.", registry=r)
+        self.live_edges = Gauge("lockgate:edge_live_edges",
+                                "Edges sharing the keys' limits, this one included (fleet-wide limits).", registry=r)
 
     def per_request(self, labels: tuple[str, str, str]) -> tuple:
         """(ttft, e2e, tpot, generation_tokens) children for ``labels`` = (model, tier, api), cached:

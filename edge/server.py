@@ -37,6 +37,7 @@ from websockets.http11 import Request, Response
 
 from bus import Bus, CompactedTable, DecodeError, WorkerStatus, decode
 from edge.admission.auth import AuthError, Principal, extract_key, select_subprotocol
+from edge.admission.fleetsync import FleetSync
 from edge.admission.gate import Admission
 from edge.admission.resumable import StreamDirectory
 from edge.admission.router import checkpoint
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "ws" / "static"
 SWEEP_INTERVAL_S = 0.25
+FLEET_START_WAIT_S = 10.0  # the longest start() waits for the edge's first fleet heartbeat to come back
 WS_PATHS = ("/", "/ws")
 
 
@@ -69,6 +71,9 @@ class Edge:
         self.shedder = self.admission.shedder
         self.auth = self.admission.auth
         self.router = self.admission.router
+        # fleet-wide key limits (edge/admission/fleet.py); None in dev mode or with them off
+        self.fleet = FleetSync(bus, config.layout, self.limiter, config.fleet_sync_interval_s,
+                               config.publish_timeout_s) if self.limiter.fleet is not None else None
         self.openai: OpenAIServer | None = None
         self.table: CompactedTable | None = None  # the fleet's stored responses (with the OpenAI API)
         self.sessions: set[Session] = set()
@@ -96,7 +101,8 @@ class Edge:
                     raise ValueError("EdgeConfig.model_path is required when no encoder is given")
                 self.admission.encoder = await asyncio.to_thread(PromptEncoder.from_path, cfg.model_path)
             specs = {spec.name: spec for m in self.admission.models.bases for spec in cfg.layout.model_specs(m)}
-            await self.bus.ensure_topics([*specs.values(), cfg.layout.reply_spec(cfg.edge_id)])
+            await self.bus.ensure_topics([*specs.values(), cfg.layout.reply_spec(cfg.edge_id)]
+                                         + ([cfg.layout.edges_spec()] if self.fleet is not None else []))
             self.admission.open_outbox()
             # the fleet's shared state (stored responses, resumable streams): a bus table, read
             # back by every edge (docs/protocol.md, "Resuming a stream")
@@ -114,6 +120,11 @@ class Edge:
             ]
             try:
                 await asyncio.wait_for(self.router.wait_ready(), 30)
+                if self.fleet is not None:
+                    await self.fleet.start()
+                    if not await self.fleet.wait_fresh(FLEET_START_WAIT_S):
+                        log.warning("fleet limits: this edge's heartbeat did not come back within %g s; keys with "
+                                    "limits are refused (503) until it does", FLEET_START_WAIT_S)
                 self._server = await serve(
                     self._handle, cfg.host, cfg.port,
                     process_request=self._process_request,
@@ -130,6 +141,8 @@ class Edge:
             except BaseException:
                 if self._server is not None:
                     self._server.close()
+                if self.fleet is not None:
+                    await self.fleet.stop()
                 await self._stop_tasks()
                 self._state = "stopped"
                 raise
@@ -152,6 +165,8 @@ class Edge:
                 if self.admission.outbox_empty():
                     break
                 await asyncio.sleep(0.01)
+            if self.fleet is not None:
+                await self.fleet.stop()  # after the handlers: their streams are no longer held
             await self._stop_tasks()
 
     async def _stop_tasks(self) -> None:
@@ -226,6 +241,8 @@ class Edge:
             mono = time.monotonic()
             self.admission.models.prune(mono)
             self.metrics.live_workers.set(len(self.shedder.live(mono)))
+            if self.limiter.fleet is not None:
+                self.metrics.live_edges.set(self.limiter.fleet.live_edges())
 
     # --- HTTP + handshake ---------------------------------------------------------------------
     def readiness(self) -> tuple[bool, str]:
@@ -277,7 +294,10 @@ class Edge:
 
     def _index(self) -> bytes:
         if self._page is None or os.environ.get("LOCKGATE_DEV_STATIC"):
-            self._page = (STATIC_DIR / "index.html").read_bytes()
+            page = (STATIC_DIR / "index.html").read_bytes()
+            if self.config.dev_mode:  # no key is needed: the page connects by itself
+                page = page.replace(b'data-dev-mode="0"', b'data-dev-mode="1"', 1)
+            self._page = page
         return self._page
 
     async def _handle(self, ws: ServerConnection) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from bus import Bus, BusError, Cancel, ErrorCode, InferenceRequest, bound, encode
 from edge.admission.affinity import Placement, PrefixAffinity
 from edge.admission.auth import Authenticator, Principal
+from edge.admission.fleet import FleetLimits
 from edge.admission.lifecycle import Lifecycle, OwnedStreams, Stream, StreamSink
 from edge.admission.loras import RuntimeLoras
 from edge.admission.models import ModelCatalog
@@ -65,7 +66,14 @@ class Admission:
         self.bus = bus
         self.metrics = metrics
         self.reply_topic = reply_topic
-        self.limiter = RateLimiter()
+        # Request ids: edge id, a random per-process nonce, a counter. The nonce keeps ids unique
+        # across restarts of an edge with a fixed --edge-id and across --reuse-port processes
+        # sharing one: a repeated id would be aborted by a worker's cancelled-set or routed to
+        # another client's stream. The same pair names this process in the fleet's heartbeats.
+        self._nonce = secrets.token_hex(4)
+        self.fleet = FleetLimits(f"{config.edge_id}-{self._nonce}", config.fleet_edge_stale_s, config.keys) \
+            if config.fleet_limits and not config.dev_mode else None
+        self.limiter = RateLimiter(self.fleet)
         # the base models and adapters a request may name, their heartbeats and tokenizers
         self.models = ModelCatalog(config, encoder)
         self.shedder: LoadShedder = self.models.shedders[config.model]  # the edge's own model's
@@ -76,11 +84,6 @@ class Admission:
             bus, config.layout.control_topic, reply_topic, config.edge_id, config.lora_load_timeout_s,
             lambda m: self.models.shedders[m].serving(time.monotonic()) if m in self.models.shedders else [])
         self.router.on_lora_ack = self.loras.on_ack
-        # Request ids: edge id, a random per-process nonce, a counter. The nonce keeps ids unique
-        # across restarts of an edge with a fixed --edge-id and across --reuse-port processes
-        # sharing one: a repeated id would be aborted by a worker's cancelled-set or routed to
-        # another client's stream.
-        self._nonce = secrets.token_hex(4)
         self._ids = itertools.count()
         self._cancels: asyncio.Queue[Cancel] | None = None
         self._grammars: GrammarChecker | None = None  # structured-output compile check, on first use
@@ -161,7 +164,8 @@ class Admission:
         sampling = sampling.seeded()  # told to the client: the accepted frame, OpenAI's ``seed`` field
         limited = self.limiter.admit(principal.entry, len(ids) + max_tokens, time.monotonic())
         if limited is not None:
-            raise ProtocolError(limited.message, limited.field, g.id, code=ErrorCode.RATE_LIMITED,
+            raise ProtocolError(limited.message, limited.field, g.id,
+                                code=ErrorCode.OVERLOADED if limited.overloaded else ErrorCode.RATE_LIMITED,
                                 retry_after=limited.retry_after)
         now = asyncio.get_running_loop().time()
         rid = self.new_request_id()

@@ -23,9 +23,9 @@ DEV_BANNER = """
 
 
 REUSE_PORT_WARNING = (
-    "lockgate edge: WARNING: --reuse-port: the per-key limits (requests_per_min, tokens_per_min, max_streams) "
-    "are enforced per edge process; N processes sharing this port (or N edges) give a key up to N x its limits "
-    "(docs/protocol.md, \"The limits are per edge process\")")
+    "lockgate edge: WARNING: --reuse-port --no-fleet-limits: the per-key limits (requests_per_min, tokens_per_min, "
+    "max_streams) are enforced per edge process; N processes sharing this port (or N edges) give a key up to N x "
+    "its limits (docs/protocol.md, \"Fleet-wide limits\")")
 
 
 def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction) -> None:
@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
                    help="API key file (JSON lines, hashed); without it the edge runs in DEV MODE (env LOCKGATE_KEYS)")
     p.add_argument("--edge-id", default=env_default("edge-id", None), help="reply-topic owner name (default random)")
     p.add_argument("--limits-per-process", action="store_true", default=env_default("limits-per-process", False),
-                   help="with --reuse-port and a key file: accept that each process enforces the keys' limits on "
-                        "its own (N processes: up to N x a key's limits) [LOCKGATE_LIMITS_PER_PROCESS]")
+                   help="with --reuse-port, --no-fleet-limits and a key file: accept that each process enforces "
+                        "the keys' limits on its own (N processes: up to N x a key's limits) "
+                        "[LOCKGATE_LIMITS_PER_PROCESS]")
     p.add_argument("--reuse-port", action="store_true", default=env_default("reuse-port", False),
                    help="listen with SO_REUSEPORT, so several edge processes share the port (one core each) "
                         "(env LOCKGATE_REUSE_PORT)")
@@ -103,12 +104,13 @@ def _edge(args: argparse.Namespace) -> int:
                         lora_modules=tuple(name for name, _ in args.lora_modules or ()), models=tuple(models), **kw)
     if config.dev_mode:
         print(DEV_BANNER.format(tier=config.dev_tier), file=sys.stderr, flush=True)
-    if config.reuse_port and not config.dev_mode:
+    if config.reuse_port and not config.dev_mode and not config.fleet_limits:
         if not args.limits_per_process:
             # Silently multiplying every key's limits by the number of processes is refused:
-            # the operator says they mean it (docs/protocol.md, "The limits are per edge process").
-            raise ValueError("--reuse-port with a key file multiplies every key's limits by the number of edge "
-                             "processes (they are enforced per process); pass --limits-per-process to accept that")
+            # the operator says they mean it (docs/protocol.md, "Fleet-wide limits").
+            raise ValueError("--reuse-port --no-fleet-limits with a key file multiplies every key's limits by the "
+                             "number of edge processes (they are enforced per process); pass --limits-per-process "
+                             "to accept that, or leave fleet limits on")
         print(REUSE_PORT_WARNING, file=sys.stderr, flush=True)
 
     async def main() -> None:
