@@ -48,6 +48,7 @@ from engine_workers.engine.sampler import Row, Sampler, SampleRow, TokenLogprobs
 from engine_workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.engine.speculative import SpecBackoff
+from engine_workers.engine.step_model import StepModel
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import auto_cpu_dtype, cpu_weight_plan
 from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
@@ -130,6 +131,7 @@ class Engine:
                             config.max_loras if config.enable_lora else None),
             self.kv,
         )
+        self.step_model = StepModel()  # step time against batched tokens: the TPOT-sized step
         self.runner: ModelRunner | ParallelRunner
         if self.tp_group is not None:
             try:
@@ -235,6 +237,7 @@ class Engine:
         arrival_time: float | None = None,
         resume_token_ids: Seq[int] = (),
         lora: str | None = None,
+        tpot_slo_s: float | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the field for bad input; the engine's
         other requests are unaffected.
@@ -248,7 +251,10 @@ class Engine:
         (``text_offset``).
 
         ``lora``: the name of a LoRA adapter the engine serves (``lora_modules``) to run the
-        request with; None = the base model. Part of the request's prefix-cache key."""
+        request with; None = the base model. Part of the request's prefix-cache key.
+
+        ``tpot_slo_s``: its time-per-output-token target (its tier's SLO, from the worker): while
+        it decodes, no step batches more tokens than fit in it (``EngineConfig.tpot_budget``)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -290,6 +296,7 @@ class Engine:
             cache_extra=extra,
             lora=lora,
             times=SeqTimes(arrival_time if arrival_time is not None else time.monotonic()),
+            tpot_slo_s=tpot_slo_s if tpot_slo_s is not None and tpot_slo_s > 0 else None,
         )
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         for t in resumed:
@@ -334,7 +341,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self._proposer is not None:
             self._propose()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._token_budget())
         self.stats.preemptions = self.scheduler.num_preemptions
         if sched.is_empty:
             return outputs
@@ -346,8 +353,18 @@ class Engine:
         self.stats.last_batch_seqs = len(sched.scheduled)
         self.stats.computed_tokens += sched.num_batched_tokens
         self._postprocess(sched, batch, result, outputs)
-        self.stats.busy_s += time.monotonic() - started
+        took = time.monotonic() - started
+        self.step_model.observe(sched.num_batched_tokens, took)
+        self.stats.busy_s += took
         return outputs
+
+    def _token_budget(self) -> int | None:
+        """This step's token budget: what fits in the strictest TPOT target of the running
+        decodes, by the measured step time (None: the configured budget)."""
+        if not self.config.tpot_budget:
+            return None
+        target = self.scheduler.tpot_target()
+        return None if target is None else self.step_model.budget(target)
 
     def _propose(self) -> None:
         """Proposals for this step's decoding requests (``Sequence.spec_token_ids``). A request
