@@ -360,11 +360,18 @@ class Engine:
 
     def _token_budget(self) -> int | None:
         """This step's token budget: what fits in the strictest TPOT target of the running
-        decodes, by the measured step time (None: the configured budget)."""
+        decodes, by the measured step time (None: the configured budget). Where even a step of
+        the decodes alone passes the target (they miss it whatever the budget), prefills may make
+        the step at most twice that long: a floor of a few prefill tokens would only starve the
+        prompts waiting behind them (a 500-token prompt at 16 tokens a step)."""
         if not self.config.tpot_budget:
             return None
         target = self.scheduler.tpot_target()
-        return None if target is None else self.step_model.budget(target)
+        line = self.step_model.line() if target is not None else None
+        if target is None or line is None:
+            return None
+        decodes = len(self.scheduler.running)
+        return line.tokens_within(max(target, 2 * line.seconds(decodes)))
 
     def _propose(self) -> None:
         """Proposals for this step's decoding requests (``Sequence.spec_token_ids``). A request

@@ -228,7 +228,9 @@ class EngineAdmission:
         running = [j for j in ledger.admitted_jobs() if j.started]
         if line is not None and running and config.tpot_budget:
             strictest = min(self.slo_tpot_ms[j.req.tier] for j in running) / 1000.0
-            budget = max(1, min(budget, line.tokens_within(strictest)))
+            # as the engine sizes its steps (Engine._token_budget)
+            step_s = max(strictest, 2 * line.seconds(snap.running))
+            budget = max(1, min(budget, line.tokens_within(step_s)))
         free = max(0, config.max_num_seqs - ledger.in_engine)
         backlog = Backlog(tokens, len(queued) + ledger.engine_waiting() + on_topic, snap.running, free)
         return predict_wait(backlog, line, budget, self.rate.rate(now))

@@ -138,3 +138,30 @@ def test_step_line_fits_and_sizes_a_step() -> None:
     assert fit([(10, 0.1)] * 5) is None  # one size only: no slope to fit
     noisy = fit([(10, 0.2), (100, 0.1)])  # a negative slope (noise): flat at the mean
     assert noisy is not None and noisy.per_token_s == 0 and noisy.fixed_s == pytest.approx(0.15)
+
+
+def test_the_engine_sizes_a_step_to_the_strictest_tpot_and_caps_the_damage_when_it_is_out_of_reach() -> None:
+    from types import SimpleNamespace
+
+    from engine_workers.engine.core import Engine
+
+    kv = KVCacheManager(256, 4)
+    sched = Scheduler(SchedulerConfig(64, 2048), kv)
+    model = StepModel(min_samples=2)
+    for tokens in (16, 1024):
+        model.observe(tokens, 0.010 + 0.0001 * tokens)
+    engine = SimpleNamespace(config=SimpleNamespace(tpot_budget=True), scheduler=sched, step_model=model)
+    assert Engine._token_budget(engine) is None  # nothing running: the configured budget
+    for i in range(4):
+        sched.add(seq(f"chat{i}", 4, tpot=0.05))
+        sched.add(seq(f"batch{i}", 4, tpot=0.25))
+    run_step(sched)
+    assert Engine._token_budget(engine) == 400  # 50 ms: (50 - 10) / 0.1 tokens, p0's target rules
+    many = Scheduler(SchedulerConfig(1024, 2048), KVCacheManager(1024, 4))
+    for i in range(600):  # 600 decodes alone take 70 ms > 50: the step may last 140 ms
+        many.add(seq(f"d{i}", 1, tpot=0.05))
+    run_step(many)
+    engine.scheduler = many
+    assert Engine._token_budget(engine) == 1300
+    engine.config.tpot_budget = False
+    assert Engine._token_budget(engine) is None
