@@ -37,10 +37,10 @@ class EngineConfig:
     weight_prepack: bool = True  # CPU fp32: linears on oneDNN with weights packed once (cpu_linear.py)
     cpu_kernels: bool = True  # CPU fp32: decode attention on the engine's own kernel (cpu_kernels.py)
     seed: int = 0  # engine RNG for unseeded sampling
-    # Preempt the worst running sequence for a waiting one at least this much more urgent (1.0 = a
-    # tier step of the worker's priorities, the default: tiers are protected out of the box); None =
-    # never (scheduler.py, "Priority preemption": slots full or the KV cache full, bounded per sequence).
-    priority_preemption_margin: float | None = 1.0
+    # Preempt the worst running sequence for a waiting one at least this much more urgent in tier
+    # (1.0 = one tier); None = never, still the default (docs/worker.md, "SLOs": why not on by
+    # default yet; scheduler.py, "Priority preemption": slots full or the KV cache full, bounded)
+    priority_preemption_margin: float | None = None
     # Size each step so it lasts at most the strictest TPOT target of the running decodes
     # (Sequence.tpot_slo_s, set by the worker from its tier's SLO; step_model.py); False: the fixed
     # max_num_batched_tokens budget, as vLLM's chunked prefill

@@ -238,6 +238,7 @@ class Engine:
         resume_token_ids: Seq[int] = (),
         lora: str | None = None,
         tpot_slo_s: float | None = None,
+        tier: int | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the field for bad input; the engine's
         other requests are unaffected.
@@ -254,7 +255,8 @@ class Engine:
         request with; None = the base model. Part of the request's prefix-cache key.
 
         ``tpot_slo_s``: its time-per-output-token target (its tier's SLO, from the worker): while
-        it decodes, no step batches more tokens than fit in it (``EngineConfig.tpot_budget``)."""
+        it decodes, no step batches more tokens than fit in it (``EngineConfig.tpot_budget``).
+        ``tier``: its tier, on which priority preemption decides (None: on ``priority``)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -297,6 +299,7 @@ class Engine:
             lora=lora,
             times=SeqTimes(arrival_time if arrival_time is not None else time.monotonic()),
             tpot_slo_s=tpot_slo_s if tpot_slo_s is not None and tpot_slo_s > 0 else None,
+            tier=tier,
         )
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         for t in resumed:

@@ -16,9 +16,10 @@ running sequence with the worst priority, most recently admitted; its blocks are
 far kept, and it re-enters the waiting queue (recomputing prompt + output when readmitted, mostly
 from the prefix cache). No new sequence is admitted in a step that preempted.
 
-**Priority preemption** (``priority_preemption_margin``, default 1.0; None = off): when the best
-waiting sequence is more urgent than the worst running one by at least the margin (1.0 = one tier
-step of the worker's aging priorities) and it cannot be admitted, because every sequence slot is
+**Priority preemption** (``priority_preemption_margin``; None, the default, = off): when the best
+waiting sequence is more urgent than the worst running one by at least the margin in tier
+(``Sequence.tier``, else its priority; 1.0 = one tier), and by its priority too, and it cannot be
+admitted, because every sequence slot is
 taken or because the KV cache has no blocks for it, the worst running sequence (worst priority,
 newest) is preempted by recompute and the waiting one admitted in the same step. Guard against
 thrashing: the margin itself (a preemptor must be a whole tier more urgent, so the victim,
@@ -58,7 +59,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # cap one prompt's chunk per step (0 = no cap)
-    priority_preemption_margin: float | None = 1.0  # None: never preempt for priority
+    priority_preemption_margin: float | None = None  # None: never preempt for priority
     # distinct LoRA adapters among the running sequences (the model's adapter slots); None = no cap
     max_loras: int | None = None
 
@@ -91,6 +92,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def _rank(seq: Sequence) -> float:
+    """What priority preemption compares: the tier when the caller set one, else the priority."""
+    return float(seq.tier) if seq.tier is not None else seq.priority
 
 
 class Scheduler:
@@ -318,8 +324,13 @@ class Scheduler:
         candidates = [s for s in self.running if s.num_priority_preemptions < MAX_PRIORITY_PREEMPTIONS]
         if not candidates:
             return None
-        victim = max(candidates, key=lambda s: (s.priority, s.admit_order))
-        if head.priority + margin > victim.priority:
+        # The margin is on the tier (the worker's ``Sequence.tier``; the priority itself where none
+        # is set): aged priorities differ by a "tier step" for every aging period between two
+        # arrivals, and preempting on them preempted within a tier by age alone, a chain of
+        # recomputes under any backlog. The head must also be the more urgent by its priority, so
+        # a lower-tier request that aged past it is not preempted for it.
+        victim = max(candidates, key=lambda s: (_rank(s), s.priority, s.admit_order))
+        if _rank(head) + margin > _rank(victim) or head.priority >= victim.priority:
             return None
         if need_blocks is not None and len(self.kv.tables.get(victim.seq_id, ())) + self.kv.num_free_blocks < need_blocks:
             return None  # its blocks would not be enough: preempting it would only waste its work

@@ -141,7 +141,7 @@ class EngineAdmission:
             fut = self.aengine.submit(job.eid, list(r.prompt_token_ids), r.sampling,
                                       cache_salt=r.cache_salt, priority=self.policy.engine_priority(r.tier, job.order_time),
                                       arrival_time=arrival_mono, resume_token_ids=list(job.resume), lora=r.lora,
-                                      tpot_slo_s=self.slo_tpot_ms[r.tier] / 1000.0)
+                                      tpot_slo_s=self.slo_tpot_ms[r.tier] / 1000.0, tier=r.tier)
         except queue.Full:
             log.warning("worker %s: engine command queue full; %s waits in the intake", self.worker_id, job.eid)
             self.enqueue(job)
@@ -189,9 +189,11 @@ class EngineAdmission:
         margin = engine.config.priority_preemption_margin
         if margin is None or self.ledger.in_engine > engine.config.max_num_seqs:
             return False
+        # as the engine decides (scheduler.py): a whole tier more urgent, and more urgent by the
+        # aged priority too
         mine = self.policy.engine_priority(job.req.tier, job.order_time)
-        running = [self.policy.engine_priority(j.req.tier, j.order_time) for j in self.ledger.admitted_jobs()]
-        return bool(running) and mine + margin <= max(running)
+        return any(job.req.tier + margin <= j.req.tier and mine < self.policy.engine_priority(j.req.tier, j.order_time)
+                   for j in self.ledger.admitted_jobs())
 
     # -- what waits, and for how long -------------------------------------------------------------
 

@@ -28,15 +28,39 @@ def run_step(s: Scheduler, budget: int | None = None):
     return out
 
 
-def test_priority_preemption_is_on_by_default() -> None:
-    assert SchedulerConfig().priority_preemption_margin == 1.0
-    assert EngineConfig(model="m").priority_preemption_margin == 1.0
+def test_priority_preemption_compares_tiers_not_aged_priorities() -> None:
+    """Two p1 sequences whose aged priorities differ by more than the margin (an older one waits):
+    no preemption within a tier; a p0 head a tier more urgent preempts the p2 victim."""
+    assert EngineConfig(model="m").priority_preemption_margin is None  # off by default (docs/worker.md)
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(2, 64, priority_preemption_margin=1.0), kv)
+    for name, prio in (("new1", 1.0), ("new2", 1.0)):
+        x = seq(name, 4, priority=prio)
+        x.tier = 1
+        s.add(x)
+    run_step(s)
+    old = seq("old", 4, priority=-5.0)  # aged 6 periods longer, same tier
+    old.tier = 1
+    s.add(old)
+    assert run_step(s).preempted == []
+    s2 = Scheduler(SchedulerConfig(2, 64, priority_preemption_margin=1.0), KVCacheManager(64, 4))
+    running = []
+    for name, tier in (("a", 1), ("b", 2)):
+        x = seq(name, 4, priority=float(tier))
+        x.tier = tier
+        s2.add(x)
+        running.append(x)
+    run_step(s2)
+    urgent = seq("p0", 4, priority=0.0)
+    urgent.tier = 0
+    s2.add(urgent)
+    assert run_step(s2).preempted == [running[1]]
 
 
 def test_an_urgent_request_preempts_for_kv_blocks_with_slots_free() -> None:
     """Slots are free (8), the KV cache is not: a p0 head takes the blocks of the p2 sequence."""
     kv = KVCacheManager(8, 4)
-    s = Scheduler(SchedulerConfig(8, 64), kv)
+    s = Scheduler(SchedulerConfig(8, 64, priority_preemption_margin=1.0), kv)
     batch = seq("batch", 27, priority=2.0)  # 7 blocks
     s.add(batch)
     run_step(s)
@@ -50,13 +74,13 @@ def test_an_urgent_request_preempts_for_kv_blocks_with_slots_free() -> None:
 
 def test_no_kv_preemption_within_the_margin_or_when_it_would_not_free_enough() -> None:
     kv = KVCacheManager(8, 4)
-    s = Scheduler(SchedulerConfig(8, 64), kv)
+    s = Scheduler(SchedulerConfig(8, 64, priority_preemption_margin=1.0), kv)
     s.add(seq("a", 27, priority=1.5))
     run_step(s)
     s.add(seq("b", 10, priority=1.0))  # only 0.5 more urgent
     assert run_step(s).preempted == []
     kv = KVCacheManager(8, 4)
-    s = Scheduler(SchedulerConfig(8, 64), kv)
+    s = Scheduler(SchedulerConfig(8, 64, priority_preemption_margin=1.0), kv)
     small, big = seq("small", 2, priority=2.0), seq("big", 20, priority=0.0)
     s.add(seq("hog", 22, priority=0.0))  # 6 blocks, as urgent as big: never a victim
     s.add(small)  # 1 block
