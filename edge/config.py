@@ -232,6 +232,12 @@ class EdgeConfig:
     # load shedding
     slo_wait_s: tuple[float, ...] = (2.0, 5.0, 60.0)  # one per tier: checked in __post_init__
     max_queue_depth: tuple[int, int, int] = (0, 0, 0)  # per tier, 0 = no depth limit
+    # per tier, the time-to-first-token target in ms (the workers' --slo-ttft-ms): a request whose
+    # tier's predicted wait (the heartbeats' est_wait_s) already passes it is refused early (503 +
+    # Retry-After) rather than queued to miss it, or, with ``slo_demote``, queued on the first lower
+    # tier that can meet its own target
+    slo_ttft_ms: tuple[float, ...] = (500.0, 2000.0, 30000.0)
+    slo_demote: bool = False
     heartbeat_stale_s: float = 3.0
     # fleet-wide key limits (edge/admission/fleet.py, docs/protocol.md "Fleet-wide limits"): the
     # edges split each key's limits by the heartbeats they publish on <ns>.edges every
@@ -270,6 +276,8 @@ class EdgeConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if len(self.slo_wait_s) != len(Tier) or any(s <= 0 for s in self.slo_wait_s):
             raise ConfigError(f"slo_wait_s needs {len(Tier)} positive values (one per tier)")
+        if len(self.slo_ttft_ms) != len(Tier) or not all(s > 0 for s in self.slo_ttft_ms):
+            raise ConfigError(f"slo_ttft_ms needs {len(Tier)} values > 0 (one per tier)")
         if len(self.max_queue_depth) != len(Tier) or any(d < 0 for d in self.max_queue_depth):
             raise ConfigError(f"max_queue_depth needs {len(Tier)} values >= 0 (one per tier)")
         if self.responses_view_bytes < self.responses_max_bytes:

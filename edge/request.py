@@ -44,6 +44,9 @@ class Generate:
     cache_salt: str | None = None  # a prefix-cache namespace within the tenant's (vLLM's cache_salt)
     # runs on when its client goes away, for a resume on any edge (edge.admission.resumable)
     resumable: bool = False
+    # the tier the client asks for (``priority`` / ``service_tier``, :func:`requested_tier`); the
+    # edge grants it within its key's maximum tier; None: the key's tier
+    tier: int | None = None
 
 
 # --- tokenization -------------------------------------------------------------------------------
@@ -77,3 +80,32 @@ class PromptEncoder(PromptTokenizer):
                 f"{field} is {len(ids)} tokens; the model's context is {self.context_len} "
                 f"(prompt must leave room for at least one output token)", field, frame.id)
         return ids
+
+
+# --- a request's tier ---------------------------------------------------------------------------
+
+# OpenAI's service_tier values: "priority" asks for the most urgent tier, "flex" for batch-like
+# service; "auto" and "default" leave the key's own tier
+SERVICE_TIERS = {"auto": None, "default": None, "priority": 0, "flex": 2}
+
+
+def requested_tier(obj: dict, frame_id: str | None = None) -> int | None:
+    """The tier a request body asks for: vLLM's ``priority`` (an integer 0..2, lower = more urgent:
+    the tier itself) or OpenAI's ``service_tier`` (``auto``/``default``: the key's tier,
+    ``priority``: p0, ``flex``: p2); None when it names none. The edge grants the less urgent of
+    it and the key's tier (a key's tier is the most urgent its requests may have), so a key may
+    always send background work at p2. Raises :class:`ProtocolError` naming the field."""
+    prio, service = obj.get("priority"), obj.get("service_tier")
+    if prio is not None and service is not None:
+        raise ProtocolError("priority and service_tier both set; name the tier once", "priority", frame_id)
+    if prio is not None:
+        if isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= 2:
+            raise ProtocolError(f"priority must be an integer tier 0, 1 or 2 (0 = most urgent), got {prio!r}"[:200],
+                                "priority", frame_id)
+        return prio
+    if service is not None:
+        if not isinstance(service, str) or service not in SERVICE_TIERS:
+            raise ProtocolError(f"service_tier must be one of {sorted(SERVICE_TIERS)}, got {service!r}"[:200],
+                                "service_tier", frame_id)
+        return SERVICE_TIERS[service]
+    return None

@@ -67,11 +67,13 @@ class KVCacheManager:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], extra: bytes = b"",
-                           lookup: bool = True) -> CachedPrefix:
+                           lookup: bool = True, count: bool = True) -> CachedPrefix:
         """The longest run of cached full blocks that prefixes ``token_ids``. At least one token
         is always left to compute (the model must produce logits for the last position).
         ``lookup=False``: none (the sequence must compute every row), though its hashes are kept,
-        so the blocks it fills are still registered for others."""
+        so the blocks it fills are still registered for others. ``count=False``: the lookup is
+        left out of :attr:`stats` (a caller that may look the same sequence up again before it
+        uses the answer counts it once, with :meth:`count_lookup`, when it does)."""
         hashes = block_hashes(token_ids, self.block_size, extra, self._hashes.get(seq_id, ()))
         self._hashes[seq_id] = hashes
         if not self.enable_prefix_caching or not lookup:
@@ -84,9 +86,14 @@ class KVCacheManager:
                 break
             found.append(block)
         num_tokens = len(found) * self.block_size
-        self.stats.queries += len(token_ids)
-        self.stats.hits += num_tokens
+        if count:
+            self.count_lookup(len(token_ids), num_tokens)
         return CachedPrefix(tuple(found), num_tokens)
+
+    def count_lookup(self, queried: int, hit: int) -> None:
+        """Count one prefix lookup of ``queried`` tokens that found ``hit`` of them cached."""
+        self.stats.queries += queried
+        self.stats.hits += hit
 
     def allocate(self, seq_id: str, num_tokens: int, prefix: CachedPrefix | None = None) -> bool:
         """Make the table of ``seq_id`` cover ``num_tokens`` tokens, first adopting ``prefix``

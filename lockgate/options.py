@@ -77,8 +77,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "no speculation while more sequences run. Tokens are those of plain decoding, greedy "
                         "and seeded. Default: off [LOCKGATE_SPECULATIVE_CONFIG]")
     g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
-                   help="a waiting request at least this much more urgent than the worst running one preempts it "
-                        "when every slot is busy (1.0 = one tier step); 'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
+                   help="a waiting request at least this much more urgent in tier than the worst running one "
+                        "preempts it when every slot is busy or the KV cache has no room for it (1.0 = one tier); "
+                        "'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
+    g.add_argument("--tpot-budget", action=argparse.BooleanOptionalAction, default=env_default("tpot-budget", True),
+                   help="size each step so the running decodes keep their tier's TPOT target (measured step time); "
+                        "--no-tpot-budget: the fixed --max-num-batched-tokens, as vLLM (default on) "
+                        "[LOCKGATE_TPOT_BUDGET]")
     add_lora_args(p, env_default)
 
 
@@ -119,6 +124,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
         weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,
         priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "none")),
+        tpot_budget=getattr(args, "tpot_budget", True),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enforce_eager=getattr(args, "enforce_eager", False),
         speculative_config=getattr(args, "speculative_config", None),

@@ -20,6 +20,7 @@ from lockgate.edge_options import add_edge_limits, edge_limits
 from lockgate.openai_options import add_openai_port, batch_options, openai_base_url, openai_port
 from lockgate.options import add_engine_args, engine_config_from_args, env_default
 from lockgate.runtime import freeze_heap, run_loop
+from lockgate.slo_options import add_shed_flags, shed_config
 from lockgate.worker_flags import add_worker_flags, worker_config_from_args
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     p.add_argument("--port", type=int, default=env_default("port", 8765), help="edge port [LOCKGATE_PORT]")
     add_openai_port(p)
     add_edge_limits(p)
+    add_shed_flags(p, ttft=False)  # the TTFT targets: the worker's --slo-ttft-ms, one flag for both
     p.add_argument("--keys", default=env_default("keys", None), help="API key file; none = dev mode [LOCKGATE_KEYS]")
     p.add_argument("--bus", default=env_default("serve-bus", "memory://lockgate"),
                    help="bus URL; memory:// keeps everything in-process [LOCKGATE_SERVE_BUS]")
@@ -60,6 +62,7 @@ async def run_embedded(args: argparse.Namespace, ready: asyncio.Future | None = 
                           openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,
                           reasoning_parser=args.reasoning_parser,
                           embedding_pooling=args.embedding_pooling, **edge_limits(args), **batch_options(args),
+                          **shed_config(args, worker_cfg.slo_ttft_ms),
                           lora_modules=engine.lora.names if engine.lora is not None else ())
     if edge_cfg.dev_mode:
         print(DEV_BANNER.format(tier=edge_cfg.dev_tier), file=sys.stderr, flush=True)

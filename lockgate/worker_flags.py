@@ -10,6 +10,8 @@ the in-process bus for ``serve``). Nothing heavy at import.
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +27,7 @@ class WorkerFlag:
     field: str | None  # the WorkerConfig field it sets; None: the topology (see worker_config_from_args)
     default: Any
     help: str
-    type: type | None = None  # None: str, or a bool flag when the default is a bool
+    type: Callable[[str], Any] | None = None  # None: str, or a bool flag when the default is a bool
     choices: tuple[str, ...] | None = None
 
     @property
@@ -35,6 +37,24 @@ class WorkerFlag:
     @property
     def env(self) -> str:
         return "LOCKGATE_" + self.flag.upper().replace("-", "_")
+
+
+def optional_float(value: str) -> float | None:
+    """A float, or None for ``none``/``off`` (argparse type)."""
+    if value.strip().lower() in ("none", "off"):
+        return None
+    return float(value)
+
+
+def per_tier_ms(value: str) -> tuple[float, ...]:
+    """``p0,p1,p2`` milliseconds, each > 0 (argparse type)."""
+    try:
+        parts = tuple(float(x) for x in str(value).split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three numbers p0,p1,p2 (ms), got {value!r}") from None
+    if len(parts) != 3 or not all(p > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected three numbers > 0 p0,p1,p2 (ms), got {value!r}")
+    return parts
 
 
 WORKER_FLAGS: tuple[WorkerFlag, ...] = (
@@ -48,9 +68,9 @@ WORKER_FLAGS: tuple[WorkerFlag, ...] = (
     WorkerFlag("fair-share", "fair_share", True,
                "within a tier, share admissions across tenants by weighted fair queueing over tokens; "
                "--no-fair-share: FIFO per tier"),
-    WorkerFlag("age-credit-periods", "age_credit_periods", None,
+    WorkerFlag("age-credit-periods", "age_credit_periods", 1.0,
                "count at most this many aging periods of a record's time on the topic (protects fresh "
-               "p0 from an old p2 backlog; unset = all of it, the p2 starvation bound)", float),
+               "p0 from an old p2 backlog and from a forged enqueued_at; 'none' = all of it)", optional_float),
     WorkerFlag("prefetch-per-tier", "prefetch_per_tier", 4, "requests held per tier beyond free sequence slots", int),
     WorkerFlag("drain-grace", "drain_grace_s", 30.0, "SIGTERM: seconds to let running requests finish", float),
     WorkerFlag("commit-interval", "commit_interval_s", 1.0,
@@ -61,6 +81,12 @@ WORKER_FLAGS: tuple[WorkerFlag, ...] = (
     WorkerFlag("max-reply-record-bytes", "max_reply_record_bytes", 1 << 20,
                "split a step's coalesced replies into records of at most this size; keep it at or under "
                "the producer's max_request_size", int),
+    WorkerFlag("slo-ttft-ms", "slo_ttft_ms", (500.0, 2000.0, 30000.0),
+               "time-to-first-token targets p0,p1,p2 in ms (default 500,2000,30000; p0: the design guide's); "
+               "the edge refuses a request whose predicted wait passes its tier's", per_tier_ms),
+    WorkerFlag("slo-tpot-ms", "slo_tpot_ms", (50.0, 100.0, 250.0),
+               "time-per-output-token targets p0,p1,p2 in ms (default 50,100,250; p0: the design guide's); "
+               "steps are sized so the running decodes keep theirs", per_tier_ms),
     WorkerFlag("heartbeat", "heartbeat_s", 0.5, "status period, s", float),
     WorkerFlag("metrics-host", "metrics_host", "127.0.0.1", "address of the worker's /healthz /readyz /metrics"),
     WorkerFlag("metrics-port", "metrics_port", None,
@@ -74,6 +100,8 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("worker")
     for f in WORKER_FLAGS:
         default = env_default(f.flag, f.default)
+        if f.type in (optional_float, per_tier_ms) and os.environ.get(f.env) is not None:
+            default = os.environ[f.env]  # a string default goes through ``type`` ("none" included)
         text = f"{f.help} [{f.env}]"
         if isinstance(f.default, bool):
             g.add_argument(f"--{f.flag}", action=argparse.BooleanOptionalAction, default=default, help=text)

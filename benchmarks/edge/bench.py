@@ -81,7 +81,8 @@ class _Shard:
         tok = await asyncio.to_thread(build_tokenizer)
         self.bus = busmod.connect("memory://")
         await self.bus.start()
-        cfg = EdgeConfig(model=MODEL, port=self.port, keys=None, slo_wait_s=(1e9, 1e9, 1e9), ping_interval_s=None,
+        cfg = EdgeConfig(model=MODEL, port=self.port, keys=None, slo_wait_s=(1e9, 1e9, 1e9), slo_ttft_ms=(1e12,) * 3,
+                         ping_interval_s=None,
                          send_queue_frames=4096, max_streams_per_connection=4, max_connections=10**6,
                          reuse_port=self.reuse_port)
         step = self.step_ms / 1000

@@ -137,9 +137,10 @@ class Admission:
         if bias and max(t for t, _ in bias) >= len(encoder.tokenizer):
             raise ProtocolError(f"logit_bias token ids must be below the vocabulary size {len(encoder.tokenizer)}",
                                 "logit_bias", g.id)
-        shed = self.models.shedders[model].check(principal.tier, time.monotonic())
-        if shed is not None:
-            raise ProtocolError(shed.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=shed.retry_after)
+        tier = self.models.shedders[model].place(principal.tier if g.tier is None else max(principal.tier, g.tier),
+                                  time.monotonic(), demote=cfg.slo_demote)
+        if not isinstance(tier, int):
+            raise ProtocolError(tier.reason, None, g.id, code=ErrorCode.OVERLOADED, retry_after=tier.retry_after)
         if g.sampling.guided:  # a constraint the grammar engine cannot compile never reaches the bus
             if self._grammars is None or self._grammars.tokenizer is not encoder.tokenizer:
                 self._grammars = GrammarChecker(encoder.tokenizer, self.config.grammar_compile_timeout_s)
@@ -169,14 +170,14 @@ class Admission:
                                 retry_after=limited.retry_after)
         now = asyncio.get_running_loop().time()
         rid = self.new_request_id()
-        labels = (model, f"p{principal.tier}", api)
+        labels = (model, f"p{tier}", api)
         s = Stream(rid, client_id if client_id is not None else g.id, sink, principal, labels, len(ids), max_tokens,
                    now, now + cfg.request_timeout_s, token_ids)
         if self.tracer is not None:
             # From the admission's start: tokenization is part of the request's time at the edge.
             # Requests refused above get no span (the rejection metrics count them).
             s.span = self.tracer.start("lockgate.request", trace_parent, SpanKind.SERVER, started_ns, {
-                "lockgate.request_id": rid, "lockgate.api": api, "lockgate.tier": principal.tier,
+                "lockgate.request_id": rid, "lockgate.api": api, "lockgate.tier": tier,
                 "lockgate.tenant": principal.tenant, "gen_ai.request.model": model,
                 "gen_ai.usage.input_tokens": len(ids), "gen_ai.request.max_tokens": max_tokens})
         self.lifecycle.register(s, owner)
@@ -184,7 +185,7 @@ class Admission:
         wall = time.time()
         req = InferenceRequest(
             request_id=rid, model=model, prompt_token_ids=tuple(ids), sampling=sampling,
-            reply_to=self.reply_topic, tenant=principal.tenant, tier=principal.tier, enqueued_at=wall,
+            reply_to=self.reply_topic, tenant=principal.tenant, tier=tier, enqueued_at=wall,
             deadline=wall + cfg.request_timeout_s, prompt_text=g.prompt, messages=g.messages,
             # One prefix-cache namespace per tenant: a tenant never hits (and ``cached_tokens`` never
             # reveals) a prefix that another tenant sent.

@@ -41,7 +41,8 @@ class ModelCatalog:
     def __init__(self, config: EdgeConfig, encoder: PromptEncoder | None) -> None:
         self.config = config
         self.paths: dict[str, str | None] = {config.model: config.model_path, **dict(config.models)}
-        self.shedders = {m: LoadShedder(m, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s)
+        self.shedders = {m: LoadShedder(m, config.slo_wait_s, config.max_queue_depth, config.heartbeat_stale_s,
+                                        slo_ttft_s=tuple(ms / 1000.0 for ms in config.slo_ttft_ms))
                          for m in self.paths}
         self.encoders: dict[str, PromptEncoder] = {config.model: encoder} if encoder is not None else {}
         self._loading: dict[str, asyncio.Task[PromptEncoder]] = {}

@@ -12,10 +12,15 @@ its consumer lag (records still on the topic in its partitions), so a backlog on
 A new request of tier ``t`` is shed with ``overloaded`` when:
 
 * no live worker serves the model (``retry_after`` = ``stale_after_s``); or
-* that wait exceeds ``slo_wait_s[t]`` (``retry_after`` = the excess, clamped to 1..30 s); or
+* that wait exceeds ``slo_wait_s[t]``, or the tier's TTFT target ``slo_ttft_s[t]`` (the wait is the
+  workers' prediction of the time to a new request's first chunk, from the prompt tokens queued
+  ahead and the measured step time: a request that cannot meet its tier's TTFT is refused now
+  rather than queued to miss it) (``retry_after`` = the excess, clamped to 1..30 s); or
 * ``max_queue_depth[t] > 0`` and every live worker's ``queue_depth[t]`` is at or above it.
 
-New WebSocket connections of a tier being shed get HTTP 503 with ``Retry-After``.
+New WebSocket connections of a tier being shed get HTTP 503 with ``Retry-After``. :meth:`LoadShedder.place`
+with ``demote``: a request its tier cannot take goes to the first lower tier that can (the edge's
+``slo_demote``), else it is shed with its own tier's reason.
 """
 
 from __future__ import annotations
@@ -43,9 +48,13 @@ class LoadShedder:
         max_queue_depth: tuple[int, ...] = (0, 0, 0),
         stale_after_s: float = 3.0,
         max_workers: int = 4096,
+        slo_ttft_s: tuple[float, ...] | None = None,
     ) -> None:
         self.model = model
         self.slo_wait_s = tuple(slo_wait_s)
+        # the objective per tier: the smaller of the wait limit and the TTFT target
+        self.objective_s = self.slo_wait_s if slo_ttft_s is None else \
+            tuple(min(w, t) for w, t in zip(self.slo_wait_s, slo_ttft_s, strict=True))
         self.max_queue_depth = tuple(max_queue_depth)
         self.stale_after_s = stale_after_s
         self.max_workers = max_workers
@@ -97,7 +106,7 @@ class LoadShedder:
             return Shed(why, self.stale_after_s)
         weights = [s.partitions for s in serving] if all(s.partitions > 0 for s in serving) else [1] * len(serving)
         wait = sum(w * _at(s.est_wait_s, tier, 0.0) for w, s in zip(weights, serving, strict=True)) / sum(weights)
-        slo = self.slo_wait_s[tier]
+        slo = self.objective_s[tier]
         if not math.isfinite(wait) or wait > slo:
             excess = wait - slo if math.isfinite(wait) else MAX_RETRY_S
             return Shed(
@@ -110,6 +119,19 @@ class LoadShedder:
             if depth >= limit:
                 return Shed(f"queue depth for tier p{tier} is {depth}, limit {limit}", MIN_RETRY_S)
         return None
+
+
+    def place(self, tier: int, now: float, demote: bool = False) -> int | Shed:
+        """The tier a new request of ``tier`` is queued on, or why it is shed: ``tier`` when
+        :meth:`check` admits it; with ``demote``, else the first lower tier it admits."""
+        shed = self.check(tier, now)
+        if shed is None:
+            return tier
+        if demote:
+            for lower in range(tier + 1, len(self.objective_s)):
+                if self.check(lower, now) is None:
+                    return lower
+        return shed
 
 
 def _at(values: tuple, i: int, default):

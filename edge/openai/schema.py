@@ -27,7 +27,7 @@ from typing import Any
 from bus import ChatMessage, ErrorCode, SamplingParams
 from edge.chat.tools import ToolRequest, history_message, parse_tools
 from edge.guided import FieldError, guided_fields
-from edge.request import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError
+from edge.request import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError, requested_tier
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_TOP_LOGPROBS = 20
@@ -286,7 +286,7 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     if parallel is not None and not isinstance(parallel, bool):
         raise ProtocolError(f"parallel_tool_calls must be a boolean, got {_tname(parallel)}", "parallel_tool_calls")
     return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, max_tokens_given=_given(obj),
-                                        cache_salt=_salt(obj)),
+                                        cache_salt=_salt(obj), tier=requested_tier(obj)),
                          stream, include_usage,
                          logprobs, tool_req, n, parallel_tool_calls=parallel is not False)
 
@@ -333,9 +333,9 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         if echo:  # the prompt's own logprobs need a prompt-scoring pass the workers do not run
             raise ProtocolError("echo with logprobs is not supported (no prompt logprobs)", "echo")
         sampling = _with_logprobs(sampling, logprobs)
-    salt = _salt(obj)
+    salt, tier = _salt(obj), requested_tier(obj)
     gens = tuple(Generate("", sampling, prompt=text, model=model, prompt_token_ids=ids,
-                          max_tokens_given=_given(obj), cache_salt=salt)
+                          max_tokens_given=_given(obj), cache_salt=salt, tier=tier)
                  for text, ids in parsed)
     return OpenAIRequest(False, gens[0], stream, include_usage, logprobs, None, n,
                          prompts=gens if len(gens) > 1 else (), echo=echo)

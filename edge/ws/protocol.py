@@ -17,7 +17,7 @@ import orjson
 
 from bus import ChatMessage, SamplingParams
 from edge.guided import GUIDED_FIELDS, FieldError, guided_fields, logit_bias
-from edge.request import MAX_CACHE_SALT, MAX_ID_LEN, MAX_MESSAGES, Generate, ProtocolError
+from edge.request import MAX_CACHE_SALT, MAX_ID_LEN, MAX_MESSAGES, Generate, ProtocolError, requested_tier
 
 ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
@@ -25,7 +25,7 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop
                     "frequency_penalty", "min_tokens")
 # logit_bias, response_format and the guided_* fields are converted by edge.guided (as for OpenAI)
 _GENERATE_FIELDS = frozenset(("type", "id", "model", "messages", "prompt", "token_ids", "logit_bias", "response_format",
-                              "cache_salt", "resumable")
+                              "cache_salt", "resumable", "priority", "service_tier")
                              + _SAMPLING_FIELDS + GUIDED_FIELDS)
 _CANCEL_FIELDS = frozenset(("type", "id", "request_id"))
 _RESUME_FIELDS = frozenset(("type", "id", "request_id", "seq"))
@@ -171,7 +171,7 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
     salt = _str(obj, "cache_salt", cid, max_len=MAX_CACHE_SALT)
     # a resumable request's deltas always carry token_ids: its client counts the index to resume from
     return Generate(cid, sampling, messages, prompt, model, "max_tokens" in obj, token_ids or resumable,
-                    cache_salt=salt, resumable=resumable)
+                    cache_salt=salt, resumable=resumable, tier=requested_tier(obj, cid))
 
 
 # --- server frames ------------------------------------------------------------------------------

@@ -69,6 +69,13 @@ class EngineSnapshot:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    # Admission accounting (the worker's): blocks the engine's sequences still take before their
+    # prefill completes (Scheduler.blocks_to_prefill), and how many add commands the engine had
+    # applied when this snapshot was taken (a submit's future resolves to its own number, so the
+    # worker knows which of its admissions this snapshot already counts)
+    kv_blocks_to_prefill: int = 0
+    adds_applied: int = 0
+    step_time_s: float = 0.0  # the last step's wall time (the worker's step-time estimate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,7 @@ class AsyncEngine:
         self._compiling: dict[str, bool] = {}  # request id -> aborted, while its grammar compiles
         self._compile_lock = threading.Lock()
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
+        self._adds_applied = 0  # torch thread only: add commands taken from the queue
         self._gpu_mem: tuple[float, float | None] = (float("-inf"), None)  # (when read, value)
         self.snapshot = EngineSnapshot(max_num_seqs=engine.config.max_num_seqs,
                                        kv_blocks_total=engine.kv.num_blocks, kv_blocks_free=engine.kv.num_free_blocks)
@@ -151,8 +159,9 @@ class AsyncEngine:
     # -- commands ---------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt=None, params: SamplingParams | None = None, **kwargs) -> concurrent.futures.Future:
-        """Queue a request; the future resolves to ``None`` once it is in the engine, or raises the
-        engine's ``ValueError`` for bad input. Raises ``queue.Full`` if the command queue is full."""
+        """Queue a request; the future resolves once it is in the engine, to the number of add
+        commands applied so far (its own included; see ``EngineSnapshot.adds_applied``), or raises
+        the engine's ``ValueError`` for bad input. Raises ``queue.Full`` if the command queue is full."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         add = _Add(request_id, dict(prompt=prompt, params=params, **kwargs), fut)
         spec = params.guided if isinstance(params, SamplingParams) else None
@@ -247,12 +256,13 @@ class AsyncEngine:
                 return
             if not cmd.future.set_running_or_notify_cancel():
                 continue
+            self._adds_applied += 1
             try:
                 self.engine.add_request(cmd.request_id, **cmd.kwargs)
             except Exception as exc:  # bad input: tell the caller, keep serving
                 cmd.future.set_exception(exc)
             else:
-                cmd.future.set_result(None)
+                cmd.future.set_result(self._adds_applied)
 
     def _turn(self) -> None:
         """One turn of the step loop (a job of the torch thread); a crash fails everything loudly."""
@@ -294,8 +304,9 @@ class AsyncEngine:
             steps_before = self.engine.stats.steps
             if self.before_step is not None:
                 self.before_step()
+            t0 = time.monotonic()
             outputs = self.engine.step()
-            self._update_snapshot()
+            self._update_snapshot(time.monotonic() - t0)
             if self.on_step is not None and self.engine.stats.steps > steps_before:
                 self.on_step(self.engine.stats.last_batch_tokens, self.engine.stats.last_batch_seqs)
             if outputs:
@@ -304,7 +315,7 @@ class AsyncEngine:
             if torch_thread.others_waiting():
                 return True
 
-    def _update_snapshot(self) -> None:
+    def _update_snapshot(self, step_time_s: float = 0.0) -> None:
         e = self.engine
         now = time.monotonic()
         self._rate.append((now, e.stats.generated_tokens))
@@ -321,7 +332,8 @@ class AsyncEngine:
             tokens_per_s=rate, max_num_seqs=e.config.max_num_seqs, gpu_memory_utilization=self._gpu_mem[1],
             spec_num_drafts=e.stats.spec_num_drafts, spec_num_draft_tokens=e.stats.spec_num_draft_tokens,
             spec_num_accepted_tokens=e.stats.spec_num_accepted_tokens,
-            **e.lora_snapshot(),
+            kv_blocks_to_prefill=e.scheduler.blocks_to_prefill(), adds_applied=self._adds_applied,
+            step_time_s=step_time_s, **e.lora_snapshot(),
         )
 
     # -- event-loop side --------------------------------------------------------------------------

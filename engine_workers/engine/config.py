@@ -37,10 +37,14 @@ class EngineConfig:
     weight_prepack: bool = True  # CPU fp32: linears on oneDNN with weights packed once (cpu_linear.py)
     cpu_kernels: bool = True  # CPU fp32: decode attention on the engine's own kernel (cpu_kernels.py)
     seed: int = 0  # engine RNG for unseeded sampling
-    # Preempt the worst running sequence for a waiting one at least this much more urgent (1.0 = a
-    # tier step of the worker's priorities); None = never, the default (scheduler.py, "Priority
-    # preemption"; off by default: under a saturating load it trades throughput for tier latency).
+    # Preempt the worst running sequence for a waiting one at least this much more urgent in tier
+    # (1.0 = one tier); None = never, still the default (docs/worker.md, "SLOs": why not on by
+    # default yet; scheduler.py, "Priority preemption": slots full or the KV cache full, bounded)
     priority_preemption_margin: float | None = None
+    # Size each step so it lasts at most the strictest TPOT target of the running decodes
+    # (Sequence.tpot_slo_s, set by the worker from its tier's SLO; step_model.py); False: the fixed
+    # max_num_batched_tokens budget, as vLLM's chunked prefill
+    tpot_budget: bool = True
     # ranks of one tensor-parallel group (CPU, gloo; engine_workers/model/execution/parallel): rank 0 is this
     # process, the others are child processes it starts; 1 = no group, nothing distributed
     tensor_parallel_size: int = 1

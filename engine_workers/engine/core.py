@@ -50,6 +50,7 @@ from engine_workers.engine.sampler import Row, Sampler, SampleRow, TokenLogprobs
 from engine_workers.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.engine.speculative import SpecBackoff, batch_limit
+from engine_workers.engine.step_model import StepModel
 from engine_workers.kernels import cpu_malloc
 from engine_workers.kernels.cpu_linear import auto_cpu_dtype, cpu_weight_plan
 from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
@@ -132,6 +133,7 @@ class Engine:
                             config.max_loras if config.enable_lora else None),
             self.kv,
         )
+        self.step_model = StepModel()  # step time against batched tokens: the TPOT-sized step
         self.runner: ModelRunner | ParallelRunner
         if self.tp_group is not None:
             try:
@@ -261,6 +263,8 @@ class Engine:
         resume_token_ids: Seq[int] = (),
         lora: str | None = None,
         lora_path: str | None = None,
+        tpot_slo_s: float | None = None,
+        tier: int | None = None,
     ) -> None:
         """Queue a request. Raises ``ValueError`` naming the field for bad input; the engine's
         other requests are unaffected.
@@ -276,7 +280,11 @@ class Engine:
         ``lora``: the name of a LoRA adapter the engine serves (``lora_modules``) to run the
         request with; None = the base model. Part of the request's prefix-cache key. ``lora_path``:
         where that adapter was loaded from at run time; an engine that lacks it loads it from there
-        first (a ``ValueError`` naming what is wrong if that fails), unless it was unloaded here."""
+        first (a ``ValueError`` naming what is wrong if that fails), unless it was unloaded here.
+
+        ``tpot_slo_s``: its time-per-output-token target (its tier's SLO, from the worker): while
+        it decodes, no step batches more tokens than fit in it (``EngineConfig.tpot_budget``).
+        ``tier``: its tier, on which priority preemption decides (None: on ``priority``)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -324,6 +332,8 @@ class Engine:
             cache_extra=extra,
             lora=lora,
             times=SeqTimes(arrival_time if arrival_time is not None else time.monotonic()),
+            tpot_slo_s=tpot_slo_s if tpot_slo_s is not None and tpot_slo_s > 0 else None,
+            tier=tier,
         )
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         for t in resumed:
@@ -368,7 +378,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         if self.speculative is not None:
             self._propose()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._token_budget())
         self.stats.preemptions = self.scheduler.num_preemptions
         if self._retiring:
             self._retire_loras()
@@ -391,8 +401,25 @@ class Engine:
                 first += n
         if self._retiring:  # the step's finished requests may have been an unloading adapter's last
             self._retire_loras()
-        self.stats.busy_s += time.monotonic() - started
+        took = time.monotonic() - started
+        self.step_model.observe(sched.num_batched_tokens, took)
+        self.stats.busy_s += took
         return outputs
+
+    def _token_budget(self) -> int | None:
+        """This step's token budget: what fits in the strictest TPOT target of the running
+        decodes, by the measured step time (None: the configured budget). Where even a step of
+        the decodes alone passes the target (they miss it whatever the budget), prefills may make
+        the step at most twice that long: a floor of a few prefill tokens would only starve the
+        prompts waiting behind them (a 500-token prompt at 16 tokens a step)."""
+        if not self.config.tpot_budget:
+            return None
+        target = self.scheduler.tpot_target()
+        line = self.step_model.line() if target is not None else None
+        if target is None or line is None:
+            return None
+        decodes = len(self.scheduler.running)
+        return line.tokens_within(max(target, 2 * line.seconds(decodes)))
 
     def _propose(self) -> None:
         """Proposals for this step's decoding requests (``Sequence.spec_token_ids``). A request

@@ -16,13 +16,28 @@ running sequence with the worst priority, most recently admitted; its blocks are
 far kept, and it re-enters the waiting queue (recomputing prompt + output when readmitted, mostly
 from the prefix cache). No new sequence is admitted in a step that preempted.
 
-**Priority preemption** (``priority_preemption_margin``, off when None): when every sequence slot
-is taken and the best waiting sequence is more urgent than the worst running one by at least the
-margin (1.0 = one tier step of the worker's aging priorities), the worst running sequence (worst
-priority, newest) is preempted by recompute and the waiting one admitted in the same step. Guard
-against thrashing: the margin itself (a preemptor must be a whole tier more urgent, so the victim,
+**Priority preemption** (``priority_preemption_margin``; None, the default, = off): when the best
+waiting sequence is more urgent than the worst running one by at least the margin in tier
+(``Sequence.tier``, else its priority; 1.0 = one tier), and by its priority too, and it cannot be
+admitted, because every sequence slot is
+taken or because the KV cache has no blocks for it, the worst running sequence (worst priority,
+newest) is preempted by recompute and the waiting one admitted in the same step. Guard against
+thrashing: the margin itself (a preemptor must be a whole tier more urgent, so the victim,
 readmitted, cannot preempt it back), one such preemption per step, and a sequence is preempted
 for priority at most ``MAX_PRIORITY_PREEMPTIONS`` times (then it keeps its slot).
+
+**Memory-pressure preemption is bounded too**: the victim is chosen among the running sequences
+preempted fewer than ``MAX_PREEMPTIONS`` times; when there is none, the sequence that needs a block
+waits for one (skips the step) as long as some other sequence progresses in the step (and will
+free blocks when it finishes); only when nothing at all would run is the cap ignored. **Recompute
+or wait, by cost**: a victim whose recompute costs more than a whole step's token budget is spared,
+and the needy sequence waits a step instead, when a sequence of this step is about to finish (its
+blocks come back within the step).
+
+**The step protects TPOT** (``schedule(token_budget)``): the engine passes the tokens one step may
+batch so that it lasts no longer than the strictest time-per-output-token target among the running
+decodes (``Sequence.tpot_slo_s``, from the step time it measures: ``step_model.py``). The budget
+never drops below the running decodes plus ``MIN_PREFILL_TOKENS``, so prefills always progress.
 """
 
 from __future__ import annotations
@@ -35,6 +50,8 @@ from engine_workers.engine.sequence import SeqStatus, Sequence
 from kv_store import KVCacheManager
 
 MAX_PRIORITY_PREEMPTIONS = 2
+MAX_PREEMPTIONS = 4  # memory-pressure preemptions a sequence undergoes before it is spared (see above)
+MIN_PREFILL_TOKENS = 16  # of a TPOT-sized step, at least this many go to prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +92,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def _rank(seq: Sequence) -> float:
+    """What priority preemption compares: the tier when the caller set one, else the priority."""
+    return float(seq.tier) if seq.tier is not None else seq.priority
 
 
 class Scheduler:
@@ -128,6 +150,20 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running) or bool(self._waiting_ids)
 
+    def blocks_to_prefill(self) -> int:
+        """KV blocks the sequences held here still have to take before each has computed all its
+        known tokens (+1 for the first sampled one): waiting sequences (never admitted, or
+        preempted) and running ones part-way through a chunked prefill. Free blocks minus this is
+        what a new request can count on (the worker's admission reads it off the snapshot)."""
+        kv, need = self.kv, 0
+        for seq in self._unprefilled():
+            need += max(0, kv.blocks_needed(seq.num_tokens + 1) - len(kv.tables.get(seq.seq_id, ())))
+        return need
+
+    def _unprefilled(self) -> list[Sequence]:
+        waiting = {s.seq_id: s for _, _, s in self._waiting if s.seq_id in self._waiting_ids}
+        return [*waiting.values(), *(s for s in self.running if s.num_computed_tokens < s.num_tokens - 1)]
+
     # -- the decision --------------------------------------------------------------------------
 
     def _preempt(self, victim: Sequence) -> None:
@@ -146,9 +182,38 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def schedule(self) -> SchedulerOutput:
+    def tpot_target(self) -> float | None:
+        """The strictest time-per-output-token target among the running sequences (None: none)."""
+        targets = [s.tpot_slo_s for s in self.running if s.tpot_slo_s is not None]
+        return min(targets) if targets else None
+
+    def _memory_victim(self, seq: Sequence, scheduled: dict[str, ScheduledSeq]) -> Sequence | None:
+        """Whom to preempt so that ``seq`` gets a block, or None: ``seq`` waits a step instead
+        (see the module docstring, bounded preemption and recompute vs wait)."""
+        key = lambda s: (s.priority, s.admit_order)  # noqa: E731 - worst priority, newest
+        under = [s for s in self.running if s.num_preemptions < MAX_PREEMPTIONS]
+        progresses = any(k != seq.seq_id for k in scheduled)
+        if not under:
+            return None if progresses else max(self.running, key=key)
+        victim = max(under, key=key)
+        if victim is not seq and progresses and victim.num_computed_tokens > self.config.max_num_batched_tokens \
+                and self._finishing(scheduled):
+            return None  # a sequence ends in this step: waiting one step is cheaper than a recompute
+        return victim
+
+    @staticmethod
+    def _finishing(scheduled: dict[str, ScheduledSeq]) -> bool:
+        """Whether a sequence of this step samples its last allowed token (its blocks come back)."""
+        return any(i.samples and len(i.seq.output_token_ids) + 1 >= i.seq.params.max_tokens
+                   for i in scheduled.values())
+
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """This step's batch. ``token_budget``: at most this many tokens (the engine's TPOT-sized
+        step), never below the running decodes + ``MIN_PREFILL_TOKENS``; None: the configured one."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = min(budget, max(token_budget, len(self.running) + MIN_PREFILL_TOKENS))
         scheduled: dict[str, ScheduledSeq] = {}
 
         for seq in list(self.running):
@@ -167,14 +232,17 @@ class Scheduler:
                     num_spec = 0
                 n += num_spec
             while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
-                victim = max(self.running, key=lambda s: (s.priority, s.admit_order))
+                victim = self._memory_victim(seq, scheduled)
+                if victim is None:
+                    n = 0  # waits for a block this step
+                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim.seq_id in scheduled:  # give back the victim's share of this step
                     budget += scheduled.pop(victim.seq_id).num_new_tokens
                 if victim is seq:
                     break
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not SeqStatus.RUNNING or n == 0:
                 continue
             samples = seq.num_computed_tokens + n - num_spec == seq.num_tokens
             scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, num_spec)
@@ -183,10 +251,7 @@ class Scheduler:
         if not out.preempted:
             bumped = self._priority_victim()
             if bumped is not None:
-                self._preempt(bumped)
-                out.preempted.append(bumped)
-                if bumped.seq_id in scheduled:
-                    budget += scheduled.pop(bumped.seq_id).num_new_tokens
+                budget += self._bump(bumped, out, scheduled)
             while budget > 0 and len(self.running) < self.config.max_num_seqs:
                 head = self._peek_waiting()
                 if head is None:
@@ -194,11 +259,30 @@ class Scheduler:
                 seq = head
                 if not self._lora_fits(seq):
                     break  # head of line waits for an adapter slot, as it waits for blocks
+                # Not counted in the prefix statistics until it is admitted: a head of line that
+                # waits for blocks is looked up again every step, and counting each lookup
+                # inflated queries and hits by the steps it waited.
+                lookup = seq.params.uses_prefix_cache
                 prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra,
-                                                    lookup=seq.params.uses_prefix_cache)
+                                                    lookup=lookup, count=False)
                 n = self._chunk(seq, prefix.num_tokens, budget)
                 if not self.kv.allocate(seq.seq_id, prefix.num_tokens + n, prefix):
-                    break  # head of line waits for blocks; no lower-priority request jumps it
+                    # The KV cache is the limit: a head more urgent than the worst running
+                    # sequence by the margin takes that one's blocks (once per step, bounded).
+                    need = self.kv.blocks_needed(prefix.num_tokens + n)
+                    victim = None if bumped is not None else self._priority_victim(need)
+                    if victim is None:
+                        break  # head of line waits for blocks; no lower-priority request jumps it
+                    bumped = victim
+                    budget += self._bump(victim, out, scheduled)
+                    # the victim's blocks may have held part of the head's prefix: look it up again
+                    prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra,
+                                                        lookup=lookup, count=False)
+                    n = self._chunk(seq, prefix.num_tokens, budget)
+                    if not self.kv.allocate(seq.seq_id, prefix.num_tokens + n, prefix):
+                        break
+                if lookup and self.kv.enable_prefix_caching:
+                    self.kv.count_lookup(len(seq.all_token_ids), prefix.num_tokens)
                 self._pop_waiting()
                 seq.num_computed_tokens = prefix.num_tokens
                 if seq.num_preemptions == 0:
@@ -221,11 +305,18 @@ class Scheduler:
         running = {s.lora for s in self.running if s.lora is not None}
         return seq.lora in running or len(running) < cap
 
-    def _priority_victim(self) -> Sequence | None:
+    def _bump(self, victim: Sequence, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq]) -> int:
+        """Preempt ``victim`` for priority; returns the tokens of this step it gives back."""
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return scheduled.pop(victim.seq_id).num_new_tokens if victim.seq_id in scheduled else 0
+
+    def _priority_victim(self, need_blocks: int | None = None) -> Sequence | None:
         """The running sequence to preempt for the best waiting one, or None (see the module
-        docstring: slots full, a margin of urgency, a bounded number of times per sequence)."""
+        docstring: slots full or, ``need_blocks`` given, no blocks for it, which the victim's then
+        cover; a margin of urgency; a bounded number of times per sequence)."""
         margin = self.config.priority_preemption_margin
-        if margin is None or len(self.running) < self.config.max_num_seqs:
+        if margin is None or not self.running or (need_blocks is None and len(self.running) < self.config.max_num_seqs):
             return None
         head = self._peek_waiting()
         if head is None:
@@ -233,9 +324,16 @@ class Scheduler:
         candidates = [s for s in self.running if s.num_priority_preemptions < MAX_PRIORITY_PREEMPTIONS]
         if not candidates:
             return None
-        victim = max(candidates, key=lambda s: (s.priority, s.admit_order))
-        if head.priority + margin > victim.priority:
+        # The margin is on the tier (the worker's ``Sequence.tier``; the priority itself where none
+        # is set): aged priorities differ by a "tier step" for every aging period between two
+        # arrivals, and preempting on them preempted within a tier by age alone, a chain of
+        # recomputes under any backlog. The head must also be the more urgent by its priority, so
+        # a lower-tier request that aged past it is not preempted for it.
+        victim = max(candidates, key=lambda s: (_rank(s), s.priority, s.admit_order))
+        if _rank(head) + margin > _rank(victim) or head.priority >= victim.priority:
             return None
+        if need_blocks is not None and len(self.kv.tables.get(victim.seq_id, ())) + self.kv.num_free_blocks < need_blocks:
+            return None  # its blocks would not be enough: preempting it would only waste its work
         victim.num_priority_preemptions += 1
         return victim
 

@@ -48,6 +48,11 @@ class Sequence:
     arrival_order: int = -1  # set once; FIFO tie-break among equal priorities
     num_preemptions: int = 0
     num_priority_preemptions: int = 0  # of num_preemptions, those for a more urgent request
+    # its tier's time-per-output-token target (the worker's SLO); the scheduler sizes each step so
+    # the strictest target among the running decodes holds (None: no target)
+    tpot_slo_s: float | None = None
+    # its tier (the worker's), what priority preemption compares; None: the priority is compared
+    tier: int | None = None
     finish_reason: str | None = None
     # The seed the sampler's counter-based draws use (the request's own, or one the engine drew at
     # add_request): the draw for output position k depends only on (seed, k), see engine.sampler.

@@ -11,11 +11,16 @@ from dataclasses import dataclass, field
 
 from bus import TopicLayout, safe_name
 from engine_workers.worker.intake.queue import (
+    DEFAULT_AGE_CREDIT_PERIODS,
     DEFAULT_AGING_PERIOD_S,
+    NUM_TIERS,
     IntakeMode,
     IntakePolicy,
     parse_intake_mode,
 )
+
+DEFAULT_SLO_TTFT_MS = (500.0, 2000.0, 30000.0)
+DEFAULT_SLO_TPOT_MS = (50.0, 100.0, 250.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +31,9 @@ class WorkerConfig:
     intake_mode: IntakeMode | str = IntakeMode.AGING
     aging_period_s: float = DEFAULT_AGING_PERIOD_S
     # Aging periods of time on the topic that count, at most (intake.aging_start); None = all.
-    age_credit_periods: float | None = None
+    # Bounded by default: a record's enqueued_at is the producer's word, and an unbounded credit let
+    # any writer of a request topic (or an old backlog) sort ahead of every fresh p0 request.
+    age_credit_periods: float | None = DEFAULT_AGE_CREDIT_PERIODS
     # Within a tier, share admissions across tenants by start-time fair queueing over tokens, at
     # each request's ``weight`` (worker/intake/fair.py; docs/worker.md, "Fair share"); off: FIFO per tier.
     fair_share: bool = True
@@ -50,6 +57,12 @@ class WorkerConfig:
     # URL and the broker's message.max.bytes raised too).
     max_reply_record_bytes: int = 1 << 20
     group_id: str | None = None  # default ``<ns>.workers.<model>``
+    # Per-tier latency targets, p0, p1, p2 (docs/worker.md, "SLOs"): p0's are the design guide's
+    # (P99 TTFT < 500 ms, TPOT < 50 ms); p1 and p2 looser. TPOT sizes the engine's steps (the
+    # strictest target among the running decodes holds); TTFT is what the heartbeat's predicted
+    # wait is held against at the edge.
+    slo_ttft_ms: tuple[float, ...] = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: tuple[float, ...] = DEFAULT_SLO_TPOT_MS
 
     def __post_init__(self) -> None:
         mode = parse_intake_mode(self.intake_mode)
@@ -64,6 +77,11 @@ class WorkerConfig:
             raise ValueError(f"prefetch_per_tier must be >= 1, got {self.prefetch_per_tier}")
         if self.send_failure_reruns < 0:
             raise ValueError(f"send_failure_reruns must be >= 0, got {self.send_failure_reruns}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if len(v) != NUM_TIERS or not all(x > 0 for x in v):
+                raise ValueError(f"{name} needs {NUM_TIERS} values > 0 (p0, p1, p2), got {v!r}")
+            object.__setattr__(self, name, tuple(float(x) for x in v))
         if self.max_reply_record_bytes < 16 << 10:
             raise ValueError(f"max_reply_record_bytes must be >= 16384, got {self.max_reply_record_bytes}")
 

@@ -97,6 +97,7 @@ class Stages:
         """The engine's ``on_outputs``, once per step on the event loop: publish (non-blocking),
         refresh the gauges, then admit into the room the step freed."""
         self.way_back.outputs.publish(outputs)
+        self.pipeline.admission.observe_step()
         self.observe()
         self.pipeline.admission.admit()
 
@@ -129,13 +130,15 @@ def wire(config: WorkerConfig, bus: Bus, aengine: AsyncEngine, tracer: Tracer | 
     outputs = StepOutputs(aengine, ledger, sender, answers, metrics)
     aborts = Aborts(aengine, ledger, intake, answers, sender)
     # the pipeline, from its end
-    admission = EngineAdmission(wid, aengine, ledger, intake, policy, answers, config.prefetch_per_tier, serving)
+    admission = EngineAdmission(wid, aengine, ledger, intake, policy, answers, config.prefetch_per_tier, serving,
+                                config.slo_tpot_ms)
     checks = IntakeChecks(config.model, serving, aborts, answers, admission)
     resume = ResumeFinder(bus, wid, answers.answered_before, lambda tp: ledger.assigned_at.get(tp),
                           sender.partition_count, metrics.resumed, checks)
     gate = ReplyGate(wid, sender, ledger, dead_letters, resume)
     decode = RecordDecoder(ledger, serving, dead_letters, aengine.engine.config.block_size, policy.aging_period_s,
-                           config.age_credit_periods, spans, gate)
+                           config.age_credit_periods, spans, gate,
+                           tiers={t: i for i, t in enumerate(config.layout.request_topics(config.model))})
     failures = SendFailures(wid, failed, ledger, dead_letters, answers, checks, reruns=config.send_failure_reruns)
     return Stages(serving, Pipeline(decode, gate, resume, checks, admission, failures, dead_letters),
                   WayBack(outputs, sender, answers, usage), ledger, aborts, metrics)

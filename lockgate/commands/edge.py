@@ -12,6 +12,7 @@ from lockgate.openai_options import add_openai_port, batch_options, openai_base_
 from lockgate.options import env_default
 from lockgate.responses_options import add_responses_store, responses_store
 from lockgate.runtime import freeze_heap, raise_nofile, run_loop
+from lockgate.slo_options import add_shed_flags, shed_config
 
 DEV_BANNER = """
 **********************************************************************
@@ -47,8 +48,7 @@ def register(sub: argparse._SubParsersAction, _bench: argparse._SubParsersAction
     p.add_argument("--reuse-port", action="store_true", default=env_default("reuse-port", False),
                    help="listen with SO_REUSEPORT, so several edge processes share the port (one core each) "
                         "(env LOCKGATE_REUSE_PORT)")
-    p.add_argument("--slo-wait", default=env_default("slo-wait", "2,5,60"),
-                   help="max estimated queue wait per tier p0,p1,p2 in seconds before shedding (env LOCKGATE_SLO_WAIT)")
+    add_shed_flags(p, ttft=True)
     p.add_argument("--max-frame-bytes", type=int, default=env_default("max-frame-bytes", 1 << 20))
     p.add_argument("--request-timeout", type=float, default=env_default("request-timeout", 300.0))
     add_edge_limits(p)
@@ -85,7 +85,6 @@ def _edge(args: argparse.Namespace) -> int:
     from tokenization.model_store import model_name, resolve_model
 
     keys = load_keys(args.keys) if args.keys else None
-    slo = tuple(float(x) for x in str(args.slo_wait).split(","))
     path = resolve_model(args.model)
     kw = {"edge_id": args.edge_id} if args.edge_id else {}
     models = []
@@ -95,7 +94,7 @@ def _edge(args: argparse.Namespace) -> int:
             raise ValueError(f"--models takes NAME=MODEL, got {item!r}")
         models.append((name, str(resolve_model(spec))))
     config = EdgeConfig(model=model_name(args.model), model_path=str(path), host=args.host, port=args.port,
-                        keys=keys, slo_wait_s=slo, max_frame_bytes=args.max_frame_bytes,
+                        keys=keys, **shed_config(args), max_frame_bytes=args.max_frame_bytes,
                         request_timeout_s=args.request_timeout, reuse_port=args.reuse_port,
                         **edge_limits(args), **responses_store(args),
                         openai_port=openai_port(args), tool_call_parser=args.tool_call_parser,

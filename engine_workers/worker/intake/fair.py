@@ -58,7 +58,13 @@ class FairShare:
     def admitted(self, tier: int, start: float) -> None:
         """A request of ``tier`` with start tag ``start`` was taken out of the intake."""
         clock = self._tiers[tier]
-        clock.virtual = max(clock.virtual, start)
+        if start > clock.virtual:
+            clock.virtual = start
+            # A tenant whose finish tag V has passed would start at V anyway (max(V, F) = V):
+            # its state says nothing and goes now, not only when the tier empties (under a tier
+            # that never empties, every tenant ever seen there was kept).
+            for tenant in [t for t, f in clock.finish.items() if f <= start]:
+                del clock.finish[tenant]
         self._left(clock)
 
     def dropped(self, tier: int) -> None:
@@ -78,5 +84,6 @@ class FairShare:
         return self._tiers[tier].virtual
 
     def tenants(self, tier: int) -> int:
-        """Tenants with state in ``tier`` (for tests: bounded by the tenants with queued requests)."""
+        """Tenants with state in ``tier``: those whose finish tag lies ahead of the tier's virtual
+        clock (a request queued, or admitted within the last turn of the others)."""
         return len(self._tiers[tier].finish)

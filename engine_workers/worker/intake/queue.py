@@ -37,6 +37,10 @@ from engine_workers.worker.intake.fair import DEFAULT_WEIGHT, FairShare
 T = TypeVar("T")
 
 DEFAULT_AGING_PERIOD_S = 2.0
+# A record's time on the topic counts for at most this many aging periods (docs/worker.md,
+# "A cap on the age a backlog brings"): one tier step, so neither an old backlog nor a forged
+# ``enqueued_at`` sorts a record ahead of p0 requests queued before its fetch.
+DEFAULT_AGE_CREDIT_PERIODS = 1.0
 NUM_TIERS = 3
 MAX_EST_WAIT_S = 3600.0  # est_wait_s is capped (the heartbeat carries finite numbers only)
 
@@ -255,17 +259,30 @@ class IntakeQueue(Generic[T]):
     def ahead_of(self, tier: int, now: float) -> int:
         """How many queued requests a request of ``tier`` arriving ``now`` would wait behind
         (by the policy's key; under fair share an estimate)."""
+        return len(self.queued_ahead(tier, now))
+
+    def queued_ahead(self, tier: int, now: float) -> list[Pending[T]]:
+        """The queued requests a request of ``tier`` arriving ``now`` would wait behind."""
         key = self.policy.sort_key(tier, now)
-        return sum(1 for p in self._live.values() if self.policy.sort_key(p.tier, p.enqueued_at) <= key)
+        return [p for p in self._live.values() if self.policy.sort_key(p.tier, p.enqueued_at) <= key]
 
 
 class RateMeter:
-    """Events per second over a sliding window (admissions, for the heartbeat's wait estimate)."""
+    """Events per second over a sliding window (admissions, for the heartbeat's wait estimate).
 
-    def __init__(self, window_s: float = 10.0, max_events: int = 4096) -> None:
+    The last ``keep`` events are kept past the window: with fewer events in the window the rate is
+    theirs over the time since the oldest of them, so it decays smoothly while nothing happens
+    (``keep / elapsed``). Emptying the window instead made the rate 0 after ``window_s`` without an
+    admission (an idle spell, or long requests holding every slot), and the wait estimate jumped to
+    its cap: the edge then shed the burst that followed."""
+
+    def __init__(self, window_s: float = 10.0, max_events: int = 4096, keep: int = 8) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
+        if not 1 <= keep <= max_events:
+            raise ValueError(f"keep must be in 1..max_events, got {keep}")
         self.window_s = window_s
+        self.keep = keep
         self._events: deque[float] = deque(maxlen=max_events)
 
     def record(self, now: float, n: int = 1) -> None:
@@ -273,7 +290,8 @@ class RateMeter:
             self._events.append(now)
 
     def rate(self, now: float) -> float:
-        while self._events and self._events[0] < now - self.window_s:
+        """Events per second; 0 only before the first event."""
+        while len(self._events) > self.keep and self._events[0] < now - self.window_s:
             self._events.popleft()
         if not self._events:
             return 0.0
@@ -282,7 +300,8 @@ class RateMeter:
 
 
 def estimate_wait(ahead: int, rate: float) -> float:
-    """Seconds until a request with ``ahead`` requests before it is admitted, at ``rate`` per s."""
+    """Seconds until a request with ``ahead`` requests before it is admitted, at ``rate`` per s
+    (0: no admission seen yet, so no measure: the cap)."""
     if ahead <= 0:
         return 0.0
     if rate <= 0:

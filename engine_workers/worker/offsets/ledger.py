@@ -49,15 +49,15 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True, eq=False)
 class Job:
     """One held request record and where it is: intake, engine, final reply in flight.
-    ``admitted``/``started`` change only through the ledger, which keeps ``in_engine`` and
-    ``reserved_blocks`` in step with them; the worker sets the other flags itself."""
+    ``admitted``/``started`` change only through the ledger, which keeps ``in_engine`` in step
+    with them; the worker sets the other flags itself."""
 
     eid: str  # engine request id: unique per worker even when a request id comes back
     req: InferenceRequest
     tp: TopicPartition | None
     offset: int
     arrival: float  # wall clock: enqueued_at (fetch time when unset or in the future)
-    blocks: int  # KV blocks the prompt (+1 token) needs
+    prompt_blocks: int  # KV blocks the prompt (+1 token) needs
     aging_from: float = 0.0  # wall clock its aging counts from (intake.aging_start); 0: from arrival
     pending: Pending | None = None  # while in the intake
     admitted: bool = False  # handed to the engine, final output not seen yet
@@ -69,11 +69,21 @@ class Job:
     resume: tuple[int, ...] = ()
     span: Span | None = None  # the worker span, only when tracing is on (worker/spans.py)
     reply_queued_ns: int = 0  # when its final reply was queued (the reply send span's start)
+    block_size: int = 0  # the engine's KV block size; 0 (tests): ``blocks`` is ``prompt_blocks``
+    engine_add: int = 0  # the engine's number for its add command once applied (0: not yet)
 
     @property
     def order_time(self) -> float:
         """The instant the intake ages this request from."""
-        return self.aging_from or self.arrival  # output tokens another worker already published (worker.resume)
+        return self.aging_from or self.arrival
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks the engine takes to start it: its prompt, the output tokens it resumes with
+        (another worker's, ``resume``: prefilled with the prompt), and one for the first token."""
+        if not self.block_size:
+            return self.prompt_blocks
+        return max(self.prompt_blocks, -(-(len(self.req.prompt_token_ids) + len(self.resume) + 1) // self.block_size))
 
 
 class RequestLedger:
@@ -86,7 +96,6 @@ class RequestLedger:
         self.consumer: Consumer | None = None
         self.offsets: OffsetTracker[TopicPartition] = OffsetTracker()
         self.in_engine = 0  # jobs admitted whose final output was not seen yet
-        self.reserved_blocks = 0  # KV blocks of admitted jobs not started (not yet in the engine's count)
         self._jobs: dict[str, Job] = {}
         self._by_rid: dict[str, set[str]] = {}
         self._revoking: set[TopicPartition] = set()
@@ -132,20 +141,25 @@ class RequestLedger:
 
     def admitted(self, job: Job) -> None:
         job.admitted = True
+        job.engine_add = 0
         self.in_engine += 1
-        self.reserved_blocks += job.blocks
 
     def started(self, job: Job) -> None:
-        """First output seen: the engine's free-block count now includes the prompt's KV."""
+        """First output seen."""
         job.started = True
-        self.reserved_blocks -= job.blocks
 
     def left_engine(self, job: Job) -> None:
         if job.admitted:
             job.admitted = False
             self.in_engine -= 1
-            if not job.started:
-                self.reserved_blocks -= job.blocks
+
+    def reserved_blocks(self, adds_applied: int) -> int:
+        """KV blocks of admitted jobs that the engine's snapshot does not count yet: those whose
+        add command it had not applied when the snapshot (``adds_applied``) was taken. From then
+        on the snapshot counts them itself (``kv_blocks_to_prefill``, then its free blocks), chunk
+        by chunk, so no block is counted both here and there (docs/worker.md, "Admission")."""
+        return sum(j.blocks for j in self._jobs.values()
+                   if j.admitted and (j.engine_add == 0 or j.engine_add > adds_applied))
 
     # -- counts -----------------------------------------------------------------------------------
 

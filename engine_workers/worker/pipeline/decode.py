@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Mapping
+from dataclasses import replace
 
 from bus import DecodeError, InferenceRequest, Record, decode
 from engine_workers.worker.intake.queue import aging_start
@@ -28,11 +30,13 @@ from engine_workers.worker.spans import WorkerSpans
 class RecordDecoder:
     """``block_size``: the engine's KV block size (a job's ``blocks``); ``aging_period_s`` and
     ``age_credit_periods``: the intake's aging (:func:`aging_start`); ``spans``: None when tracing
-    is off; ``next_stage``: the reply gate."""
+    is off; ``next_stage``: the reply gate; ``tiers``: each request topic's tier (a record's tier is
+    its topic's)."""
 
     def __init__(self, ledger: RequestLedger, serving: Serving, dead_letters: DeadLetters, block_size: int,
                  aging_period_s: float, age_credit_periods: float | None, spans: WorkerSpans | None,
-                 next_stage: Stage) -> None:
+                 next_stage: Stage, tiers: Mapping[str, int] | None = None) -> None:
+        self.tiers: Mapping[str, int] = tiers or {}
         self.ledger = ledger
         self.serving = serving
         self.dead_letters = dead_letters
@@ -57,11 +61,18 @@ class RecordDecoder:
         if not isinstance(msg, InferenceRequest):
             self.dead_letters.send(rec, why)
             return
+        # The tier is the topic's, never the record's own field: whoever may write to the p2
+        # topic could otherwise label a record p0 and be served ahead of p0 traffic. (The edge
+        # publishes a request on its tier's topic; a record whose field disagrees is relabelled.)
+        tier = self.tiers.get(rec.tp.topic, msg.tier)
+        if tier != msg.tier:
+            msg = replace(msg, tier=tier)
         now = time.time()
         arrival = msg.enqueued_at if 0 < msg.enqueued_at <= now else now
         job = Job(f"{msg.request_id}#{next(self._eids)}", msg, rec.tp, rec.offset, arrival,
                   -(-(len(msg.prompt_token_ids) + 1) // self.block_size),
-                  aging_from=aging_start(arrival, now, self.aging_period_s, self.age_credit_periods))
+                  aging_from=aging_start(arrival, now, self.aging_period_s, self.age_credit_periods),
+                  block_size=self.block_size)
         if self.spans is not None:
             self.spans.begin(job, rec)
         self.ledger.add(job)

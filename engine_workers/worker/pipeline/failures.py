@@ -151,8 +151,8 @@ class SendFailures:
             self.dead_letters.send(job_record(job), failed_replies_reason(topic, n))
             return
         base = job.eid.rsplit("/r", 1)[0] if job.send_failures else job.eid  # our suffix only
-        again = Job(f"{base}/r{n}", job.req, job.tp, job.offset, job.arrival, job.blocks, aging_from=job.aging_from,
-                    send_failures=n)
+        again = Job(f"{base}/r{n}", job.req, job.tp, job.offset, job.arrival, job.prompt_blocks, aging_from=job.aging_from,
+                    send_failures=n, block_size=job.block_size)
         self.ledger.add(again)  # held (a rebalance that moves its partition marks it lost)
         if n > self.reruns:
             log.error("worker %s: replies of %s to %s failed %d times; answering it with an error", self.worker_id,

@@ -132,3 +132,37 @@ def test_a_sequence_is_preempted_for_priority_a_bounded_number_of_times():
         run_step(s)  # the preempted one is readmitted
     assert r0.num_priority_preemptions <= 2 and r1.num_priority_preemptions <= 2
     assert bumps == 4  # two each, then they keep their slots
+
+
+def test_prefix_lookups_of_a_blocked_head_are_counted_once_at_admission():
+    """The head of the waiting queue is looked up every step it waits for blocks; the prefix
+    statistics count it once, when it is admitted (before, every blocked step counted again)."""
+    s, kv = make(num_blocks=4, block_size=4, max_seqs=4, budget=64)
+    a = seq("a", 14)  # 4 blocks with its first token: the whole pool
+    s.add(a)
+    run_step(s)
+    b = seq("b", 6)
+    s.add(b)
+    for _ in range(3):  # b waits: no block free
+        run_step(s)
+    assert kv.stats.queries == 14
+    s.remove(a)
+    run_step(s)
+    assert b.num_computed_tokens == 6
+    assert kv.stats.queries == 14 + 6
+
+
+def test_blocks_to_prefill_follows_a_chunked_prefill():
+    s, kv = make(num_blocks=64, block_size=4, budget=8)
+    a = seq("a", 30)  # 31 tokens with its first output: 8 blocks
+    s.add(a)
+    assert s.blocks_to_prefill() == 8
+    seen = []
+    for _ in range(10):
+        run_step(s)
+        seen.append((s.blocks_to_prefill(), kv.num_free_blocks))
+        if a.output_token_ids:
+            break
+    # every step: blocks taken + blocks still to take stay the prompt's 8 (+ nothing counted twice)
+    assert all(todo + (64 - free) in (8, 9) for todo, free in seen[:-1]), seen
+    assert seen[-1][0] == 0

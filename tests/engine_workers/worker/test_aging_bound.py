@@ -26,7 +26,7 @@ def test_aging_counts_from_at_most_one_period_before_the_fetch() -> None:
     assert aging_start(100.0, 101.0, 2.0, 1.0) == 100.0  # a fresh record: its enqueue time
     assert aging_start(10.0, 101.0, 2.0, 1.0) == 99.0  # an old one: one period of credit
     assert aging_start(150.0, 101.0, 2.0, 1.0) == 101.0  # a producer clock ahead: never after the fetch
-    assert aging_start(10.0, 101.0, 2.0, None) == 10.0  # no cap (the default): all of its age
+    assert aging_start(10.0, 101.0, 2.0, None) == 10.0  # no cap (--age-credit-periods none): all of its age
 
 
 def _req(rid: str, layout: TopicLayout, tier: int, enqueued_at: float) -> InferenceRequest:
