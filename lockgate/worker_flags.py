@@ -61,7 +61,13 @@ WORKER_FLAGS: tuple[WorkerFlag, ...] = (
     WorkerFlag("max-reply-record-bytes", "max_reply_record_bytes", 1 << 20,
                "split a step's coalesced replies into records of at most this size; keep it at or under "
                "the producer's max_request_size", int),
-    WorkerFlag("heartbeat", "heartbeat_s", 0.5, "status period, s", float),
+    WorkerFlag("heartbeat", "heartbeat_s", 0.25, "status period, s (also the failover's clock)", float),
+    WorkerFlag("failover", "failover", True,
+               "take over the requests of a peer whose heartbeats stopped, without waiting for the group's "
+               "session timeout (docs/worker.md, Failover)"),
+    WorkerFlag("failover-detect", "failover_detect_s", None,
+               "seconds of heartbeat silence after which a peer is presumed dead (unset: 3 heartbeat periods)",
+               float),
     WorkerFlag("metrics-host", "metrics_host", "127.0.0.1", "address of the worker's /healthz /readyz /metrics"),
     WorkerFlag("metrics-port", "metrics_port", None,
                "worker /healthz /readyz /metrics port (0 = any; unset = off; `serve`'s edge serves its own "

@@ -6,14 +6,16 @@ requests (temperature 0.8, seeded as the edge seeds them) to the model's p1 topi
 reply topic as a client would; once a worker is streaming a request it is killed (SIGKILL; a round
 in which every request finished first, or whose victim had finished its streams by the time the kill
 landed, is run again, after the victim restarts). For each request that worker had started and
-not finished, the recovery time is the gap from the kill to the next token the client receives for it (from the survivor, after the
-group's session timeout and rebalance, the history read and one prefill). Re-run decode steps are
-the tokens the survivor generated at a seq the victim had already published (0 when every history
-was found). The victim is restarted and the group settles before the next round.
+not finished, the recovery time is the gap from the kill to the next token the client receives for it
+(from the survivor: its failover detects the silent heartbeats, reads the victim's partitions and
+the history, and prefills once; docs/worker.md, "Failover"). Re-run decode steps are the tokens the
+survivor generated at a seq the victim had already published (0 when every history was found). The
+victim is restarted and the group settles before the next round.
 
 Prints p50/p99/max of the recovery time, the requests taken over and resumed, and the re-run decode
-steps, over ``--kills`` rounds. The workers are started with the session timeout of ``--bus`` (a
-``session_timeout_ms`` query option; default 6 s): detection of the dead worker dominates.
+steps, over ``--kills`` rounds. ``--bus`` defaults to Kafka's group defaults (session timeout 10 s):
+the takeover does not wait for it. ``--no-failover`` starts the workers without it (the time is then
+the session timeout's rebalance).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Fleet:
                "--model", a.model, "--served-model-name", self.model, "--namespace", self.layout.namespace,
                "--partitions", str(self.layout.partitions), "--worker-id", name, "--max-num-seqs", str(a.max_num_seqs),
                "--kv-cache-bytes", a.kv_cache_bytes, "--metrics-port", str(port)]
+        if not a.failover:
+            cmd += ["--no-failover"]
         if a.threads:
             cmd += ["--threads", str(a.threads)]
         with (self.logs / f"{name}.log").open("a") as err:
@@ -93,7 +97,8 @@ async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argpa
                  rng: random.Random) -> dict:
     reply = layout.reply_topic(f"recovery-{uuid.uuid4().hex[:8]}")
     await bus.ensure_topics([layout.reply_spec(reply.rsplit(".", 1)[-1], 1)])
-    reqs = [InferenceRequest(f"r{rnd}-{i}", model, tuple(rng.randrange(3, 500) for _ in range(rng.randint(16, 64))),
+    reqs = [InferenceRequest(f"r{rnd}-{i}", model,
+                             tuple(rng.randrange(3, 500) for _ in range(args.prompt_tokens or rng.randint(16, 64))),
                              SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True).seeded(),
                              reply, tier=1, enqueued_at=time.time()) for i in range(args.requests)]
     consumer = bus.consumer([reply], start_from="earliest")
@@ -190,12 +195,16 @@ async def _bench(args: argparse.Namespace) -> dict:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bus", default="kafka://127.0.0.1:9092?session_timeout_ms=6000&heartbeat_interval_ms=500",
-                   help="a Kafka bus URL; its session_timeout_ms is how soon a dead worker is noticed")
+    p.add_argument("--bus", default="kafka://127.0.0.1:9092",
+                   help="a Kafka bus URL (the group's defaults: session timeout 10 s)")
+    p.add_argument("--failover", action=argparse.BooleanOptionalAction, default=True,
+                   help="the workers' heartbeat failover (off: recovery waits for the group's rebalance)")
     p.add_argument("--model", default="default", help="model of both workers (folder, hub id or default)")
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--requests", type=int, default=6, help="sampled requests per round")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prompt length of every request (0: 16-64 at random): the takeover re-prefills it")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--kv-cache-bytes", default="256M")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
@@ -208,12 +217,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.kills < 1 or args.requests < 2:
         raise ValueError("--kills must be >= 1 and --requests >= 2")
+    if args.prompt_tokens < 0:
+        raise ValueError(f"--prompt-tokens must be >= 0, got {args.prompt_tokens}")
     res = asyncio.run(_bench(args))
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
     print(f"lockgate bench recovery --kills {args.kills} --requests {args.requests} --max-tokens {args.max_tokens} "
-          f"--model {args.model}")
+          f"--model {args.model} --prompt-tokens {args.prompt_tokens} --bus {args.bus}" + ("" if args.failover else " --no-failover"))
     print(f"  kills {res['kills']}, requests taken over {res['taken_over']}, re-run decode steps {res['rerun_steps']}")
     print(f"  kill -> next token on the client: p50 {res['recovery_p50_s']:.2f} s, p99 {res['recovery_p99_s']:.2f} s, "
           f"max {res['recovery_max_s']:.2f} s ({res['samples']} samples)")

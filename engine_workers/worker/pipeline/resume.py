@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bus import (
     Bus,
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 CLOCK_SLACK_S = 0.0
 READ_LIMIT = 50_000  # records read from one reply partition for one lookup
 READ_TIMEOUT_S = 5.0
+CLAIM_POLL_S = 0.1  # how often a request claimed by a takeover is checked again
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class Progress:
 
     token_ids: tuple[int, ...] = ()
     final: Finished | Error | None = None
+    attempt: int | None = None  # the highest attempt any reply for it carried (None: no reply)
 
 
 def fold_progress(wanted: Set[str], replies: Iterable[Message]) -> dict[str, Progress]:
@@ -74,17 +76,20 @@ def fold_progress(wanted: Set[str], replies: Iterable[Message]) -> dict[str, Pro
     out, so a lost record shortens the prefix, never corrupts it). Pure."""
     tokens: dict[str, list[int]] = {}
     finals: dict[str, Finished | Error] = {}
+    attempts: dict[str, int] = {}
     for m in replies:
         rid = getattr(m, "request_id", None)
         if not isinstance(rid, str) or rid not in wanted:
             continue
+        attempt = getattr(m, "attempt", 0)
+        attempts[rid] = max(attempts.get(rid, attempt), attempt)
         if isinstance(m, TokenChunk):
             have = tokens.setdefault(rid, [])
             if m.seq <= len(have) < m.seq + len(m.token_ids):
                 have.extend(m.token_ids[len(have) - m.seq:])
         elif isinstance(m, (Finished, Error)):
             finals.setdefault(rid, m)
-    return {rid: Progress(tuple(tokens.get(rid, ())), finals.get(rid)) for rid in wanted if rid in tokens or rid in finals}
+    return {rid: Progress(tuple(tokens.get(rid, ())), finals.get(rid), attempts[rid]) for rid in wanted if rid in attempts}
 
 
 def decode_replies(values: Iterable[bytes]) -> list[Message]:
@@ -102,14 +107,18 @@ def decode_replies(values: Iterable[bytes]) -> list[Message]:
 class ResumeFinder:
     """``answered(job, final)``: a request already answered (commit it without running);
     ``assigned_at(tp)``: when the partition was assigned here (wall clock; None: not owned), for
-    :meth:`needs_lookup`; ``partition_count(topic)``: a reply topic's partition count where known
+    :meth:`needs_lookup`; ``claimed(job)``: another run of the request is held as a takeover of a
+    dead peer's request (here or by a live peer: worker/failover), so this one waits until that
+    claim is gone, then looks up what was published (finding its final reply, it runs nothing);
+    ``partition_count(topic)``: a reply topic's partition count where known
     (the reply sender's cache; else the bus is asked); ``on_resumed(tokens)``: a request continues
     after ``tokens`` already published; ``next_stage``: the intake checks."""
 
     def __init__(self, bus: Bus, worker_id: str, answered: Callable[[Job, Finished | Error], None],
                  assigned_at: Callable[[TopicPartition], float | None],
                  partition_count: Callable[[str], int | None],
-                 on_resumed: Callable[[int], None], next_stage: Stage) -> None:
+                 on_resumed: Callable[[int], None], next_stage: Stage,
+                 claimed: Callable[[Job], bool] | None = None) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.answered = answered
@@ -117,6 +126,7 @@ class ResumeFinder:
         self.partition_count = partition_count
         self.on_resumed = on_resumed
         self.next_stage = next_stage
+        self.claimed = claimed if claimed is not None else (lambda _job: False)
         self._waiting: dict[tuple[str, int], list[Job]] = {}  # reply partition -> jobs not yet read for
         self._tasks: set[asyncio.Task] = set()
 
@@ -125,13 +135,15 @@ class ResumeFinder:
 
     def needs_lookup(self, job: Job) -> bool:
         """Only a request enqueued before its partition came to this worker can have been started
-        by another one."""
+        by another one; a takeover always was."""
+        if job.takeover:
+            return True
         since = self.assigned_at(job.tp) if job.tp is not None else None
         return since is not None and job.req.enqueued_at <= since + CLOCK_SLACK_S
 
     def put(self, arrival: Arrival) -> None:
         """Hand ``arrival`` on now, or once its reply partition has been read."""
-        if not self.needs_lookup(arrival.job):
+        if not self.needs_lookup(arrival.job) and not self.claimed(arrival.job):
             self.next_stage.put(arrival)
             return
         job = arrival.job
@@ -140,6 +152,10 @@ class ResumeFinder:
         task.add_done_callback(self._tasks.discard)
 
     async def _hold(self, job: Job) -> None:
+        # A takeover runs it (or ran it): its final reply, once acknowledged, ends the claim and
+        # the lookup below finds it. Nothing runs twice after the group's eventual rebalance.
+        while self.claimed(job) and not job.lost:
+            await asyncio.sleep(CLAIM_POLL_S)
         topic = job.req.reply_to
         try:
             count = self.partition_count(topic)
@@ -182,6 +198,11 @@ class ResumeFinder:
         if progress is not None and progress.final is not None:
             self.answered(job, progress.final)
             return
+        seen = progress.attempt if progress is not None else None
+        if job.takeover or seen is not None:
+            # Fencing: this run replies with an attempt above every one published for the request,
+            # so the edge drops whatever an earlier run (a paused worker that comes back) still sends.
+            job.req = replace(job.req, attempt=max(job.req.attempt, seen if seen is not None else 0) + 1)
         if progress is not None and progress.token_ids:
             if len(progress.token_ids) >= job.req.sampling.max_tokens:
                 # Every token was sent but not the final reply: nothing to generate; the engine would

@@ -26,8 +26,9 @@ def test_fold_keeps_the_contiguous_prefix_and_the_final_reply() -> None:
         TokenChunk("zzz", 0, 0, (7,), "", 0),  # not asked for
     ]
     got = fold_progress({"a", "b", "c", "d", "e"}, replies)
-    assert got == {"a": Progress((1, 2, 3, 4)), "b": Progress((9,), replies[5]), "c": Progress(()),
-                   "d": Progress((), replies[6])}
+    # attempt: the highest any of its replies carried (a takeover replies above it: fencing)
+    assert got == {"a": Progress((1, 2, 3, 4), None, 1), "b": Progress((9,), replies[5], 0), "c": Progress((), None, 0),
+                   "d": Progress((), replies[6], 0)}
     batch = encode(ReplyBatch((TokenChunk("a", 0, 0, (1,), "", 0),), (Finished("a", 0, "stop", 1, Usage(1, 1)),)))
     assert [type(m).__name__ for m in decode_replies([b"not json", batch])] == ["TokenChunk", "Finished"]
 
