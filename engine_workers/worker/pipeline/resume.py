@@ -5,8 +5,8 @@ Every token a worker publishes is durable on the request's reply topic, in the o
 request id keys to (``bus.partitioner.partition_for_key``), in order. A worker that takes over a
 request (its partition moved here after a crash, or this worker restarted) reads that partition
 from the request's enqueue time up to its end as of now (``Bus.read_partition``), folds the
-replies into the contiguous token prefix ``0..k-1`` already published for it
-(:func:`fold_progress`), and hands it to the engine as ``resume_token_ids``: one prefill of
+replies into the contiguous token prefix ``0..k-1`` already published for it, as the edge
+delivered it (fenced replies of a lower attempt left out: :func:`fold_progress`), and hands it to the engine as ``resume_token_ids``: one prefill of
 prompt + prefix (a prefix-cache hit when this worker saw it), then decoding continues at seq k with
 the request's seed, whose draw for position k depends only on (seed, k). The client sees no token
 twice and none generated twice. A request whose final reply is already there (its worker died
@@ -71,9 +71,14 @@ class Progress:
 
 
 def fold_progress(wanted: Set[str], replies: Iterable[Message]) -> dict[str, Progress]:
-    """Fold replies (in partition order) into each wanted request's :class:`Progress`. Chunks of
-    several attempts may overlap; the prefix grows only contiguously (a chunk past a gap is left
-    out, so a lost record shortens the prefix, never corrupts it). Pure."""
+    """Fold replies (in partition order) into each wanted request's :class:`Progress`: the stream
+    exactly as an edge reading the same partition has it. Chunks of several attempts may overlap;
+    the prefix grows only contiguously (a chunk past a gap is left out, so a lost record shortens
+    the prefix, never corrupts it). A reply of an attempt below the highest seen before it is left
+    out, as the edge drops it (fencing): a paused worker that comes back after a takeover may
+    publish tokens past the taker's, which no client received; a run resuming after them would
+    leave a gap in every client's stream, and a fenced final reply would count as an answer the
+    client never got. Pure."""
     tokens: dict[str, list[int]] = {}
     finals: dict[str, Finished | Error] = {}
     attempts: dict[str, int] = {}
@@ -82,7 +87,9 @@ def fold_progress(wanted: Set[str], replies: Iterable[Message]) -> dict[str, Pro
         if not isinstance(rid, str) or rid not in wanted:
             continue
         attempt = getattr(m, "attempt", 0)
-        attempts[rid] = max(attempts.get(rid, attempt), attempt)
+        if attempt < attempts.get(rid, attempt):
+            continue  # fenced (edge/admission/router.py drops it too)
+        attempts[rid] = attempt
         if isinstance(m, TokenChunk):
             have = tokens.setdefault(rid, [])
             if m.seq <= len(have) < m.seq + len(m.token_ids):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bus import Finished, InferenceRequest, SamplingParams, TokenChunk, WorkerStatus, connect, decode
+from bus import Error, Finished, InferenceRequest, SamplingParams, TokenChunk, WorkerStatus, connect, decode
 from edge.admission.router import dedupe
 from tests.engine_workers.worker.test_worker_kafka import (
     LOCKGATE,
@@ -124,12 +124,21 @@ async def wait_in_hand(replies: Replies, procs, reqs) -> tuple[str, str]:
 
 
 def in_hand_of(replies: Replies, victim: str) -> dict[str, int]:
-    """The requests ``victim`` was the last to stream and that have no final reply: their stream
-    length now."""
-    last: dict[str, str] = {}
-    for c in replies.chunks:
-        last[c.request_id] = c.worker_id
-    return {rid: len(replies.tokens.get(rid, {})) for rid, w in last.items() if w == victim and rid not in replies.final}
+    """The requests ``victim`` streamed and did not finish itself, from its own replies read so far:
+    the tokens it published of each. Read after the kill it is exact: the victim's replies (in
+    flight when it died included) precede in the one reply partition whatever the survivor
+    publishes for the same requests once it takes them over; a final reply the victim sent just
+    before the kill takes the request out."""
+    published: dict[str, int] = {}
+    done: set[str] = set()
+    for m in replies.messages:
+        if m.worker_id != victim:
+            continue
+        if isinstance(m, TokenChunk):
+            published[m.request_id] = max(published.get(m.request_id, 0), m.seq + len(m.token_ids))
+        else:
+            done.add(m.request_id)
+    return {rid: n for rid, n in published.items() if rid not in done}
 
 
 @dataclass
@@ -143,7 +152,7 @@ class EdgeView:
     delivered: list[int] = field(default_factory=list)
     attempt: int = 0
     fenced: int = 0
-    final: Finished | None = None
+    final: Finished | Error | None = None
 
     def take(self, msg) -> None:
         if self.final is not None:
@@ -154,7 +163,7 @@ class EdgeView:
         self.attempt = msg.attempt
         if isinstance(msg, TokenChunk):
             dedupe(self, msg)  # type: ignore[arg-type]  # duck-typed Stream: next_seq, chars, delivered
-        elif isinstance(msg, Finished):
+        elif isinstance(msg, (Finished, Error)):
             self.final = msg
 
 
@@ -169,30 +178,38 @@ async def test_kill9_next_token_within_bound_exact_and_nothing_runs_twice(kafka_
         for r in reqs:
             await publish(bus, layout, r)
         victim, _ = await wait_in_hand(replies, procs, reqs)
-        await replies.poll(0)
-        hand = in_hand_of(replies, victim)
         procs[victim].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         await asyncio.to_thread(procs[victim].wait, 10)
         survivor = next(w for w in procs if w != victim)
-        # the next token of every stream the victim had in hand, from the survivor
+        # the next token of every stream the victim had in hand, from the survivor: a token past
+        # those the victim published, or the final reply
         next_at: dict[str, float] = {}
+        seen = 0  # replies.messages looked at
 
         async def continued() -> bool:
+            nonlocal seen
             await replies.poll(20)
             now = time.monotonic()
-            for rid, n in hand.items():
-                if rid not in next_at and (len(replies.tokens.get(rid, {})) > n or rid in replies.final):
-                    next_at[rid] = now - killed_at
-            return len(next_at) == len(hand)
+            hand = in_hand_of(replies, victim)
+            for m in replies.messages[seen:]:
+                n = hand.get(m.request_id)
+                if n is None or m.worker_id != survivor or m.request_id in next_at:
+                    continue
+                if not isinstance(m, TokenChunk) or m.seq + len(m.token_ids) > n:
+                    next_at[m.request_id] = now - killed_at
+            seen = len(replies.messages)
+            return bool(hand) and hand.keys() <= next_at.keys()
 
-        await wait_until(continued, timeout=60, interval=0, message=lambda: f"streams not continued: {hand.keys() - next_at.keys()}")
+        await wait_until(continued, timeout=60, interval=0,
+                         message=lambda: f"streams not continued: {in_hand_of(replies, victim).keys() - next_at.keys()}")
+        await replies.wait([r.request_id for r in reqs], 120)
+        hand = in_hand_of(replies, victim)  # with every reply read: a late reply of the victim changes nothing
         print(f"victim {victim} had {len(hand)} streams in hand; kill -> next token: "
               f"{sorted(round(t, 2) for t in next_at.values())} s")
-        assert hand, "the kill landed with no stream in hand"
-        assert max(next_at.values()) < NEXT_TOKEN_BOUND_S, next_at  # not the 10 s session timeout
+        assert hand and hand.keys() <= next_at.keys(), (hand, next_at)
+        assert max(next_at[rid] for rid in hand) < NEXT_TOKEN_BOUND_S, next_at  # not the 10 s session timeout
 
-        await replies.wait([r.request_id for r in reqs], 120)
         assert_exact_streams(replies, reqs, ref)
         for r, expected in zip(reqs, ref):
             fin = replies.final[r.request_id]
@@ -232,37 +249,48 @@ async def test_sigstop_then_sigcont_no_duplicate_no_gap(kafka_bootstrap: str, ti
         for r in reqs:
             await publish(bus, layout, r)
         victim, _ = await wait_in_hand(replies, procs, reqs)
-        await replies.poll(0)
-        hand = in_hand_of(replies, victim)
         procs[victim].send_signal(signal.SIGSTOP)
         survivor = next(w for w in procs if w != victim)
         try:
             # the survivor takes over: a chunk of a higher attempt from it, for a stream in hand
             async def taken() -> bool:
                 await replies.poll(20)
+                hand = in_hand_of(replies, victim)
                 return any(c.worker_id == survivor and c.attempt >= 1 and c.request_id in hand for c in replies.chunks)
 
             await wait_until(taken, timeout=NEXT_TOKEN_BOUND_S, interval=0, message="no takeover of the paused worker")
         finally:
             procs[victim].send_signal(signal.SIGCONT)
-        await replies.wait([r.request_id for r in reqs], 120)
-        assert procs[victim].poll() is None, "the paused worker died"
-        # the edge's view of every stream, fed every reply in topic order
+        # The edge's view of every stream, fed every reply in topic order, until each has ended. Not
+        # "every request has a final reply": the paused worker, continuing, may finish a request it
+        # had in hand before it sees the claim, and send its (fenced) final reply while the taker
+        # still streams the rest.
         views = {r.request_id: EdgeView() for r in reqs}
-        for c in replies.chunks:
-            views[c.request_id].take(c)
-        # chunks and finals interleave on the topic; finals after all chunks is enough here: a
-        # final never precedes its own attempt's chunks
-        for f in replies.finals:
-            if isinstance(f, Finished):
-                views[f.request_id].take(f)
+        fed = 0
+
+        async def ended() -> bool:
+            nonlocal fed
+            await replies.poll(100)
+            for m in replies.messages[fed:]:
+                views[m.request_id].take(m)
+            fed = len(replies.messages)
+            return all(v.final is not None for v in views.values())
+
+        await wait_until(ended, timeout=120, interval=0,
+                         message=lambda: f"streams not ended: {[rid for rid, v in views.items() if v.final is None]}")
+        assert procs[victim].poll() is None, "the paused worker died"
         for r, expected in zip(reqs, ref):
             v = views[r.request_id]
             assert v.delivered == list(expected.token_ids), (  # no duplicate, no gap, exact
                 r.request_id, len(v.delivered), len(expected.token_ids),
                 [(c.worker_id, c.attempt, c.seq, len(c.token_ids)) for c in replies.chunks if c.request_id == r.request_id][-12:])
-            assert v.final is not None and v.final.num_tokens == len(expected.token_ids)
+            assert isinstance(v.final, Finished) and v.final.num_tokens == len(expected.token_ids), v.final
         assert_exact_streams(replies, reqs, ref)
-        for rid in hand:
-            assert views[rid].final is not None and views[rid].final.attempt >= 1, rid  # the takeover ended it
-        print(f"paused {victim} with {len(hand)} streams in hand; fenced replies: {sum(v.fenced for v in views.values())}")
+        # the streams taken over from the paused worker: from the takeover on each follows the
+        # taker's run (attempt >= 1) to its end; the paused worker's late replies were dropped
+        taken_over = [rid for rid, v in views.items() if v.attempt >= 1]
+        assert taken_over, "no stream followed a takeover"
+        for rid in taken_over:
+            assert views[rid].final is not None and views[rid].final.attempt == views[rid].attempt, rid
+        print(f"paused {victim}; streams taken over: {len(taken_over)}; fenced replies: "
+              f"{sum(v.fenced for v in views.values())}; attempts: {sorted({v.attempt for v in views.values()})}")
