@@ -15,7 +15,12 @@ Rules (docs/worker.md, "Failover"):
 * **A clean leave is not a death**: a peer whose last heartbeat said ``draining`` leaves the group
   itself (the group rebalances at once), so its silence is forgotten, not acted on.
 * **Our own stall is not theirs**: when :meth:`expired` was not asked for longer than
-  ``detect_s`` (this worker was paused), every peer's clock restarts instead.
+  ``detect_s`` (this worker was paused), every peer's clock restarts instead. And no verdict while
+  our own view of the status topic is behind: the topic has one partition, so once this worker
+  reads back a heartbeat of its own, every heartbeat appended before it has been read too. While
+  the last one of ours came back more than ``detect_s`` ago (we were paused and the topic's backlog
+  is not read yet, our status reader lags, or we cannot reach the broker), a peer's silence may be
+  ours, and nobody is presumed dead. (Off until the first of our own heartbeats comes back.)
 * **Hysteresis**: a peer presumed dead (maybe only paused: SIGSTOP, a long GC, a network
   partition) stays out of the live set, and its claims do not count, until ``rejoin_beats``
   heartbeats arrive with gaps under ``detect_s``. Any heartbeat ends its current silence, though:
@@ -80,10 +85,15 @@ class PeerDetector:
         self.rejoin_beats = rejoin_beats
         self._peers: dict[str, _Peer] = {}
         self._checked: float | None = None  # when expired() last ran
+        self._own_at: float | None = None  # when one of our own heartbeats last came back on the topic
 
     def observe(self, status: WorkerStatus, now: float) -> None:
-        """A heartbeat arrived at ``now`` (local monotonic)."""
-        if status.worker_id == self.self_id or status.model != self.model:
+        """A heartbeat arrived at ``now`` (local monotonic); our own ones too (they say how far our
+        reading of the status topic has come)."""
+        if status.model != self.model:
+            return
+        if status.worker_id == self.self_id:
+            self._own_at = now
             return
         peer = self._peers.get(status.worker_id)
         if peer is None:
@@ -111,6 +121,7 @@ class PeerDetector:
                 if not peer.reported:
                     peer.seen_at = max(peer.seen_at, now)
         self._checked = now
+        behind = self._own_at is not None and now - self._own_at > self.detect_s
         for wid, peer in list(self._peers.items()):
             if peer.reported and now - peer.seen_at > FORGET_S:
                 del self._peers[wid]
@@ -120,6 +131,8 @@ class PeerDetector:
             if peer.last.draining or (peer.beats < self.min_beats and not peer.dead):
                 del self._peers[wid]
                 continue
+            if behind:
+                continue  # its heartbeats may be in the part of the topic we have not read yet
             # A peer presumed dead that beat again (a restarted incarnation, a paused one that ran
             # for a moment) and fell silent again is reported again: it may hold requests anew.
             peer.dead, peer.beats, peer.reported = True, 0, True

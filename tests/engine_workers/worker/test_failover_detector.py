@@ -142,3 +142,34 @@ def test_a_long_dead_peer_is_forgotten() -> None:
     assert [x.worker_id for x in d.expired(last + 1)] == ["a"]
     d.expired(last + 1 + FORGET_S + 1)
     assert d.numerics_of("a") is None  # nothing kept of it
+
+
+def test_no_verdict_while_our_own_heartbeats_do_not_come_back() -> None:
+    """The status topic has one partition: until one of our own heartbeats comes back, the peers'
+    heartbeats sent meanwhile may still be unread (we were paused, our reader lags): a silent peer
+    is not presumed dead then. Once ours come back again, a peer still silent is."""
+    d = PeerDetector("me", "m", detect_s=0.75)
+    for i in range(4):
+        t = i * 0.25
+        d.observe(beat("a"), t)
+        d.observe(beat("me"), t + 0.01)
+        assert d.expired(t + 0.02) == []
+    # our own heartbeats stop coming back at 0.76 (and a's too): ours are behind, no verdict
+    for t in (1.0, 1.5, 2.0, 2.5, 3.0):
+        assert d.expired(t) == []
+    assert d.live() == ["a", "me"]
+    # ours come back: the backlog before them held nothing of a's, so a is silent indeed
+    d.observe(beat("me"), 3.1)
+    assert [x.worker_id for x in d.expired(3.15)] == ["a"]
+
+
+def test_a_backlog_read_with_our_own_heartbeat_clears_the_peer() -> None:
+    d = PeerDetector("me", "m", detect_s=0.75)
+    d.observe(beat("a"), 0.0)
+    d.observe(beat("me"), 0.0)
+    for t in (0.5, 1.0, 1.5):  # nothing read: our reader lags behind the topic
+        assert d.expired(t) == []
+    d.observe(beat("a"), 1.6)  # the backlog: a's heartbeats, then ours
+    d.observe(beat("me"), 1.6)
+    assert d.expired(1.7) == []
+    assert d.live() == ["a", "me"]
