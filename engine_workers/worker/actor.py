@@ -141,7 +141,10 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.stages.takeover is not None:
             await self.stages.takeover.stop()
-        if was in ("started", "draining"):
+        if was in ("started", "draining") and self.aengine.error is None:
+            # Not after an engine crash (a tensor-parallel rank died): no "leaving" beat, so the
+            # peers see silence, presume this worker dead and take its requests over on the
+            # failover's fast path; the group's rebalance its leaving starts finds them claimed.
             await self._leave_beat()
         # Held lookups and re-runs waiting stay uncommitted; a dead letter acknowledged finishes
         # its offset: all before the commit.

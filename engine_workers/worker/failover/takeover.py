@@ -181,7 +181,9 @@ class Takeover:
         again every ``TAIL_S`` for the records arriving later, until a live worker owns it."""
         since, after = hold.since_ms, -1  # after: the last offset handled
         give_up = time.monotonic() + TAIL_FOR_S
+        first = True
         while time.monotonic() < give_up and self.serving.on and not self._reassigned(hold):
+            began, taken = time.monotonic(), 0
             try:
                 records = await self.bus.read_partition(hold.topic, hold.partition, since, READ_LIMIT, READ_TIMEOUT_S)
             except (BusError, ValueError) as exc:
@@ -194,27 +196,34 @@ class Takeover:
                 after = rec.offset
                 since = max(since, rec.timestamp_ms)
                 try:
-                    self._take(death, rec.value, rec.offset)
+                    taken += self._take(death, rec.value, rec.offset)
                 except Exception:  # one bad record must not end the partition's takeover
                     log.exception("worker %s: taking over %s[%d]@%d failed", self.config.worker_id, hold.topic,
                                   hold.partition, rec.offset)
+            if first or taken:
+                log.warning("worker %s: %s[%d] of %s: %d records read in %.2fs, %d requests taken over here",
+                            self.config.worker_id, hold.topic, hold.partition, death.worker_id, len(records),
+                            time.monotonic() - began, taken)
+                first = False
             await asyncio.sleep(TAIL_S)
 
-    def _take(self, death: PeerDeath, value: bytes, offset: int) -> None:
+    def _take(self, death: PeerDeath, value: bytes, offset: int) -> bool:
+        """Take the request of one record of a dead peer's partition, if it falls to this worker;
+        whether it did."""
         try:
             req = decode(value)
         except DecodeError:
-            return  # the partition's owner dead-letters it
+            return False  # the partition's owner dead-letters it
         if not isinstance(req, InferenceRequest) or req.model != self.config.model:
-            return
+            return False
         rid = req.request_id
         if self.detector.claimed(rid) or self.ledger.of_request(rid):
-            return  # someone runs it already (or this worker holds it)
+            return False  # someone runs it already (or this worker holds it)
         live = self.detector.live()
         numerics = {w: self.detector.numerics_of(w) or "" for w in live}
         numerics[self.config.worker_id] = self.config.numerics
         if owner(rid, takeover_candidates(live, death.last.numerics, numerics)) != self.config.worker_id:
-            return
+            return False
         now = time.time()
         arrival = req.enqueued_at if 0 < req.enqueued_at <= now else now
         job = Job(f"{rid}#t{next(self._eids)}", req, None, offset, arrival,
@@ -222,6 +231,7 @@ class Takeover:
         self.ledger.add(job)
         self.taken_total += 1
         self.next_stage.put(Arrival(job, waited=True))
+        return True
 
     # -- self-fencing -----------------------------------------------------------------------------
 

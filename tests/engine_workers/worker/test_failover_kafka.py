@@ -172,7 +172,10 @@ async def test_kill9_next_token_within_bound_exact_and_nothing_runs_twice(kafka_
     layout = new_layout(partitions=2)
     prompts, params = work(10, 50)
     ref = make_engine(tiny_dir, max_num_seqs=8).generate(prompts, list(params))
-    async with workers(kafka_bootstrap, tiny_dir, layout, tmp_path, max_num_seqs=4) as (bus, procs, replies, peers):
+    # Room for every request on either worker: the time measured is the takeover's, not a wait for
+    # a free slot behind the survivor's own full batch.
+    async with workers(kafka_bootstrap, tiny_dir, layout, tmp_path, max_num_seqs=len(prompts)) as (bus, procs, replies,
+                                                                                                 peers):
         reqs = [InferenceRequest(f"f{i}", MODEL, p, sp, layout.reply_topic("test"), tier=1, enqueued_at=time.time())
                 for i, (p, sp) in enumerate(zip(prompts, params))]
         for r in reqs:
@@ -180,6 +183,7 @@ async def test_kill9_next_token_within_bound_exact_and_nothing_runs_twice(kafka_
         victim, _ = await wait_in_hand(replies, procs, reqs)
         procs[victim].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
+        print(f"killed {victim} at {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}")
         await asyncio.to_thread(procs[victim].wait, 10)
         survivor = next(w for w in procs if w != victim)
         # the next token of every stream the victim had in hand, from the survivor: a token past
