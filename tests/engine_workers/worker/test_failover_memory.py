@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from bus import Finished, MemoryBus, PartitionHold, TopicLayout, WorkerStatus, encode, partition_for_key
 from engine_workers.worker.actor import Worker, WorkerConfig
 from tests.engine_workers.worker.test_worker_memory import (
@@ -21,7 +23,11 @@ from tests.engine_workers.worker.test_worker_memory import (
 from tests.waiting import wait_until
 
 
-async def test_silent_peer_requests_taken_over_then_nothing_runs_twice(tiny_dir, layout: TopicLayout) -> None:
+@pytest.mark.parametrize("same_numerics", [True, False], ids=["same-numerics", "mixed-fleet"])
+async def test_silent_peer_requests_taken_over_then_nothing_runs_twice(tiny_dir, layout: TopicLayout,
+                                                                       same_numerics: bool) -> None:
+    """``mixed-fleet``: the ghost advertises another numerics fingerprint and no live worker matches
+    it: its requests are still taken over (served, not stranded; docs/worker.md, "Mixed fleets")."""
     async with MemoryBus() as bus:
         await bus.ensure_topics(layout.model_specs(MODEL) + [layout.reply_spec("test", 1)])
         cfg = WorkerConfig(MODEL, layout=layout, worker_id="live", heartbeat_s=0.05, commit_interval_s=0)
@@ -46,8 +52,11 @@ async def test_silent_peer_requests_taken_over_then_nothing_runs_twice(tiny_dir,
                 r = req(rid, layout, max_tokens=16)
                 await bus.send(topic, encode(r), key=rid.encode())
             holds = tuple(PartitionHold(tp.topic, tp.partition, since) for tp in sorted(mine))
+            assert w.stages.takeover is not None
+            numerics = w.stages.takeover.config.numerics if same_numerics else "cuda/bfloat16/none/kv=auto/tp=2"
             for _ in range(4):  # a steady ghost
-                await bus.send(layout.status_topic, encode(WorkerStatus("ghost", MODEL, time.time(), holds=holds)))
+                await bus.send(layout.status_topic, encode(WorkerStatus("ghost", MODEL, time.time(), holds=holds,
+                                                                        numerics=numerics)))
                 await asyncio.sleep(0.05)
             replies = Replies(bus, layout.reply_topic("test"))
             await replies.consumer.start()
