@@ -59,6 +59,7 @@ TAIL_S = 0.5  # a dead peer's partition is read again this often until the group
 TAIL_FOR_S = 120.0  # ... at most this long (the session timeout is far shorter)
 READ_LIMIT = 20_000
 READ_TIMEOUT_S = 5.0
+LEFT_TO_OTHERS = 10_000  # records of dead peers' partitions that fell to another survivor, kept (oldest dropped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,10 @@ class Takeover:
         self.taken_total = 0
         self.fenced_total = 0
         self._eids = itertools.count()
+        # Requests of a dead peer that the owner rule gave to another survivor: if that one dies in
+        # turn (its claims die with it), they are taken over again from here, at once, instead of
+        # waiting for the group to reassign the first peer's partitions.
+        self._left: dict[str, tuple[PeerDeath, bytes, int]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._main: asyncio.Task | None = None
         self._consumer: Consumer | None = None
@@ -166,6 +171,16 @@ class Takeover:
                     self.config.worker_id, death.worker_id, self.config.detect_s, len(last.holds))
         if not self.serving.on:
             return
+        # Two deaths one after the other: the requests the dead peer had taken over from an earlier
+        # dead one (its claims) fall to the survivors again, by the same rule over the new live set.
+        again = 0
+        for rid in last.taken:
+            left = self._left.pop(rid, None)
+            if left is not None:
+                again += self._take(*left)
+        if last.taken:
+            log.warning("worker %s: %d of the %d requests %s had taken over are taken over here", self.config.worker_id,
+                        again, len(last.taken), death.worker_id)
         for hold in last.holds:
             task = asyncio.get_running_loop().create_task(self._take_partition(death, hold),
                                                           name=f"takeover-{hold.topic}-{hold.partition}")
@@ -217,13 +232,18 @@ class Takeover:
         if not isinstance(req, InferenceRequest) or req.model != self.config.model:
             return False
         rid = req.request_id
-        if self.detector.claimed(rid) or self.ledger.of_request(rid):
-            return False  # someone runs it already (or this worker holds it)
+        if self.ledger.of_request(rid):
+            return False  # this worker holds it already
         live = self.detector.live()
         numerics = {w: self.detector.numerics_of(w) or "" for w in live}
         numerics[self.config.worker_id] = self.config.numerics
-        if owner(rid, takeover_candidates(live, death.last.numerics, numerics)) != self.config.worker_id:
+        if (self.detector.claimed(rid)  # a live peer runs it already
+                or owner(rid, takeover_candidates(live, death.last.numerics, numerics)) != self.config.worker_id):
+            self._left[rid] = (death, value, offset)
+            if len(self._left) > LEFT_TO_OTHERS:
+                del self._left[next(iter(self._left))]
             return False
+        self._left.pop(rid, None)
         now = time.time()
         arrival = req.enqueued_at if 0 < req.enqueued_at <= now else now
         job = Job(f"{rid}#t{next(self._eids)}", req, None, offset, arrival,
