@@ -149,9 +149,7 @@ class Fleet:
 
 
 async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argparse.Namespace, rnd: int,
-                 rng: random.Random) -> dict:
-    reply = layout.reply_topic(f"recovery-{uuid.uuid4().hex[:8]}")
-    await bus.ensure_topics([layout.reply_spec(reply.rsplit(".", 1)[-1], 1)])
+                 rng: random.Random, reply: str) -> dict:
     reqs = [InferenceRequest(f"r{rnd}-{i}", model,
                              tuple(rng.randrange(3, 500) for _ in range(args.prompt_tokens or rng.randint(16, 64))),
                              SamplingParams(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True).seeded(),
@@ -164,7 +162,7 @@ async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argpa
             await bus.send(layout.request_topic(model, 1), encode(r), key=r.request_id.encode())
         events: list[tuple[float, TokenChunk | Finished | Error]] = []  # every reply, in topic order
         views = {r.request_id: EdgeView() for r in reqs}
-        victim, hit_at = None, 0.0
+        victim, hit_at, at = None, 0.0, ""
         deadline = time.monotonic() + ROUND_S
         while not all(v.final is not None or v.spliced for v in views.values()):
             if time.monotonic() > deadline:
@@ -178,7 +176,7 @@ async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argpa
             if victim is None:
                 streaming = _in_hand(events, None)
                 if streaming:
-                    victim, hit_at = next(iter(streaming.values())), time.monotonic()
+                    victim, hit_at, at = next(iter(streaming.values())), time.monotonic(), time.strftime("%H:%M:%S")
                     if args.signal == "kill":
                         fleet.kill(victim)
                     else:
@@ -205,7 +203,7 @@ async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argpa
                 published = max(published, m.seq + len(m.token_ids))
             if first is not None:
                 rerun += max(0, published - first.seq)
-        return {"victim": victim, "taken_over": len(taken), "recovery_s": recovery, "rerun_steps": rerun,
+        return {"victim": victim, "at": at, "taken_over": len(taken), "recovery_s": recovery, "rerun_steps": rerun,
                 "gaps": sum(v.gaps for v in views.values()), "spliced": sum(v.spliced for v in views.values()),
                 "fenced": sum(v.fenced for v in views.values()),
                 "streams": {rid: (r, list(views[rid].delivered), views[rid].final) for r in reqs
@@ -214,7 +212,6 @@ async def _round(bus, fleet: Fleet, layout: TopicLayout, model: str, args: argpa
         if stopped and victim is not None:
             fleet.pause(victim, False)
         await consumer.stop()
-        await bus.delete_topics([reply])
 
 
 def _in_hand(events: list[tuple[float, TokenChunk | Finished | Error]], worker: str | None) -> dict[str, str]:
@@ -282,15 +279,19 @@ async def _bench(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     fleet = Fleet(args, layout, model, logs)
     rounds: list[dict] = []
+    # One reply topic for the whole run, deleted at the end: the group re-delivers a dead worker's
+    # uncommitted requests of earlier rounds after its rebalance, and they must find their final
+    # replies (committed without running), not a deleted topic (run again, then dead-lettered).
+    reply = layout.reply_topic("recovery")
     async with connect(args.bus) as bus:
-        await bus.ensure_topics(layout.model_specs(model))
+        await bus.ensure_topics(layout.model_specs(model) + [layout.reply_spec("recovery", 1)])
         try:
             for name in ("wa", "wb"):
                 fleet.spawn(name)
             await fleet.settled()
             k = misses = 0
             while k < args.kills:
-                r = await _round(bus, fleet, layout, model, args, len(rounds) + misses, rng)
+                r = await _round(bus, fleet, layout, model, args, len(rounds) + misses, rng, reply)
                 # a miss: every request finished before a worker was caught streaming, or the one
                 # caught had finished its last stream by the time the kill landed (nothing to take over)
                 if r["victim"] is None or not r["taken_over"]:
@@ -303,7 +304,8 @@ async def _bench(args: argparse.Namespace) -> dict:
                         raise RuntimeError("no round caught a worker streaming: raise --max-tokens")
                     continue
                 rounds.append(r)
-                print(f"{args.signal} {k + 1}/{args.kills}: {r['victim']} {'killed' if args.signal == 'kill' else 'paused'}, "
+                print(f"{args.signal} {k + 1}/{args.kills} at {r['at']}: {r['victim']} "
+                      f"{'killed' if args.signal == 'kill' else 'paused'}, "
                       f"{r['taken_over']} taken over, recovery " + ", ".join(f"{x:.2f}" for x in r["recovery_s"])
                       + f" s, re-run steps {r['rerun_steps']}, fenced replies {r['fenced']}, gaps {r['gaps']}",
                       file=sys.stderr, flush=True)
@@ -313,7 +315,7 @@ async def _bench(args: argparse.Namespace) -> dict:
                 k += 1
         finally:
             fleet.stop()
-            await bus.delete_topics(layout.request_topics(model))
+            await bus.delete_topics(layout.request_topics(model) + [reply])
     streams = [st for r in rounds for st in r.pop("streams").values()]
     exact = await asyncio.to_thread(_exact, args, streams) if args.exact else None
     times = sorted(x for r in rounds for x in r["recovery_s"])
