@@ -247,7 +247,10 @@ async def test_sigstop_then_sigcont_no_duplicate_no_gap(kafka_bootstrap: str, ti
     layout = new_layout(partitions=2)
     prompts, params = work(8, 51)
     ref = make_engine(tiny_dir, max_num_seqs=8).generate(prompts, list(params))
-    async with workers(kafka_bootstrap, tiny_dir, layout, tmp_path, max_num_seqs=4) as (bus, procs, replies, peers):
+    # room for every request on either worker (as in the kill test): the taker starts the streams
+    # at once instead of queueing them behind its own full batch
+    async with workers(kafka_bootstrap, tiny_dir, layout, tmp_path, max_num_seqs=len(prompts)) as (bus, procs, replies,
+                                                                                                 peers):
         reqs = [InferenceRequest(f"g{i}", MODEL, p, sp, layout.reply_topic("test"), tier=1, enqueued_at=time.time())
                 for i, (p, sp) in enumerate(zip(prompts, params))]
         for r in reqs:
