@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, replace
 
@@ -180,9 +181,14 @@ class ResumeFinder:
         batch = self._waiting[key] = [job]
         await asyncio.sleep(0)  # let the rest of this fetch's requests join the batch
         del self._waiting[key]
+        began = time.monotonic()
         found = await self._read(key, batch)
         for j in batch:
-            self._release(j, found.get(j.req.request_id) if found is not None else None)
+            progress = found.get(j.req.request_id) if found is not None else None
+            if j.takeover:  # a failover's stall, part by part (docs/worker.md, "The stall")
+                log.warning("worker %s: took over %s: history read in %.2fs, %d tokens published", self.worker_id,
+                            j.eid, time.monotonic() - began, len(progress.token_ids) if progress is not None else 0)
+            self._release(j, progress)
 
     async def _read(self, key: tuple[str, int], jobs: list[Job]) -> dict[str, Progress] | None:
         topic, partition = key
