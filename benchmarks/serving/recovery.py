@@ -243,20 +243,28 @@ def _taken_over(events: list[tuple[float, TokenChunk | Finished | Error]], victi
     return hand.keys() <= answered
 
 
-def _exact(args: argparse.Namespace, streams: list[tuple[InferenceRequest, list[int], Finished | Error | None]]) -> int:
-    """How many of ``streams`` (request, tokens the client got, its final reply) equal a local
-    reference run of the request: same model, seed and threads, full length, final reply included."""
+def _exact(args: argparse.Namespace, streams: list[tuple[InferenceRequest, list[int], Finished | Error | None]]
+           ) -> list[str]:
+    """The streams of ``streams`` (request, tokens the client got, its final reply) that differ from
+    a local reference run of the request (same model, seed and threads; full length, final reply
+    included), each with how."""
     from engine_workers.engine.config import EngineConfig
     from engine_workers.engine.core import Engine
     from tokenization.model_store import resolve_model
 
     if not streams:
-        return 0
+        return []
     engine = Engine(EngineConfig(model=str(resolve_model(args.model)), max_num_seqs=args.max_num_seqs,
                                  num_threads=args.threads or 1, kv_cache_bytes=_bytes(args.kv_cache_bytes)))
     ref = engine.generate([r.prompt_token_ids for r, _, _ in streams], [r.sampling for r, _, _ in streams])
-    return sum(list(out.token_ids) == got and isinstance(fin, Finished) and fin.num_tokens == len(got)
-               for (_, got, fin), out in zip(streams, ref))
+    bad = []
+    for (r, got, fin), out in zip(streams, ref):
+        want = list(out.token_ids)
+        if want != got or not isinstance(fin, Finished) or fin.num_tokens != len(got):
+            first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            bad.append(f"{r.request_id}: got {len(got)} tokens, want {len(want)}, first difference at {first}, "
+                       f"final {type(fin).__name__} {getattr(fin, 'worker_id', '')} attempt {getattr(fin, 'attempt', '')}")
+    return bad
 
 
 def _bytes(text: str) -> int:
@@ -317,7 +325,8 @@ async def _bench(args: argparse.Namespace) -> dict:
             fleet.stop()
             await bus.delete_topics(layout.request_topics(model) + [reply])
     streams = [st for r in rounds for st in r.pop("streams").values()]
-    exact = await asyncio.to_thread(_exact, args, streams) if args.exact else None
+    inexact = await asyncio.to_thread(_exact, args, streams) if args.exact else None
+    exact = None if inexact is None else len(streams) - len(inexact)
     times = sorted(x for r in rounds for x in r["recovery_s"])
 
     def pct(q: float) -> float:
@@ -328,7 +337,7 @@ async def _bench(args: argparse.Namespace) -> dict:
             "recovery_mean_s": statistics.fmean(times) if times else None,
             "rerun_steps": sum(r["rerun_steps"] for r in rounds), "gaps": sum(r["gaps"] for r in rounds),
             "spliced": sum(r["spliced"] for r in rounds), "fenced": sum(r["fenced"] for r in rounds),
-            "exact": exact, "exact_of": len(streams), "rounds": rounds}
+            "exact": exact, "exact_of": len(streams), "inexact": inexact, "rounds": rounds}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -378,4 +387,6 @@ def run(args: argparse.Namespace) -> int:
     exact = "not checked" if res["exact"] is None else f"{res['exact']}/{res['exact_of']} byte-exact against a local reference"
     print(f"  streams as the edge delivers them: {exact}; gaps {res['gaps']}, splices refused {res['spliced']}, "
           f"fenced replies dropped {res['fenced']}")
+    for line in res["inexact"] or ():
+        print(f"    not exact: {line}")
     return 0
