@@ -176,6 +176,17 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class PartitionHold:
+    """One request partition a worker owns and the record time (UNIX ms, the broker's time index)
+    from which every record it has not answered lies: its oldest request in flight, or the time of
+    the heartbeat when none is."""
+
+    topic: str
+    partition: int
+    since_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStatus:
     """Heartbeat. ``queue_depth[t]`` / ``est_wait_s[t]`` are per tier (index = tier rank)."""
 
@@ -198,6 +209,13 @@ class WorkerStatus:
     # Revision 2: the LoRA adapters this worker serves (docs/lora.md); the edge lists them in
     # /v1/models and routes a request naming one to this model's topics
     loras: tuple[str, ...] = ()
+    # Revision 2 too: failover (docs/worker.md, "Failover"): per owned request partition, where a survivor must
+    # start reading to find every request not yet answered here; the request ids this worker runs
+    # as a takeover of a dead peer (claims: nobody else runs them while they are listed); the
+    # numerics fingerprint (precision, ISA, kernels): a takeover is exact only between equal ones.
+    holds: tuple[PartitionHold, ...] = ()
+    taken: tuple[str, ...] = ()
+    numerics: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,8 @@ class EdgeMetrics:
                                   ["reason", "api"], registry=r)
         self.duplicates = Counter("lockgate:edge_duplicate_chunks", "Token chunks dropped as duplicates.",
                                   registry=r)
+        self.fenced = Counter("lockgate:edge_fenced_replies",
+                              "Replies dropped because a later attempt (a takeover) already replied.", registry=r)
         self.splice_mismatches = Counter(
             "lockgate:edge_splice_mismatches",
             "Streams ended because a re-run's tokens differed from those already sent.", registry=r)

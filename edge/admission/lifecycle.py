@@ -102,7 +102,7 @@ class Stream:
 
     __slots__ = ("request_id", "client_id", "sink", "principal", "labels", "prompt_tokens", "max_tokens",
                  "charged", "next_seq", "chars", "admitted_at", "first_at", "deadline", "token_ids", "ended",
-                 "delivered", "span")
+                 "delivered", "span", "attempt")
 
     def __init__(self, request_id: str, client_id: str, sink: StreamSink, principal: Principal,
                  labels: tuple[str, str, str], prompt_tokens: int, max_tokens: int, admitted_at: float,
@@ -117,6 +117,9 @@ class Stream:
         self.charged = prompt_tokens + max_tokens
         self.next_seq = 0
         self.chars = 0
+        # The highest attempt seen in its replies: a takeover after a worker failure replies with a
+        # higher one, and replies of a lower (fenced) attempt are dropped (router.ReplyRouter).
+        self.attempt = 0
         self.admitted_at = admitted_at  # loop time
         self.first_at: float | None = None
         self.deadline = deadline  # loop time

@@ -201,6 +201,14 @@ class ReplyRouter:
         if stream is None:
             self.metrics.orphans.inc()
             return
+        attempt = getattr(msg, "attempt", 0)
+        if attempt < stream.attempt:
+            # A fenced run: its worker was presumed dead and the request taken over (a higher
+            # attempt already replied). Even its identical tokens are dropped, and its final reply:
+            # the stream follows one run from the takeover on (docs/worker.md, "Failover").
+            self.metrics.fenced.inc()
+            return
+        stream.attempt = attempt
         if isinstance(msg, TokenChunk):
             try:
                 new = dedupe(stream, msg)

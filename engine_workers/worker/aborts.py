@@ -69,6 +69,18 @@ class Aborts:
             self.release(lost)
             self.ledger.forget_partitions(lost)
 
+    def stop_run(self, job: Job) -> None:
+        """Stop one run wherever it is and publish nothing more of it; its offset stays in flight
+        (a fenced run: worker/failover/takeover.py holds its record again)."""
+        if job.pending is not None and self.intake.remove(job.pending):
+            job.pending = None
+        job.lost = True
+        self.replies.drop(job.eid)
+        if job.admitted:
+            self.aengine.abort(job.eid)  # its final output is swallowed
+        else:
+            self.ledger.forget(job)
+
     def release(self, lost: Set[TopicPartition]) -> None:
         """A rebalance moved ``lost`` away: drop their queued requests, abort the admitted ones and
         publish nothing more for them; the new owner re-runs them."""

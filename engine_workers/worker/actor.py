@@ -28,8 +28,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
-from bus import Bus, BusError, Consumer, WorkerStatus
+from bus import Bus, BusError, Consumer, PartitionHold, WorkerStatus, encode
 from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.core import Engine
 from engine_workers.worker.config import WorkerConfig
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 50
 STOP_COMMIT_S = 5.0
+# A heartbeat's partition holds reach this far behind the oldest request held: records not fetched
+# yet and producer clocks behind ours (a survivor reads a little more and finds those answered).
+HOLD_SLACK_S = 2.0
+LEAVE_BEAT_S = 1.0  # the last heartbeat, "leaving" (a clean stop is not a death), is tried this long
 
 
 class Worker:
@@ -100,6 +105,8 @@ class Worker:
                                                on_assigned=st.aborts.on_assigned, on_revoked=st.aborts.on_revoked)
             st.ledger.consumer = self._consumer
             await self._consumer.start()
+            if st.takeover is not None:
+                await st.takeover.start()
             if self.config.metrics_port is not None:
                 self._health = HealthServer(self.config.metrics_host, self.config.metrics_port, live=self.live,
                                             ready=self.ready, metrics=self.render_metrics, metrics_content_type=CONTENT_TYPE)
@@ -135,6 +142,13 @@ class Worker:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.stages.takeover is not None:
+            await self.stages.takeover.stop()
+        if was in ("started", "draining") and self.aengine.error is None:
+            # Not after an engine crash (a tensor-parallel rank died): no "leaving" beat, so the
+            # peers see silence, presume this worker dead and take its requests over on the
+            # failover's fast path; the group's rebalance its leaving starts finds them claimed.
+            await self._leave_beat()
         # Held lookups and re-runs waiting stay uncommitted; a dead letter acknowledged finishes
         # its offset: all before the commit.
         await self.stages.pipeline.stop(STOP_COMMIT_S)
@@ -159,6 +173,16 @@ class Worker:
             self.aengine.on_step = None
             if self._before_step is not None and self.aengine.before_step is self._before_step:
                 self.aengine.before_step = None
+
+    async def _leave_beat(self) -> None:
+        """A last heartbeat saying ``draining``: peers forget this worker instead of presuming it
+        dead and taking over what it leaves (the group rebalances at once when it leaves)."""
+        try:
+            status = replace(self.status(), draining=True)
+            await asyncio.wait_for(self.bus.send(self.config.layout.status_topic, encode(status),
+                                                 key=self.config.worker_id.encode()), LEAVE_BEAT_S)
+        except (BusError, TimeoutError) as exc:
+            log.warning("worker %s: last heartbeat not sent (%s)", self.config.worker_id, exc)
 
     async def drain(self, grace_s: float | None = None) -> bool:
         """SIGTERM path: stop taking work, finish what the engine holds (up to ``grace_s``, default
@@ -249,9 +273,15 @@ class Worker:
         return self.stages.pipeline.admission.queue_depth()
 
     def status(self) -> WorkerStatus:
-        return self.stages.pipeline.admission.status(
-            self.config.worker_id, self.config.model, self.state == "draining", self._lag,
-            len(self._consumer.assignment()) if self._consumer else 0)
+        owned = self._consumer.assignment() if self._consumer else set()
+        status = self.stages.pipeline.admission.status(
+            self.config.worker_id, self.config.model, self.state == "draining", self._lag, len(owned))
+        takeover = self.stages.takeover
+        if takeover is None:
+            return status
+        holds = self.stages.ledger.holds(owned, time.time(), HOLD_SLACK_S)
+        return replace(status, holds=tuple(PartitionHold(tp.topic, tp.partition, ms) for tp, ms in sorted(holds.items())),
+                       taken=self.stages.ledger.taken(), numerics=takeover.config.numerics)
 
     async def _refresh_lag(self) -> None:
         """Before each heartbeat: the records per tier still on the topic in our partitions."""

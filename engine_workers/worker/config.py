@@ -38,7 +38,11 @@ class WorkerConfig:
     # each request's ``weight`` (worker/intake/fair.py; docs/worker.md, "Fair share"); off: FIFO per tier.
     fair_share: bool = True
     prefetch_per_tier: int = 4
-    heartbeat_s: float = 0.5
+    # Status period. Also the failover's clock: a peer silent for failover_detect_s (default 3
+    # periods: 0.75 s) is presumed dead and its requests are taken over (docs/worker.md, "Failover").
+    heartbeat_s: float = 0.25
+    failover: bool = True
+    failover_detect_s: float | None = None  # None: 3 heartbeat periods
     drain_grace_s: float = 30.0
     revoke_flush_s: float = 1.0  # on revoke, wait this long for final replies in flight before committing
     # The intake loop commits finished work at most this often (0: after every poll). Each commit is
@@ -73,6 +77,8 @@ class WorkerConfig:
         for name in ("heartbeat_s", "drain_grace_s", "revoke_flush_s", "commit_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.failover_detect_s is not None and not self.failover_detect_s > 0:
+            raise ValueError(f"failover_detect_s must be > 0 or None, got {self.failover_detect_s!r}")
         if self.prefetch_per_tier < 1:
             raise ValueError(f"prefetch_per_tier must be >= 1, got {self.prefetch_per_tier}")
         if self.send_failure_reruns < 0:
@@ -84,6 +90,12 @@ class WorkerConfig:
             object.__setattr__(self, name, tuple(float(x) for x in v))
         if self.max_reply_record_bytes < 16 << 10:
             raise ValueError(f"max_reply_record_bytes must be >= 16384, got {self.max_reply_record_bytes}")
+
+    @property
+    def detect_s(self) -> float:
+        """The failover's detection time: ``failover_detect_s``, else 3 heartbeat periods (at least
+        50 ms)."""
+        return self.failover_detect_s if self.failover_detect_s is not None else max(3 * self.heartbeat_s, 0.05)
 
     @property
     def group(self) -> str:

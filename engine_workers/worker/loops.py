@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from bus import Bus, BusError, Cancel, Consumer, DecodeError, LoraControl, WorkerStatus, decode, encode
@@ -46,17 +47,44 @@ async def read_cancels(control: Consumer, on_cancel: Callable[[str], object], wo
 async def heartbeat(bus: Bus, topic: str, worker_id: str, status: Callable[[], WorkerStatus],
                     period_s: float, before: Callable[[], None] | None = None,
                     refresh: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Every ``period_s``: ``await refresh()`` (the worker asks the bus for its consumer lag),
+    """Every ``period_s``: ``refresh()`` (the worker asks the bus for its consumer lag),
     ``before()`` (it refreshes its gauges), then ``status()`` published to ``topic`` keyed by the
-    worker id (so one worker's heartbeats stay in order)."""
+    worker id (so one worker's heartbeats stay in order).
+
+    The heartbeats are also the failover's clock (peers presume this worker dead after a few
+    silent periods), so the cadence does not wait on the broker: the lag refresh gets half a period
+    (a slower one goes on in the background and the heartbeat carries the previous figures), a
+    send is not awaited before the next period starts (at most ``MAX_BEATS_IN_FLIGHT`` are), and
+    the period is kept from one start to the next rather than added after the work."""
+    loop = asyncio.get_running_loop()
     key = worker_id.encode()
-    while True:
-        if refresh is not None:
-            await refresh()
-        if before is not None:
-            before()
-        try:
-            await bus.send(topic, encode(status()), key=key)
-        except BusError as exc:
-            log.warning("worker %s: heartbeat failed (%s)", worker_id, exc)
-        await asyncio.sleep(period_s)
+    refreshing: asyncio.Future[None] | None = None
+    in_flight: deque[asyncio.Future[object]] = deque()
+    next_at = loop.time()
+    try:
+        while True:
+            if refresh is not None:
+                if refreshing is None or refreshing.done():
+                    refreshing = asyncio.ensure_future(refresh())
+                await asyncio.wait([refreshing], timeout=period_s / 2)
+            if before is not None:
+                before()
+            while in_flight and (in_flight[0].done() or len(in_flight) >= MAX_BEATS_IN_FLIGHT):
+                await _sent(in_flight.popleft(), worker_id)
+            in_flight.append(asyncio.ensure_future(bus.send(topic, encode(status()), key=key)))
+            next_at = max(next_at + period_s, loop.time())
+            await asyncio.sleep(next_at - loop.time())
+    finally:
+        for fut in (refreshing, *in_flight):
+            if fut is not None:
+                fut.cancel()
+
+
+MAX_BEATS_IN_FLIGHT = 4
+
+
+async def _sent(fut: asyncio.Future[object], worker_id: str) -> None:
+    try:
+        await fut
+    except BusError as exc:
+        log.warning("worker %s: heartbeat failed (%s)", worker_id, exc)

@@ -28,6 +28,8 @@ from engine_workers.engine.async_engine import AsyncEngine
 from engine_workers.engine.outputs import RequestOutput
 from engine_workers.worker.aborts import Aborts
 from engine_workers.worker.config import WorkerConfig
+from engine_workers.worker.failover.detector import PeerDetector
+from engine_workers.worker.failover.takeover import Takeover, TakeoverConfig, claimed
 from engine_workers.worker.health.metrics import WorkerMetrics
 from engine_workers.worker.health.usage import UsageLog
 from engine_workers.worker.intake.queue import IntakePolicy, IntakeQueue, parse_intake_mode
@@ -92,6 +94,7 @@ class Stages:
     ledger: RequestLedger
     aborts: Aborts
     metrics: WorkerMetrics
+    takeover: Takeover | None  # None: failover off
 
     def engine_stepped(self, outputs: list[RequestOutput]) -> None:
         """The engine's ``on_outputs``, once per step on the event loop: publish (non-blocking),
@@ -133,12 +136,35 @@ def wire(config: WorkerConfig, bus: Bus, aengine: AsyncEngine, tracer: Tracer | 
     admission = EngineAdmission(wid, aengine, ledger, intake, policy, answers, config.prefetch_per_tier, serving,
                                 config.slo_tpot_ms)
     checks = IntakeChecks(config.model, serving, aborts, answers, admission)
+    detector = PeerDetector(wid, config.model, config.detect_s)
     resume = ResumeFinder(bus, wid, answers.answered_before, lambda tp: ledger.assigned_at.get(tp),
-                          sender.partition_count, metrics.resumed, checks)
+                          sender.partition_count, metrics.resumed, checks,
+                          claimed=lambda job: claimed(detector, ledger, job))
     gate = ReplyGate(wid, sender, ledger, dead_letters, resume)
     decode = RecordDecoder(ledger, serving, dead_letters, aengine.engine.config.block_size, policy.aging_period_s,
                            config.age_credit_periods, spans, gate,
                            tiers={t: i for i, t in enumerate(config.layout.request_topics(config.model))})
     failures = SendFailures(wid, failed, ledger, dead_letters, answers, checks, reruns=config.send_failure_reruns)
+    # failover: a dead peer's requests enter at the reply gate (a fenced run of ours waits in resume)
+    takeover = Takeover(bus, TakeoverConfig(wid, config.model, config.layout.status_topic, config.detect_s,
+                                            numerics_fingerprint(aengine), aengine.engine.config.block_size),
+                        detector, ledger, serving, gate, resume, aborts.stop_run,
+                        lambda: ledger.consumer.assignment() if ledger.consumer is not None else set()) \
+        if config.failover else None
     return Stages(serving, Pipeline(decode, gate, resume, checks, admission, failures, dead_letters),
-                  WayBack(outputs, sender, answers, usage), ledger, aborts, metrics)
+                  WayBack(outputs, sender, answers, usage), ledger, aborts, metrics, takeover)
+
+
+def numerics_fingerprint(aengine: AsyncEngine) -> str:
+    """What decides this worker's logits, bit for bit: device, precision, quantization, KV storage,
+    kernels and their ISA level, tensor-parallel size (docs/worker.md, "Failover": exact takeovers
+    need equal ones)."""
+    e = aengine.engine
+    c = e.config
+    device = getattr(getattr(e, "device", None), "type", c.device)
+    parts = [device, str(getattr(e, "dtype", c.dtype)), c.quantization, f"kv={getattr(e, 'kv_dtype', c.kv_cache_dtype)}",
+             f"kernels={int(c.cpu_kernels)}", f"tp={c.tensor_parallel_size}"]
+    if device == "cpu" and c.cpu_kernels:
+        from engine_workers.kernels.cpu_kernels import isa_level  # CPU only: decided once
+        parts.append(isa_level())
+    return "/".join(parts)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from bus import Cancel, SamplingParams, TokenChunk
+from bus import Cancel, Finished, SamplingParams, TokenChunk, Usage
 from edge.admission.lifecycle import Stream
-from edge.admission.router import SpliceMismatch, dedupe
+from edge.admission.router import ReplyRouter, SpliceMismatch, dedupe
 from edge.config import EdgeConfig
+from edge.metrics import EdgeMetrics
 from edge.server import Edge
 from tests.edge.conftest import client, collect, recv, running_edge, send, wait_for
 
@@ -103,3 +104,41 @@ async def test_two_edges_with_one_edge_id_never_share_a_request_id(encoder) -> N
             ids_a = {edge_a.admission.new_request_id() for _ in range(3)}
             ids_b = {edge_b.admission.new_request_id() for _ in range(3)}
             assert ids_a.isdisjoint(ids_b) and all(i.startswith("same-") for i in ids_a | ids_b)
+
+
+class _Lifecycle:
+    """What the router hands on, recorded (the real lifecycle feeds a client)."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.streams = {stream.request_id: stream}
+        self.deltas: list[tuple[int, tuple[int, ...]]] = []
+        self.finished: list[Finished] = []
+
+    def delta(self, stream, seq, text, token_ids, logprobs) -> None:
+        self.deltas.append((seq, token_ids))
+
+    def finish(self, stream, msg) -> None:
+        self.finished.append(msg)
+
+    def fail(self, *args, **kw) -> None:
+        raise AssertionError(f"unexpected failure {args}")
+
+
+def test_replies_of_a_fenced_attempt_are_dropped_after_a_takeover_replied() -> None:
+    """A takeover replies with a higher attempt (docs/worker.md, "Failover"); from its first reply
+    on, the paused worker's replies (lower attempt: chunks, even equal ones, and its final) are
+    dropped and counted, never spliced."""
+    s = _stream()
+    life = _Lifecycle(s)
+    metrics = EdgeMetrics()
+    router = ReplyRouter(None, "t", metrics, life)  # type: ignore[arg-type]  # _route_one reads no bus
+    rec = None
+    router._route_one(TokenChunk("r", 0, 0, (5, 6), "ab", 0), rec)  # type: ignore[arg-type]
+    router._route_one(TokenChunk("r", 1, 2, (7,), "c", 2), rec)  # type: ignore[arg-type]  # the takeover
+    router._route_one(TokenChunk("r", 0, 2, (7, 8), "cd", 2), rec)  # type: ignore[arg-type]  # stale: fenced
+    router._route_one(Finished("r", 0, "length", 4, Usage(3, 4)), rec)  # type: ignore[arg-type]  # stale final
+    router._route_one(TokenChunk("r", 1, 3, (8,), "d", 3), rec)  # type: ignore[arg-type]
+    router._route_one(Finished("r", 1, "length", 4, Usage(3, 4)), rec)  # type: ignore[arg-type]
+    assert life.deltas == [(0, (5, 6)), (2, (7,)), (3, (8,))]
+    assert [f.attempt for f in life.finished] == [1]
+    assert "lockgate:edge_fenced_replies_total 2.0" in metrics.render().decode()

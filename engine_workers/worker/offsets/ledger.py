@@ -65,6 +65,10 @@ class Job:
     closing: bool = False  # final reply queued
     lost: bool = False  # partition revoked: publish nothing more
     expiring: bool = False  # aborted in the engine at its deadline: its final reply is Error(expired)
+    # A dead peer's request taken over here (worker/failover): its record belongs to a partition
+    # this worker does not own (``tp`` None: nothing to commit); listed in the heartbeat's claims
+    # until its final reply is acknowledged.
+    takeover: bool = False
     send_failures: int = 0  # earlier runs of this record whose replies could not be sent (send_failures.py)
     resume: tuple[int, ...] = ()
     span: Span | None = None  # the worker span, only when tracing is on (worker/spans.py)
@@ -162,6 +166,20 @@ class RequestLedger:
                    if j.admitted and (j.engine_add == 0 or j.engine_add > adds_applied))
 
     # -- counts -----------------------------------------------------------------------------------
+
+    def taken(self) -> tuple[str, ...]:
+        """The request ids held here as takeovers of a dead peer's requests (the heartbeat's claims)."""
+        return tuple(sorted({j.req.request_id for j in self._jobs.values() if j.takeover and not j.lost}))
+
+    def holds(self, owned: Set[TopicPartition], now: float, slack_s: float) -> dict[TopicPartition, int]:
+        """Per owned partition, the record time (UNIX ms) from which every record not answered here
+        lies: the oldest held request's enqueue time, else ``now``, less ``slack_s`` (records not
+        fetched yet, producer clocks behind ours). What a survivor reads after this worker died."""
+        since = {tp: now for tp in owned}
+        for j in self._jobs.values():
+            if j.tp in since and not j.lost:
+                since[j.tp] = min(since[j.tp], j.arrival)
+        return {tp: max(0, int((t - slack_s) * 1000)) for tp, t in since.items()}
 
     def busy(self) -> bool:
         """Something is running or has its final reply in flight."""

@@ -5,8 +5,8 @@ Every token a worker publishes is durable on the request's reply topic, in the o
 request id keys to (``bus.partitioner.partition_for_key``), in order. A worker that takes over a
 request (its partition moved here after a crash, or this worker restarted) reads that partition
 from the request's enqueue time up to its end as of now (``Bus.read_partition``), folds the
-replies into the contiguous token prefix ``0..k-1`` already published for it
-(:func:`fold_progress`), and hands it to the engine as ``resume_token_ids``: one prefill of
+replies into the contiguous token prefix ``0..k-1`` already published for it, as the edge
+delivered it (fenced replies of a lower attempt left out: :func:`fold_progress`), and hands it to the engine as ``resume_token_ids``: one prefill of
 prompt + prefix (a prefix-cache hit when this worker saw it), then decoding continues at seq k with
 the request's seed, whose draw for position k depends only on (seed, k). The client sees no token
 twice and none generated twice. A request whose final reply is already there (its worker died
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bus import (
     Bus,
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 CLOCK_SLACK_S = 0.0
 READ_LIMIT = 50_000  # records read from one reply partition for one lookup
 READ_TIMEOUT_S = 5.0
+CLAIM_POLL_S = 0.1  # how often a request claimed by a takeover is checked again
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,25 +68,36 @@ class Progress:
 
     token_ids: tuple[int, ...] = ()
     final: Finished | Error | None = None
+    attempt: int | None = None  # the highest attempt any reply for it carried (None: no reply)
 
 
 def fold_progress(wanted: Set[str], replies: Iterable[Message]) -> dict[str, Progress]:
-    """Fold replies (in partition order) into each wanted request's :class:`Progress`. Chunks of
-    several attempts may overlap; the prefix grows only contiguously (a chunk past a gap is left
-    out, so a lost record shortens the prefix, never corrupts it). Pure."""
+    """Fold replies (in partition order) into each wanted request's :class:`Progress`: the stream
+    exactly as an edge reading the same partition has it. Chunks of several attempts may overlap;
+    the prefix grows only contiguously (a chunk past a gap is left out, so a lost record shortens
+    the prefix, never corrupts it). A reply of an attempt below the highest seen before it is left
+    out, as the edge drops it (fencing): a paused worker that comes back after a takeover may
+    publish tokens past the taker's, which no client received; a run resuming after them would
+    leave a gap in every client's stream, and a fenced final reply would count as an answer the
+    client never got. Pure."""
     tokens: dict[str, list[int]] = {}
     finals: dict[str, Finished | Error] = {}
+    attempts: dict[str, int] = {}
     for m in replies:
         rid = getattr(m, "request_id", None)
         if not isinstance(rid, str) or rid not in wanted:
             continue
+        attempt = getattr(m, "attempt", 0)
+        if attempt < attempts.get(rid, attempt):
+            continue  # fenced (edge/admission/router.py drops it too)
+        attempts[rid] = attempt
         if isinstance(m, TokenChunk):
             have = tokens.setdefault(rid, [])
             if m.seq <= len(have) < m.seq + len(m.token_ids):
                 have.extend(m.token_ids[len(have) - m.seq:])
         elif isinstance(m, (Finished, Error)):
             finals.setdefault(rid, m)
-    return {rid: Progress(tuple(tokens.get(rid, ())), finals.get(rid)) for rid in wanted if rid in tokens or rid in finals}
+    return {rid: Progress(tuple(tokens.get(rid, ())), finals.get(rid), attempts[rid]) for rid in wanted if rid in attempts}
 
 
 def decode_replies(values: Iterable[bytes]) -> list[Message]:
@@ -102,14 +115,18 @@ def decode_replies(values: Iterable[bytes]) -> list[Message]:
 class ResumeFinder:
     """``answered(job, final)``: a request already answered (commit it without running);
     ``assigned_at(tp)``: when the partition was assigned here (wall clock; None: not owned), for
-    :meth:`needs_lookup`; ``partition_count(topic)``: a reply topic's partition count where known
+    :meth:`needs_lookup`; ``claimed(job)``: another run of the request is held as a takeover of a
+    dead peer's request (here or by a live peer: worker/failover), so this one waits until that
+    claim is gone, then looks up what was published (finding its final reply, it runs nothing);
+    ``partition_count(topic)``: a reply topic's partition count where known
     (the reply sender's cache; else the bus is asked); ``on_resumed(tokens)``: a request continues
     after ``tokens`` already published; ``next_stage``: the intake checks."""
 
     def __init__(self, bus: Bus, worker_id: str, answered: Callable[[Job, Finished | Error], None],
                  assigned_at: Callable[[TopicPartition], float | None],
                  partition_count: Callable[[str], int | None],
-                 on_resumed: Callable[[int], None], next_stage: Stage) -> None:
+                 on_resumed: Callable[[int], None], next_stage: Stage,
+                 claimed: Callable[[Job], bool] | None = None) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.answered = answered
@@ -117,6 +134,7 @@ class ResumeFinder:
         self.partition_count = partition_count
         self.on_resumed = on_resumed
         self.next_stage = next_stage
+        self.claimed = claimed if claimed is not None else (lambda _job: False)
         self._waiting: dict[tuple[str, int], list[Job]] = {}  # reply partition -> jobs not yet read for
         self._tasks: set[asyncio.Task] = set()
 
@@ -125,13 +143,15 @@ class ResumeFinder:
 
     def needs_lookup(self, job: Job) -> bool:
         """Only a request enqueued before its partition came to this worker can have been started
-        by another one."""
+        by another one; a takeover always was."""
+        if job.takeover:
+            return True
         since = self.assigned_at(job.tp) if job.tp is not None else None
         return since is not None and job.req.enqueued_at <= since + CLOCK_SLACK_S
 
     def put(self, arrival: Arrival) -> None:
         """Hand ``arrival`` on now, or once its reply partition has been read."""
-        if not self.needs_lookup(arrival.job):
+        if not self.needs_lookup(arrival.job) and not self.claimed(arrival.job):
             self.next_stage.put(arrival)
             return
         job = arrival.job
@@ -140,6 +160,10 @@ class ResumeFinder:
         task.add_done_callback(self._tasks.discard)
 
     async def _hold(self, job: Job) -> None:
+        # A takeover runs it (or ran it): its final reply, once acknowledged, ends the claim and
+        # the lookup below finds it. Nothing runs twice after the group's eventual rebalance.
+        while self.claimed(job) and not job.lost:
+            await asyncio.sleep(CLAIM_POLL_S)
         topic = job.req.reply_to
         try:
             count = self.partition_count(topic)
@@ -157,9 +181,14 @@ class ResumeFinder:
         batch = self._waiting[key] = [job]
         await asyncio.sleep(0)  # let the rest of this fetch's requests join the batch
         del self._waiting[key]
+        began = time.monotonic()
         found = await self._read(key, batch)
         for j in batch:
-            self._release(j, found.get(j.req.request_id) if found is not None else None)
+            progress = found.get(j.req.request_id) if found is not None else None
+            if j.takeover:  # a failover's stall, part by part (docs/worker.md, "The stall")
+                log.warning("worker %s: took over %s: history read in %.2fs, %d tokens published", self.worker_id,
+                            j.eid, time.monotonic() - began, len(progress.token_ids) if progress is not None else 0)
+            self._release(j, progress)
 
     async def _read(self, key: tuple[str, int], jobs: list[Job]) -> dict[str, Progress] | None:
         topic, partition = key
@@ -182,6 +211,11 @@ class ResumeFinder:
         if progress is not None and progress.final is not None:
             self.answered(job, progress.final)
             return
+        seen = progress.attempt if progress is not None else None
+        if job.takeover or seen is not None:
+            # Fencing: this run replies with an attempt above every one published for the request,
+            # so the edge drops whatever an earlier run (a paused worker that comes back) still sends.
+            job.req = replace(job.req, attempt=max(job.req.attempt, seen if seen is not None else 0) + 1)
         if progress is not None and progress.token_ids:
             if len(progress.token_ids) >= job.req.sampling.max_tokens:
                 # Every token was sent but not the final reply: nothing to generate; the engine would

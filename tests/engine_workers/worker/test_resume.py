@@ -26,10 +26,29 @@ def test_fold_keeps_the_contiguous_prefix_and_the_final_reply() -> None:
         TokenChunk("zzz", 0, 0, (7,), "", 0),  # not asked for
     ]
     got = fold_progress({"a", "b", "c", "d", "e"}, replies)
-    assert got == {"a": Progress((1, 2, 3, 4)), "b": Progress((9,), replies[5]), "c": Progress(()),
-                   "d": Progress((), replies[6])}
+    # attempt: the highest any of its replies carried (a takeover replies above it: fencing)
+    assert got == {"a": Progress((1, 2, 3, 4), None, 1), "b": Progress((9,), replies[5], 0), "c": Progress((), None, 0),
+                   "d": Progress((), replies[6], 0)}
     batch = encode(ReplyBatch((TokenChunk("a", 0, 0, (1,), "", 0),), (Finished("a", 0, "stop", 1, Usage(1, 1)),)))
     assert [type(m).__name__ for m in decode_replies([b"not json", batch])] == ["TokenChunk", "Finished"]
+
+
+def test_fold_leaves_out_fenced_replies_as_the_edge_does() -> None:
+    """A paused worker (attempt 0) comes back after a takeover (attempt 1) and publishes tokens past
+    the taker's and its final reply: the edge dropped them, so a third run must resume where the
+    taker was (no gap in the client's stream) and the request is not answered."""
+    replies = [
+        TokenChunk("p", 0, 0, (1, 2), "", 0, None, "paused"),
+        TokenChunk("p", 1, 2, (3,), "", 0, None, "taker"),  # the takeover, from seq 2
+        TokenChunk("p", 0, 2, (3, 4, 5, 6), "", 0, None, "paused"),  # queued before the pause: fenced
+        Finished("p", 0, "length", 7, Usage(3, 7), worker_id="paused"),  # fenced too
+        TokenChunk("p", 1, 3, (4,), "", 0, None, "taker"),
+        Error("q", "internal", "boom", attempt=0),
+        TokenChunk("q", 2, 0, (7,), "", 0),  # a higher attempt after an error: the edge ended it at the error
+    ]
+    got = fold_progress({"p", "q"}, replies)
+    assert got["p"] == Progress((1, 2, 3, 4), None, 1)
+    assert got["q"].final == replies[5]
 
 
 def _sampled(rid: str, layout: TopicLayout, max_tokens: int, seed: int, enqueued_at: float):

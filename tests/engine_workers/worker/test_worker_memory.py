@@ -72,6 +72,7 @@ class Replies:
         self.final: dict[str, Finished | Error] = {}  # the latest final reply per request
         self.finals: list[Finished | Error] = []  # every final reply, in arrival order (re-runs too)
         self.chunks: list[TokenChunk] = []
+        self.messages: list[TokenChunk | Finished | Error] = []  # every reply, in topic order
 
     async def wait(self, ids, timeout: float = 30.0) -> None:
         """Read until every request in ``ids`` has its final reply."""
@@ -97,6 +98,8 @@ class Replies:
     async def poll(self, timeout_ms: int) -> None:
         for rec in await self.consumer.getmany(timeout_ms=timeout_ms):
             for msg in replies_of(decode(rec.value)):
+                if isinstance(msg, (TokenChunk, Finished, Error)):
+                    self.messages.append(msg)
                 if isinstance(msg, TokenChunk):
                     self.chunks.append(msg)
                     for i, t in enumerate(msg.token_ids):
