@@ -86,7 +86,9 @@ def _size(body: Any) -> int:
         return 0
     if isinstance(body.get("prompt"), str):
         return len(body["prompt"])
-    return len(body.get("messages") or body.get("tokens") or ())  * 64
+    items = body.get("messages") or body.get("tokens") or ()
+    # any JSON may arrive here (the shape is checked after this size guess): only a list has a length
+    return len(items) * 64 if isinstance(items, list) else 0
 
 
 class TokenizeRoutes:
