@@ -1,8 +1,9 @@
 """Resumable streams: where any edge finds a request it did not admit, to resume it for its client.
 
-A request sent resumable (a WebSocket ``generate`` with ``"resumable": true``) is not cancelled
+A request sent resumable (a WebSocket ``generate`` or a streamed chat completion with
+``"resumable": true``) is not cancelled
 when its client goes away: it runs on (bounded by its ``max_tokens`` and deadline) and its client
-reconnects, to any edge, with ``resume`` (docs/protocol.md, "Resuming a stream"). For that the
+reconnects, to any edge, with ``resume`` (or ``GET /v1/chat/completions/{id}``; docs/protocol.md, "Resuming a stream"). For that the
 admitting edge writes one :class:`ResumableStream` record to the fleet's table (:class:`bus.CompactedTable`,
 key ``req:<request id>``) next to the request's publish: who may resume it (the API key's hash)
 and where its replies are (:class:`~edge.admission.replay.ReplyOrigin`). The rest (the output) is
@@ -28,6 +29,11 @@ class ResumableStream:
     origin: ReplyOrigin
     prompt_tokens: int
     max_tokens: int
+    # a resumable chat completion's (edge.openai.resume), so another edge sends the same bytes:
+    # its ``created`` time, its sampling seed and the request's JSON body (empty: a WebSocket request)
+    created: int = 0
+    seed: int | None = None
+    body: str = ""
 
 
 class StreamDirectory:
@@ -51,7 +57,8 @@ class StreamDirectory:
             obj = orjson.loads(raw)
             o = obj["origin"]
             r = ResumableStream(obj["owner"], ReplyOrigin(o["request_id"], o["topic"], int(o["since_ms"])),
-                                int(obj["prompt_tokens"]), int(obj["max_tokens"]))
+                                int(obj["prompt_tokens"]), int(obj["max_tokens"]), int(obj.get("created", 0)),
+                                obj.get("seed"), str(obj.get("body", "")))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             return None
         return r if r.owner == owner else None

@@ -3,7 +3,7 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``; and, from their own modules, ``/v1/files`` and ``/v1/batches``
 (:mod:`edge.openai.batches`), ``/tokenize`` ``/detokenize``
-(:mod:`edge.openai.tokenize`), ``/v1/responses`` (:mod:`edge.openai.responses`), ``/v1/embeddings``
+(:mod:`edge.openai.tokenize`), ``GET /v1/chat/completions/{id}`` (:mod:`edge.openai.resume`), ``/v1/responses`` (:mod:`edge.openai.responses`), ``/v1/embeddings``
 (:mod:`edge.openai.embeddings`) and the probes ``/health`` ``/ready`` ``/metrics`` ``/version``
 (:mod:`edge.openai.ops`). Admission is the WebSocket path's own (:class:`~edge.admission.gate.Admission`,
 metrics labelled ``api="openai"``); the request's :class:`~edge.openai.stream.OpenAIStream` is its
@@ -12,7 +12,8 @@ reply sink.
 Client disconnect: the runner is built with ``handler_cancellation=True``, so aiohttp cancels a
 handler whose client went away, whether it is waiting for the first token, for a non-streamed
 answer or writing a stream; leaving its ``with adm.streams()`` block then has the stream lifecycle
-cancel the request (reason ``disconnect``), as for a closed WebSocket.
+cancel the request (reason ``disconnect``), as for a closed WebSocket; a ``"resumable": true``
+stream is owned by the admission's ``resumables`` instead and runs on (:mod:`edge.openai.resume`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from edge.openai.reply import (
 )
 from edge.openai.responses.routes import ResponsesRoutes
 from edge.openai.responses.store import ResponseStore
+from edge.openai.resume import RESUME_HEADER, ChatResumeRoutes, record, resumable
 from edge.openai.schema import OpenAIRequest, openai_param, parse_chat, parse_completion
 from edge.openai.stream import DONE, OpenAIStream, merged_response, merged_usage, sse
 from edge.openai.tokenize import TokenizeRoutes
@@ -85,6 +87,7 @@ class OpenAIServer:
         embeddings.add_to(app)
         LoraAdminRoutes(adm).add_to(app)
         self.responses.add_to(app)
+        ChatResumeRoutes(adm).add_to(app)
         # the Files and Batches API: a batch line runs through the same ``answer`` as its endpoint
         self.batches = BatchService(adm, {
             "/v1/chat/completions": lambda body, who: self.answer(body, who, True),
@@ -187,22 +190,25 @@ class OpenAIServer:
             # a base model of this edge or an adapter of one (docs/lora.md); its tokenizer on first use
             encoder = await adm.encoder_for(model if isinstance(model, str) and model else adm.config.model)
             req = (parse_chat if chat else parse_completion)(body, encoder.context_len)
+            keep = resumable(body, req)  # a resumable chat stream (edge.openai.resume)
             if req.tools is not None:  # tools and tool turns: the prompt (and forcing grammar) of edge.chat.tools
                 g = await asyncio.to_thread(prepare, req.generate, req.tools, encoder, configured_parser(adm.config.tool_call_parser, adm.config.model, adm.config.model_path))
                 req = replace(req, generate=g)
         except ProtocolError as exc:
             return refusal(adm, exc)
-        return await self._answer(request, req, who, body, encoder)
+        return await self._answer(request, req, who, body, encoder, keep)
 
     async def _answer(self, request: web.Request | None, req: OpenAIRequest, who: Principal,
-                      body: dict[str, Any], encoder: PromptEncoder) -> web.StreamResponse:
+                      body: dict[str, Any], encoder: PromptEncoder, keep: bool = False) -> web.StreamResponse:
         """Every chat and completions request, ``n`` = 1 included (one choice of one prompt): one
         request on the bus per choice of each prompt, with seeds ``seed``, ``seed + 1``, ... per
         prompt (the client's seed, or one drawn), so the choices differ and each is reproducible
         and resumable on its own; choice ``i`` of prompt ``p`` is index ``p * n + i``; their sinks
         share one wake-up; one answer (or one event stream) holds them all. A choice refused at
         admission refunds the others; one failing fails the whole answer (leaving the ``with``
-        block cancels the rest, as it does when the client goes away)."""
+        block cancels the rest, as it does when the client goes away). ``keep``: a resumable
+        stream (one choice): owned by the admission's ``resumables`` (it runs on when its client
+        goes), recorded in the fleet's table, its events numbered."""
         adm = self.adm
         base = req.generate.sampling.seeded().seed
         assert base is not None
@@ -219,8 +225,10 @@ class OpenAIServer:
                 sink = OpenAIStream(adm.config, req, encoder, adm.config.send_queue_frames,
                                     on_overflow=lambda: transport.abort() if transport is not None else None,
                                     wake=wake, index=p * req.n + i, echo=_echo(req, one, encoder))
+                sink.numbered = keep
                 try:
-                    a = await adm.admit(g, who, sink, API, owned, client_id="", trace_parent=parent)
+                    a = await adm.admit(g, who, sink, API, adm.resumables if keep else owned, client_id="",
+                                        trace_parent=parent)
                 except ProtocolError as exc:
                     field = openai_param(exc.field, body, "response_format", "response_format")
                     if field == "prompt" and len(req.batch) > 1:  # which prompt of the batch
@@ -232,7 +240,7 @@ class OpenAIServer:
                 admitted.append(a)
             if req.stream:
                 assert request is not None, "a batch line never streams"
-                return await self._stream(request, sinks, admitted, wake)
+                return await self._stream(request, sinks, admitted, wake, who, body if keep else None)
             for a in admitted:
                 await adm.publish(a)
             while not all(s.closed for s in sinks):
@@ -244,13 +252,31 @@ class OpenAIServer:
             return json_response(200, merged_response(sinks))
 
     async def _stream(self, request: web.Request, sinks: list[OpenAIStream], admitted: list[Admitted],
-                      wake: asyncio.Event) -> web.StreamResponse:
+                      wake: asyncio.Event, who: Principal, resumable_body: dict[str, Any] | None) -> web.StreamResponse:
         # written to the bus before the 200 goes out: a request the bus did not take is a plain
         # error status (503 with the bus down), never a 200 stream that ends in an error event
+        headers = SSE_HEADERS
         for a in admitted:
-            if not await self.adm.publish(a):
+            if resumable_body is not None:  # its record (where any edge finds it) along with the publish
+                put = asyncio.ensure_future(record(self.adm, who, a, sinks[0], resumable_body))
+                try:
+                    ok = await self.adm.publish(a)
+                finally:
+                    await put
+                headers = {**SSE_HEADERS, RESUME_HEADER: sinks[0].id}
+            else:
+                ok = await self.adm.publish(a)
+            if not ok:
                 return failed_response(next(s.error for s in sinks if s.error is not None))
-        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        try:
+            return await self._write_stream(request, sinks, wake, headers)
+        finally:
+            for s in sinks:  # a resumable stream runs on without its client: nothing more is kept
+                s.detached = s.numbered
+
+    async def _write_stream(self, request: web.Request, sinks: list[OpenAIStream], wake: asyncio.Event,
+                            headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)
         req = sinks[0].req
         try:
@@ -273,8 +299,8 @@ class OpenAIServer:
                 await wake.wait()
                 wake.clear()
             if not failed and req.include_usage:
-                await resp.write(sse(sinks[0].head(choices=[], usage=merged_usage(sinks))))
-            await resp.write(DONE)
+                await resp.write(sinks[0].event(sse(sinks[0].head(choices=[], usage=merged_usage(sinks)))))
+            await resp.write(sinks[0].event(DONE))
             await resp.write_eof()
         except ConnectionError:  # the client went away (or was cut off as too slow): the caller cancels
             pass

@@ -64,6 +64,13 @@ class OpenAIStream:
         self.index = index
         self.echo = echo
         self._wake = wake
+        # a resumable chat stream (edge.openai.resume): every event carries ``id: <n>`` (0, 1, ...:
+        # the role event, the choice's events, the usage chunk, ``[DONE]``), the position a client
+        # resumes after; events at or below ``skip_through`` (the client has them) are dropped
+        self.numbered = False
+        self.skip_through = -1
+        self._next_id = 0
+        self.detached = False  # a resumable stream whose client went away: its events are dropped
         self._prefix = b""
         self._suffix = b""
         self._text_offset = 0
@@ -91,8 +98,24 @@ class OpenAIStream:
         tail = b',"logprobs":null,"finish_reason":null}]'
         self._suffix = (b"}" if self.req.chat else b"") + tail + (b',"usage":null' if self.req.include_usage else b"") \
             + b"}\n\n"
+        if self.numbered:
+            self._next_id = 1  # 0 is the role event's, written first by the handler
         if self.echo and self.req.stream:  # the prompt's text is the first event of the choice
             self.pending.append(self._prefix + orjson.dumps(self.echo) + self._suffix)
+
+    def event(self, data: bytes, event_id: int | None = None) -> bytes:
+        """``data`` (one SSE event) as sent: with its ``id:`` line when numbered (the next id, or
+        ``event_id``); empty when the client already has it."""
+        if not self.numbered:
+            return data
+        if event_id is None:
+            event_id, self._next_id = self._next_id, self._next_id + 1
+        return b"" if event_id <= self.skip_through else b"id: %d\n" % event_id + data
+
+    def _emit(self, data: bytes) -> None:
+        out = self.event(data)
+        if out:
+            self.pending.append(out)
 
     def head(self, **extra: Any) -> dict[str, Any]:
         obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.req.chat else "text_completion",
@@ -102,13 +125,15 @@ class OpenAIStream:
 
     def role_event(self) -> bytes:
         """The first chat event: the assistant role, empty content (as OpenAI sends)."""
-        return sse(self.head(choices=[{"index": self.index, "delta": {"role": "assistant", "content": ""},
+        return self.event(sse(self.head(choices=[{"index": self.index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}],
-                              **({"usage": None} if self.req.include_usage else {})))
+                              **({"usage": None} if self.req.include_usage else {}))), 0)
 
     # --- the sink: lifecycle events -> SSE bytes / the collected answer ----------------------------
     def on_delta(self, s: Stream, seq: int, text: str, token_ids: tuple[int, ...],  # noqa: ARG002 - the sink's signature
                  logprobs: tuple | None) -> bool:
+        if self.detached:
+            return True
         self.started = True
         lp = self._logprobs(logprobs) if self.req.logprobs is not None else None
         if self.reasoning is None:
@@ -130,6 +155,9 @@ class OpenAIStream:
         self._wake.set()
         if len(self.pending) > self.max_pending:
             self.on_overflow()
+            if self.numbered:  # resumable: the client may resume it; the request runs on
+                self.detached, self.pending = True, []
+                return True
             return False  # the lifecycle fails the stream; on_end writes the error event
         return True
 
@@ -150,15 +178,14 @@ class OpenAIStream:
             for i, delta in enumerate(self.tools.feed(text)):
                 self._tool_delta(delta, lp if i == 0 else None)
         elif lp is None:
-            self.pending.append(self._prefix + orjson.dumps(text) + self._suffix)
+            self._emit(self._prefix + orjson.dumps(text) + self._suffix)
         else:
             choice: dict[str, Any] = {"index": self.index, "logprobs": lp, "finish_reason": None}
             if self.req.chat:
                 choice["delta"] = {"content": text}
             else:
                 choice["text"] = text
-            self.pending.append(sse(self.head(choices=[choice],
-                                               **({"usage": None} if self.req.include_usage else {}))))
+            self._emit(sse(self.head(choices=[choice], **({"usage": None} if self.req.include_usage else {}))))
 
     def _tool_delta(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> None:
         """A tool stream's delta; with ``parallel_tool_calls`` false, calls after the first are dropped."""
@@ -172,14 +199,15 @@ class OpenAIStream:
 
     def on_end(self, s: Stream, end: End) -> None:
         self.started = True
-        if self.closed:
+        if self.closed or self.detached:
+            self.closed = True
             return
         if isinstance(end, Done):
             self._done(s, end)
         elif isinstance(end, Failed):
             self.error = error_reply(end.code, end.message, end.retry_after)
             if self.req.stream:  # after the 200 went out the error is an event (the handler then writes [DONE])
-                self.pending.append(sse(self.error.body))
+                self._emit(sse(self.error.body))
         # Cancelled: the handler is leaving; nothing more is written
         self.closed = True
         self._wake.set()
@@ -208,13 +236,12 @@ class OpenAIStream:
                 choice["delta"] = {}
             else:
                 choice["text"] = ""
-            self.pending.append(sse(self.head(choices=[choice],
-                                               **({"usage": None} if self.req.include_usage else {}))))
+            self._emit(sse(self.head(choices=[choice], **({"usage": None} if self.req.include_usage else {}))))
 
     def _delta_event(self, delta: dict[str, Any], lp: dict[str, Any] | None) -> None:
-        self.pending.append(sse(self.head(choices=[{"index": self.index, "delta": delta, "logprobs": lp,
-                                                     "finish_reason": None}],
-                                           **({"usage": None} if self.req.include_usage else {}))))
+        self._emit(sse(self.head(choices=[{"index": self.index, "delta": delta, "logprobs": lp,
+                                           "finish_reason": None}],
+                                 **({"usage": None} if self.req.include_usage else {}))))
 
     # --- the handler's side -------------------------------------------------------------------
     def take(self) -> bytes:
