@@ -28,16 +28,15 @@ from typing import Any
 from aiohttp import web
 
 from bus import ErrorCode, SamplingParams
-from edge.admission.auth import AuthError, Principal
+from edge.admission.auth import Principal
 from edge.admission.gate import Admission, Admitted
 from edge.admission.lifecycle import Done, End, Failed, Stream
 from edge.openai.reply import (
     API,
+    caller,
     check_model,
-    error_response,
     failed_response,
     json_response,
-    principal,
     read_json,
     refusal,
 )
@@ -150,11 +149,9 @@ class EmbeddingsRoutes:
 
     async def create(self, request: web.Request) -> web.Response:
         adm = self.adm
-        try:
-            who = principal(adm, request)
-        except AuthError as exc:
-            adm.reject("unauthorized", API)
-            return error_response("unauthorized", str(exc))
+        who = caller(adm, request)
+        if isinstance(who, web.Response):
+            return who
         try:
             body = await read_json(adm, request)
         except ProtocolError as exc:

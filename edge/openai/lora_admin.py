@@ -16,9 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from edge.admission.auth import AuthError
 from edge.admission.gate import Admission
-from edge.openai.reply import API, error_response, principal, read_json, refusal
+from edge.openai.reply import API, caller, error_response, read_json, refusal
 from edge.request import ProtocolError
 
 
@@ -33,11 +32,9 @@ class LoraAdminRoutes:
     async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
         """The admin's JSON body, or the refusal to send."""
         adm = self.adm
-        try:
-            who = principal(adm, request)
-        except AuthError as exc:
-            adm.reject("unauthorized", API)
-            return error_response("unauthorized", str(exc))
+        who = caller(adm, request)
+        if isinstance(who, web.Response):
+            return who
         if not adm.auth.dev_mode and not who.entry.admin:
             adm.reject("permission_denied", API)
             return error_response("permission_denied", "loading and unloading LoRA adapters needs an API key "

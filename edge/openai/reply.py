@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from edge.admission.auth import Principal
+from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission
 from edge.openai.schema import ErrorReply, error_body
 from edge.request import ProtocolError
@@ -48,6 +48,15 @@ def principal(adm: Admission, request: web.Request) -> Principal:
     scheme, _, value = request.headers.get("Authorization", "").strip().partition(" ")
     key = value.strip() if scheme.lower() == "bearer" and value.strip() else None
     return adm.auth.authenticate(key)
+
+
+def caller(adm: Admission, request: web.Request) -> Principal | web.Response:
+    """The caller's key, or the 401 to send (counted as a refusal): every route's first step."""
+    try:
+        return principal(adm, request)
+    except AuthError as exc:
+        adm.reject("unauthorized", API)
+        return error_response("unauthorized", str(exc))
 
 
 async def read_json(adm: Admission, request: web.Request) -> Any:

@@ -22,12 +22,12 @@ import orjson
 from aiohttp import web
 
 from bus import BusError
-from edge.admission.auth import AuthError, Principal
+from edge.admission.auth import Principal
 from edge.admission.gate import Admission, Admitted
 from edge.admission.lifecycle import Stream
 from edge.admission.replay import Replay, ReplyOrigin, detached_stream
 from edge.admission.resumable import ResumableStream
-from edge.openai.reply import API, error_response, principal, refusal
+from edge.openai.reply import caller, error_response, refusal
 from edge.openai.schema import OpenAIRequest, parse_chat
 from edge.openai.stream import DONE, OpenAIStream, merged_usage, sse
 from edge.request import ErrorCode, ProtocolError
@@ -98,11 +98,9 @@ class ChatResumeRoutes:
 
     async def resume(self, request: web.Request) -> web.StreamResponse:
         adm = self.adm
-        try:
-            who = principal(adm, request)
-        except AuthError as exc:
-            adm.reject("unauthorized", API)
-            return error_response("unauthorized", str(exc))
+        who = caller(adm, request)
+        if isinstance(who, web.Response):
+            return who
         cid = request.match_info["id"]
         try:
             after = _position(request)

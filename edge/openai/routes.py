@@ -37,6 +37,7 @@ from edge.openai.lora_admin import LoraAdminRoutes
 from edge.openai.ops import OpsRoutes, Readiness
 from edge.openai.reply import (
     API,
+    caller,
     error_response,
     failed_response,
     json_response,
@@ -168,11 +169,9 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         adm = self.adm
-        try:
-            who = principal(adm, request)
-        except AuthError as exc:
-            adm.reject("unauthorized", API)
-            return error_response("unauthorized", str(exc))
+        who = caller(adm, request)
+        if isinstance(who, web.Response):
+            return who
         try:
             body = await read_json(adm, request)
         except ProtocolError as exc:

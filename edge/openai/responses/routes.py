@@ -29,12 +29,12 @@ from typing import Any
 from aiohttp import web
 
 from bus import BusError, ErrorCode
-from edge.admission.auth import AuthError, Principal
+from edge.admission.auth import Principal
 from edge.admission.gate import Admission, Admitted
 from edge.admission.replay import Replay, ReplyOrigin, detached_stream, snapshot
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
-from edge.openai.reply import API, error_response, failed_response, json_response, principal, read_json, refusal
+from edge.openai.reply import API, caller, error_response, failed_response, json_response, read_json, refusal
 from edge.openai.responses.items import page
 from edge.openai.responses.schema import ResponsesRequest, parse_responses
 from edge.openai.responses.sink import ResponsesSink
@@ -132,11 +132,7 @@ class ResponsesRoutes:
 
     # --- helpers --------------------------------------------------------------------------------
     def _auth(self, request: web.Request) -> Principal | web.Response:
-        try:
-            return principal(self.adm, request)
-        except AuthError as exc:
-            self.adm.reject("unauthorized", API)
-            return error_response("unauthorized", str(exc))
+        return caller(self.adm, request)
 
     def _missing(self, rid: str, param: str | None = None) -> web.Response:
         self.adm.reject("not_found", API)
