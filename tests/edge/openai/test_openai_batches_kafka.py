@@ -34,7 +34,9 @@ async def edge_process(bootstrap: str, layout: TopicLayout, encoder: PromptEncod
         tuple[Edge, openai.AsyncOpenAI]]:
     """An edge on a bus connection of its own (as a separate process has), with an SDK client."""
     async with connect(kafka_url(bootstrap)) as bus:
-        cfg = EdgeConfig(model=MODEL, port=0, openai_port=0, layout=layout, keys=keys(), ping_interval_s=None)
+        # two lines at a time: the batch lasts long enough on a quiet machine for the kill to land mid-batch
+        cfg = EdgeConfig(model=MODEL, port=0, openai_port=0, layout=layout, keys=keys(), ping_interval_s=None,
+                         batch_max_in_flight=2)
         async with Edge(cfg, bus, encoder) as edge:
             await wait_until(lambda: edge.readiness()[0], timeout=30)
             async with openai.AsyncOpenAI(base_url=base_url(edge), api_key=KEY, max_retries=0, timeout=60) as client:
@@ -47,7 +49,7 @@ async def test_a_batch_survives_a_worker_kill_and_an_edge_restart(kafka_bootstra
     encoder = PromptEncoder.from_path(str(tiny_dir))
     lines, valid, invalid = mixed_lines(50)
     for body in valid.values():
-        body["max_tokens"] += 10
+        body["max_tokens"] += 40
         body["ignore_eos"] = True
     # the engine's own greedy output for every valid line: what an exact resume must reproduce
     prompts = [encoder.chat_ids([ChatMessage(m["role"], m["content"]) for m in b["messages"]]) for b in valid.values()]
