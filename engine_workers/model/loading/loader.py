@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -121,17 +121,7 @@ def load_model(spec: str | Path | None, dtype: torch.dtype, device: torch.device
         mspec = local_spec(mspec, layout)
     with torch.device("meta"):
         model = LlamaForPagedLM(mspec)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    for name, shape in expected.items():
-        if name not in state:
-            raise ModelError(f"weights of {path} lack {name}")
-        if tuple(state[name].shape) != tuple(shape):
-            raise ModelError(f"weights of {path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
-    model.load_state_dict({k: v.float() if _keep_fp32(k, mspec) else v.to(dtype) for k, v in state.items() if k in expected},
-                          assign=True)
-    model = model.to(device=device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = _materialize(model, state, mspec, dtype, device, f"the checkpoint {path}")
     if lowp == "q4_1":
         _blocks(model, Path(path))
     elif lowp is not None:
@@ -206,19 +196,31 @@ def load_mtp(loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> L
             state[ours] = reader.take(f"model.layers.{layer}.{ours}")
     with torch.device("meta"):
         model = MtpForPagedLM(spec)
+    model = _materialize(model, state, spec, dtype, device, f"weights of {path}: the MTP module")
+    model.set_ropes(loaded.hf_config, loaded.spec.max_position_embeddings, device)
+    return LoadedModel(path, model, spec, loaded.tokenizer, loaded.hf_config, loaded.eos_token_ids)
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def _materialize(model: M, state: dict[str, torch.Tensor], spec, dtype: torch.dtype, device: torch.device | str,
+                 what: str) -> M:
+    """``model`` (built on the meta device) given the checked weights of ``state``: every parameter
+    present with its shape (a :class:`ModelError` naming ``what`` otherwise), in ``dtype`` but for
+    those :func:`_keep_fp32` keeps, on ``device``, in eval mode, frozen."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
     for name, shape in expected.items():
         if name not in state:
-            raise ModelError(f"weights of {path}: the MTP module lacks {name}")
+            raise ModelError(f"{what} lacks {name}")
         if tuple(state[name].shape) != tuple(shape):
-            raise ModelError(f"weights of {path}: MTP {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
+            raise ModelError(f"{what}: {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
     model.load_state_dict({k: v.float() if _keep_fp32(k, spec) else v.to(dtype) for k, v in state.items() if k in expected},
                           assign=True)
     model = model.to(device=device).eval()
-    for prm in model.parameters():
-        prm.requires_grad_(False)
-    model.set_ropes(loaded.hf_config, loaded.spec.max_position_embeddings, device)
-    return LoadedModel(path, model, spec, loaded.tokenizer, loaded.hf_config, loaded.eos_token_ids)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 def _keep_fp32(name: str, spec: ModelSpec) -> bool:
