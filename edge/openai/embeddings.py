@@ -33,11 +33,10 @@ from edge.admission.gate import Admission, Admitted
 from edge.admission.lifecycle import Done, End, Failed, Stream
 from edge.openai.reply import (
     API,
-    caller,
+    authed_json,
     check_model,
     failed_response,
     json_response,
-    read_json,
     refusal,
 )
 from edge.openai.schema import MAX_PROMPT_IDS, ErrorReply, error_reply
@@ -148,15 +147,10 @@ class EmbeddingsRoutes:
         app.router.add_post("/v1/embeddings", self.create)
 
     async def create(self, request: web.Request) -> web.Response:
-        adm = self.adm
-        who = caller(adm, request)
-        if isinstance(who, web.Response):
-            return who
-        try:
-            body = await read_json(adm, request)
-        except ProtocolError as exc:
-            return refusal(adm, exc)
-        return await self.answer(body, who, request)
+        call = await authed_json(self.adm, request)
+        if isinstance(call, web.Response):
+            return call
+        return await self.answer(call.body, call.who, request)
 
     async def answer(self, body: Any, who: Principal, request: web.Request | None = None) -> web.Response:
         """One embeddings request from its decoded body: what ``POST`` answers (``request`` None:

@@ -4,6 +4,7 @@ embeddings, responses, the probes) uses these, so their errors look exactly alik
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -67,6 +68,25 @@ async def read_json(adm: Admission, request: web.Request) -> Any:
         raise ProtocolError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
     except web.HTTPRequestEntityTooLarge:
         raise ProtocolError(f"the request body is larger than {adm.config.max_frame_bytes} bytes") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """An authenticated request: its caller's key and its decoded JSON body (not yet validated)."""
+
+    who: Principal
+    body: Any
+
+
+async def authed_json(adm: Admission, request: web.Request) -> Call | web.Response:
+    """The caller and the decoded body, or the 401 / 400 to send: every JSON route's first step."""
+    who = caller(adm, request)
+    if isinstance(who, web.Response):
+        return who
+    try:
+        return Call(who, await read_json(adm, request))
+    except ProtocolError as exc:
+        return refusal(adm, exc)
 
 
 def check_model(adm: Admission, body: dict[str, Any], required: bool = True) -> None:

@@ -37,12 +37,11 @@ from edge.openai.lora_admin import LoraAdminRoutes
 from edge.openai.ops import OpsRoutes, Readiness
 from edge.openai.reply import (
     API,
-    caller,
+    authed_json,
     error_response,
     failed_response,
     json_response,
     principal,
-    read_json,
     refusal,
 )
 from edge.openai.responses.routes import ResponsesRoutes
@@ -168,15 +167,10 @@ class OpenAIServer:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        adm = self.adm
-        who = caller(adm, request)
-        if isinstance(who, web.Response):
-            return who
-        try:
-            body = await read_json(adm, request)
-        except ProtocolError as exc:
-            return refusal(adm, exc)
-        return await self.answer(body, who, chat, request)
+        call = await authed_json(self.adm, request)
+        if isinstance(call, web.Response):
+            return call
+        return await self.answer(call.body, call.who, chat, request)
 
     async def answer(self, body: Any, who: Principal, chat: bool,
                      request: web.Request | None = None) -> web.StreamResponse:

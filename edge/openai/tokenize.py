@@ -17,9 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from edge.admission.auth import AuthError
 from edge.admission.gate import Admission
-from edge.openai.reply import API, check_model, error_response, json_response, principal, read_json
+from edge.openai.reply import API, caller, check_model, error_response, json_response, read_json
 from edge.openai.schema import MAX_PROMPT_IDS, parse_chat
 from edge.request import PromptEncoder, ProtocolError
 
@@ -107,11 +106,9 @@ class TokenizeRoutes:
 
     async def _run(self, request: web.Request, fn: Any) -> web.Response:
         adm = self.adm
-        try:
-            principal(adm, request)
-        except AuthError as exc:
-            adm.reject("unauthorized", API)
-            return error_response("unauthorized", str(exc))
+        who = caller(adm, request)
+        if isinstance(who, web.Response):
+            return who
         encoder = adm.encoder
         assert encoder is not None
         try:

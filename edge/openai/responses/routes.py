@@ -34,7 +34,7 @@ from edge.admission.gate import Admission, Admitted
 from edge.admission.replay import Replay, ReplyOrigin, detached_stream, snapshot
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
-from edge.openai.reply import API, caller, error_response, failed_response, json_response, read_json, refusal
+from edge.openai.reply import API, authed_json, caller, error_response, failed_response, json_response, refusal
 from edge.openai.responses.items import page
 from edge.openai.responses.schema import ResponsesRequest, parse_responses
 from edge.openai.responses.sink import ResponsesSink
@@ -296,15 +296,10 @@ class ResponsesRoutes:
         return sink.req.history + tuple(output_history(sink.output))
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        adm = self.adm
-        who = self._auth(request)
-        if isinstance(who, web.Response):
-            return who
-        try:
-            body = await read_json(adm, request)
-        except ProtocolError as exc:
-            return refusal(adm, exc)
-        return await self.answer(body, who, request)
+        call = await authed_json(self.adm, request)
+        if isinstance(call, web.Response):
+            return call
+        return await self.answer(call.body, call.who, request)
 
     async def answer(self, body: Any, who: Principal, request: web.Request | None = None) -> web.StreamResponse:
         """One Responses request from its decoded body: what ``POST`` answers. Without
