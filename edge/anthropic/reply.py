@@ -11,12 +11,8 @@ from aiohttp import web
 from edge.admission.auth import Principal
 from edge.admission.gate import Admission
 from edge.anthropic.errors import API, ErrorReply, error_reply
+from edge.http import json_response
 from edge.request import ProtocolError
-
-
-def json_response(status: int, body: Any, retry_after: float | None = None) -> web.Response:
-    headers = {"Retry-After": str(max(1, int(-(-retry_after // 1))))} if retry_after is not None else None
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
 def error_response(e: ErrorReply) -> web.Response:

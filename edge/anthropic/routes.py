@@ -26,9 +26,8 @@ from edge.anthropic.schema import MessagesRequest, parse_messages
 from edge.anthropic.sink import MessagesSink
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
+from edge.http import SSE_HEADERS
 from edge.request import Generate, PromptEncoder, ProtocolError
-
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class MessagesRoutes:

@@ -12,15 +12,11 @@ from aiohttp import web
 
 from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission
+from edge.http import json_response
 from edge.openai.schema import ErrorReply, error_body
 from edge.request import ProtocolError
 
 API = "openai"
-
-
-def json_response(status: int, body: Any, retry_after: float | None = None) -> web.Response:
-    headers = {"Retry-After": str(max(1, int(-(-retry_after // 1))))} if retry_after is not None else None
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
 def error_response(code: str, message: str, param: str | None = None,

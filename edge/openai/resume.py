@@ -27,6 +27,7 @@ from edge.admission.gate import Admission, Admitted
 from edge.admission.lifecycle import Stream
 from edge.admission.replay import Replay, ReplyOrigin, detached_stream
 from edge.admission.resumable import ResumableStream
+from edge.http import SSE_HEADERS
 from edge.openai.reply import caller, error_response, refusal
 from edge.openai.schema import OpenAIRequest, parse_chat
 from edge.openai.stream import DONE, OpenAIStream, merged_usage, sse
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 RESUME_HEADER = "X-Lockgate-Resumable-Id"  # the id to resume a stream by (its chunks' ``id``)
 ID_PREFIX = "chatcmpl-"
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # A replay's sink holds at most one read batch of events: the handler writes them after each read.
 REPLAY_PENDING = 1 << 30
 

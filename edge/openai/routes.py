@@ -31,6 +31,7 @@ from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission, Admitted
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
+from edge.http import SSE_HEADERS
 from edge.openai.batches.routes import BatchService
 from edge.openai.embeddings import EmbeddingsRoutes
 from edge.openai.lora_admin import LoraAdminRoutes
@@ -54,7 +55,6 @@ from edge.request import Generate, PromptEncoder, ProtocolError
 
 log = logging.getLogger(__name__)
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def _echo(req: OpenAIRequest, g: Generate, encoder: PromptEncoder) -> str:

@@ -34,6 +34,7 @@ from edge.admission.gate import Admission, Admitted
 from edge.admission.replay import Replay, ReplyOrigin, detached_stream, snapshot
 from edge.chat.tool_parsers import configured_parser
 from edge.chat.tools import prepare
+from edge.http import SSE_HEADERS
 from edge.openai.reply import API, authed_json, caller, error_response, failed_response, json_response, refusal
 from edge.openai.responses.items import page
 from edge.openai.responses.schema import ResponsesRequest, parse_responses
@@ -44,7 +45,6 @@ from edge.request import ProtocolError
 
 log = logging.getLogger(__name__)
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FINALS_QUEUE = 4096  # background responses ended, waiting for their final record to be written
 NO_LIMIT = 1 << 62  # a replay's sink: its reader paces the replay, nothing piles up
 
