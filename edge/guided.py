@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from bus import SamplingParams
+from edge.fields import type_name
 from tokenization.grammars import GrammarCache, guided_spec
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object")
@@ -35,11 +36,6 @@ class FieldError(ValueError):
         super().__init__(message)
         self.message = message
         self.field = field
-
-
-def _tname(v: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def schema_depth(v: object) -> int:
@@ -75,7 +71,7 @@ def response_format(v: object) -> dict[str, Any]:
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise FieldError(f"response_format must be an object, got {_tname(v)}", "response_format")
+        raise FieldError(f"response_format must be an object, got {type_name(v)}", "response_format")
     kind = v.get("type")
     if kind == "text":
         return {}
@@ -106,13 +102,13 @@ def guided_fields(obj: dict[str, Any]) -> dict[str, Any]:
         if isinstance(gj, (dict, str)):
             out["guided_json"] = schema_text(gj, "guided_json")
         else:
-            raise FieldError(f"guided_json must be a JSON schema object (or its JSON text), got {_tname(gj)}",
+            raise FieldError(f"guided_json must be a JSON schema object (or its JSON text), got {type_name(gj)}",
                              "guided_json")
     for name in ("guided_regex", "guided_grammar"):
         v = obj.get(name)
         if v is not None:
             if not isinstance(v, str):
-                raise FieldError(f"{name} must be a string, got {_tname(v)}", name)
+                raise FieldError(f"{name} must be a string, got {type_name(v)}", name)
             out[name] = v
     choice = obj.get("guided_choice")
     if choice is not None:
@@ -122,7 +118,7 @@ def guided_fields(obj: dict[str, Any]) -> dict[str, Any]:
     gjo = obj.get("guided_json_object")
     if gjo is not None:
         if not isinstance(gjo, bool):
-            raise FieldError(f"guided_json_object must be a boolean, got {_tname(gjo)}", "guided_json_object")
+            raise FieldError(f"guided_json_object must be a boolean, got {type_name(gjo)}", "guided_json_object")
         out["guided_json_object"] = gjo
     fmt = response_format(obj.get("response_format"))
     if fmt and any(out.get(k) for k in GUIDED_FIELDS):
@@ -137,7 +133,7 @@ def logit_bias(v: object) -> tuple[tuple[int, float], ...] | None:
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise FieldError(f"logit_bias must be an object of token id -> bias, got {_tname(v)}", "logit_bias")
+        raise FieldError(f"logit_bias must be an object of token id -> bias, got {type_name(v)}", "logit_bias")
     out = []
     for k, b in v.items():
         if not k.isdigit() or len(k) > 12:

@@ -34,13 +34,13 @@ How the fields map:
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from bus import ChatMessage, SamplingParams
 from edge.chat.tools import MAX_TOOLS, ToolRequest
+from edge.fields import int_field, num_field, type_name
 from edge.guided import MAX_SCHEMA_DEPTH, schema_depth
 from edge.request import MAX_MESSAGES, Generate, ProtocolError
 
@@ -61,31 +61,6 @@ class MessagesRequest:
     tools: ToolRequest | None
     parallel_tool_calls: bool
     thinking_shown: bool = True  # thinking.display "omitted": thinking blocks come without their text
-
-
-def _tname(v: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def _int(obj: dict, name: str, lo: int) -> int | None:
-    v = obj.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ProtocolError(f"{name} must be an integer, got {_tname(v)}", name)
-    if v < lo:
-        raise ProtocolError(f"{name} must be >= {lo}, got {v}", name)
-    return v
-
-
-def _num(obj: dict, name: str) -> float | None:
-    v = obj.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ProtocolError(f"{name} must be a finite number, got {_tname(v)}", name)
-    return float(v)
 
 
 def _block_kind(b: object, where: str) -> str:
@@ -125,7 +100,7 @@ def _system(v: object) -> str | None:
                 raise _unsupported(kind, where)
             parts.append(_text(b, where))
         return "\n".join(parts)
-    raise ProtocolError(f"system must be a string or an array of text blocks, got {_tname(v)}", "system")
+    raise ProtocolError(f"system must be a string or an array of text blocks, got {type_name(v)}", "system")
 
 
 def _tool_result_content(v: object, where: str) -> str:
@@ -150,7 +125,7 @@ def _turn(m: object, i: int, prev_calls: set[str]) -> tuple[str, list[dict[str, 
     ``tool_result`` blocks become ``tool`` turns, before its text."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise ProtocolError(f"{where} must be an object {{role, content}}, got {_tname(m)}", where)
+        raise ProtocolError(f"{where} must be an object {{role, content}}, got {type_name(m)}", where)
     role = m.get("role")
     if role not in ROLES:
         hint = " (put the system prompt in the top-level system field)" if role == "system" else ""
@@ -160,7 +135,7 @@ def _turn(m: object, i: int, prev_calls: set[str]) -> tuple[str, list[dict[str, 
         return str(role), [{"role": role, "content": content}], set()
     if not isinstance(content, list):
         raise ProtocolError(f"{where}.content must be a string or an array of content blocks, got "
-                            f"{_tname(content)}", f"{where}.content")
+                            f"{type_name(content)}", f"{where}.content")
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -330,16 +305,16 @@ def parse_messages(obj: Any, count_only: bool = False) -> MessagesRequest:
     """``POST /v1/messages`` (``count_only``: ``/v1/messages/count_tokens``, where ``max_tokens``
     and the sampling fields do not apply). Raises :class:`ProtocolError` only."""
     if not isinstance(obj, dict):
-        raise ProtocolError(f"the request body must be a JSON object, got {_tname(obj)}")
+        raise ProtocolError(f"the request body must be a JSON object, got {type_name(obj)}")
     model = obj.get("model")
     if not isinstance(model, str) or not model:
         raise ProtocolError("model is required (a non-empty string)", "model")
-    max_tokens = 1 if count_only else _int(obj, "max_tokens", 1)
+    max_tokens = 1 if count_only else int_field(obj, "max_tokens", 1)
     if max_tokens is None:
         raise ProtocolError("max_tokens is required (a positive integer)", "max_tokens")
     stream = obj.get("stream", False)
     if not isinstance(stream, bool):
-        raise ProtocolError(f"stream must be a boolean, got {_tname(stream)}", "stream")
+        raise ProtocolError(f"stream must be a boolean, got {type_name(stream)}", "stream")
     stop = obj.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_SEQUENCES
                              or not all(isinstance(s, str) for s in stop)):
@@ -354,10 +329,10 @@ def parse_messages(obj: Any, count_only: bool = False) -> MessagesRequest:
     tools, choice, parallel = parse_tools(obj)
     tool_turns = any("tool_calls" in h or h["role"] == "tool" for h in history)
     tool_req = ToolRequest(tools, choice, tuple(history)) if tools or tool_turns else None
-    top_k = _int(obj, "top_k", 0)
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": _num(obj, "temperature"),
-                              "top_p": _num(obj, "top_p"), "top_k": top_k,
-                              "seed": _int(obj, "seed", 0),  # an extension, as on the OpenAI routes
+    top_k = int_field(obj, "top_k", 0)
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": num_field(obj, "temperature"),
+                              "top_p": num_field(obj, "top_p"), "top_k": top_k,
+                              "seed": int_field(obj, "seed", 0),  # an extension, as on the OpenAI routes
                               "stop": tuple(s for s in stop or () if s),
                               "guided_json": _output_format(obj.get("output_config"))}
     try:

@@ -26,6 +26,7 @@ from typing import Any
 
 from bus import ChatMessage, ErrorCode, SamplingParams
 from edge.chat.tools import ToolRequest, history_message, parse_tools
+from edge.fields import bool_field, int_field, num_field, type_name
 from edge.guided import FieldError, guided_fields
 from edge.request import MAX_CACHE_SALT, MAX_MESSAGES, Generate, ProtocolError, requested_tier
 
@@ -112,41 +113,6 @@ class OpenAIRequest:
         return self.prompts or (self.generate,)
 
 
-def _tname(v: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def _int(obj: dict, name: str, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = obj.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ProtocolError(f"{name} must be an integer, got {_tname(v)}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ProtocolError(f"{name} must be {rng}, got {v}", name)
-    return v
-
-
-def _num(obj: dict, name: str) -> float | None:
-    v = obj.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ProtocolError(f"{name} must be a finite number, got {_tname(v)}", name)
-    return float(v)
-
-
-def _bool(obj: dict, name: str) -> bool:
-    v = obj.get(name)
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise ProtocolError(f"{name} must be a boolean, got {_tname(v)}", name)
-    return v
-
-
 def _refuse(obj: dict, name: str, allowed: object, why: str) -> None:
     v = obj.get(name)
     if v is not None and v != allowed and not (isinstance(v, (list, dict)) and not v):
@@ -156,27 +122,27 @@ def _refuse(obj: dict, name: str, allowed: object, why: str) -> None:
 def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bool, bool, int]:
     """Sampling, model, stream, include_usage and n: the fields chat and completions share."""
     if not isinstance(obj, dict):
-        raise ProtocolError(f"the request body must be a JSON object, got {_tname(obj)}")
+        raise ProtocolError(f"the request body must be a JSON object, got {type_name(obj)}")
     model = obj.get("model")
     if not isinstance(model, str) or not model:
         raise ProtocolError("model is required (a non-empty string)", "model")
-    n = _int(obj, "n", lo=1, hi=MAX_N) or 1
+    n = int_field(obj, "n", lo=1, hi=MAX_N) or 1
     _refuse(obj, "best_of", 1, "use n")
     _refuse(obj, "functions", None, "use tools")
-    stream = _bool(obj, "stream")
+    stream = bool_field(obj, "stream")
     opts = obj.get("stream_options")
     include_usage = False
     if opts is not None:
         if not stream:
             raise ProtocolError("stream_options is only allowed when stream is true", "stream_options")
         if not isinstance(opts, dict):
-            raise ProtocolError(f"stream_options must be an object, got {_tname(opts)}", "stream_options")
-        include_usage = _bool(opts, "include_usage") if "include_usage" in opts else False
+            raise ProtocolError(f"stream_options must be an object, got {type_name(opts)}", "stream_options")
+        include_usage = bool_field(opts, "include_usage") if "include_usage" in opts else False
     user = obj.get("user")
     if user is not None and not isinstance(user, str):
-        raise ProtocolError(f"user must be a string, got {_tname(user)}", "user")
-    mct = _int(obj, "max_completion_tokens", lo=1)
-    mt = _int(obj, "max_tokens", lo=1)
+        raise ProtocolError(f"user must be a string, got {type_name(user)}", "user")
+    mct = int_field(obj, "max_completion_tokens", lo=1)
+    mt = int_field(obj, "max_tokens", lo=1)
     max_tokens = mct if mct is not None else mt if mt is not None else default_max_tokens
     stop = obj.get("stop")
     if isinstance(stop, str):
@@ -187,21 +153,21 @@ def _common(obj: dict, default_max_tokens: int) -> tuple[SamplingParams, str, bo
     if stop_ids is not None and (not isinstance(stop_ids, list)
                                  or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
         raise ProtocolError("stop_token_ids must be an array of integers", "stop_token_ids")
-    top_k = _int(obj, "top_k", lo=-1)
-    seed = _int(obj, "seed")
+    top_k = int_field(obj, "top_k", lo=-1)
+    seed = int_field(obj, "seed")
     if seed is not None and seed < 0:
         seed &= (1 << 63) - 1  # OpenAI seeds are signed 64-bit; the sampler's are not: same bits
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
-        "temperature": _num(obj, "temperature"), "top_p": _num(obj, "top_p"),
+        "temperature": num_field(obj, "temperature"), "top_p": num_field(obj, "top_p"),
         "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "off" -1
         "seed": seed, "stop": [s for s in stop or () if s], "stop_token_ids": stop_ids,
-        "ignore_eos": _bool(obj, "ignore_eos"),
-        "presence_penalty": _num(obj, "presence_penalty"), "frequency_penalty": _num(obj, "frequency_penalty"),
+        "ignore_eos": bool_field(obj, "ignore_eos"),
+        "presence_penalty": num_field(obj, "presence_penalty"), "frequency_penalty": num_field(obj, "frequency_penalty"),
         "logit_bias": _logit_bias(obj.get("logit_bias")),
         # vLLM's extras
-        "min_p": _num(obj, "min_p"), "repetition_penalty": _num(obj, "repetition_penalty"),
-        "min_tokens": _int(obj, "min_tokens", lo=0),
+        "min_p": num_field(obj, "min_p"), "repetition_penalty": num_field(obj, "repetition_penalty"),
+        "min_tokens": int_field(obj, "min_tokens", lo=0),
     }
     try:  # structured output: response_format, vLLM's guided_* (edge.guided)
         kwargs.update(guided_fields(obj))
@@ -223,7 +189,7 @@ def _logit_bias(v: object) -> tuple[tuple[int, float], ...] | None:
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise ProtocolError(f"logit_bias must be an object of token id -> bias, got {_tname(v)}", "logit_bias")
+        raise ProtocolError(f"logit_bias must be an object of token id -> bias, got {type_name(v)}", "logit_bias")
     out = []
     for k, b in v.items():
         if not k.isdigit() or len(k) > 12:
@@ -248,7 +214,7 @@ def _content(v: object, where: str) -> str:
                                     "other content types are not supported", f"{where}[{i}]")
             parts.append(p["text"])
         return "".join(parts)
-    raise ProtocolError(f"{where} must be a string or an array of text parts, got {_tname(v)}", where)
+    raise ProtocolError(f"{where} must be a string or an array of text parts, got {type_name(v)}", where)
 
 
 def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
@@ -263,7 +229,7 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise ProtocolError(f"{where} must be an object, got {_tname(m)}", where)
+            raise ProtocolError(f"{where} must be an object, got {type_name(m)}", where)
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise ProtocolError(f"{where}.role must be one of {sorted(ROLES)}", f"{where}.role")
@@ -273,8 +239,8 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     tool_turns = any("tool_calls" in h or h["role"] == "tool" for h in history)
     tool_req = ToolRequest(tools, choice, tuple(history)) if tools or tool_turns else None
     logprobs = None
-    top = _int(obj, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
-    if _bool(obj, "logprobs"):
+    top = int_field(obj, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    if bool_field(obj, "logprobs"):
         logprobs = top or 0
     elif top:
         raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -284,7 +250,7 @@ def parse_chat(obj: Any, default_max_tokens: int) -> OpenAIRequest:
         raise ProtocolError("n > 1 is not supported with tools", "n")
     parallel = obj.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ProtocolError(f"parallel_tool_calls must be a boolean, got {_tname(parallel)}", "parallel_tool_calls")
+        raise ProtocolError(f"parallel_tool_calls must be a boolean, got {type_name(parallel)}", "parallel_tool_calls")
     return OpenAIRequest(True, Generate("", sampling, messages=tuple(msgs), model=model, max_tokens_given=_given(obj),
                                         cache_salt=_salt(obj), tier=requested_tier(obj)),
                          stream, include_usage,
@@ -310,7 +276,7 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     OpenAI numbers them). ``echo`` puts the prompt's text before each choice's. Raises
     :class:`ProtocolError` only."""
     sampling, model, stream, include_usage, n = _common(obj, default_max_tokens)
-    echo = _bool(obj, "echo")
+    echo = bool_field(obj, "echo")
     _refuse(obj, "tools", None, "tools need /v1/chat/completions")
     _refuse(obj, "suffix", None, "this server does not do insertion (fill-in-the-middle); "
                                  "put the whole text in prompt")
@@ -328,7 +294,7 @@ def parse_completion(obj: Any, default_max_tokens: int) -> OpenAIRequest:
     if len(parsed) * n > MAX_BATCH_CHOICES:
         raise ProtocolError(f"{len(parsed)} prompts x n={n} is {len(parsed) * n} choices, "
                             f"at most {MAX_BATCH_CHOICES}", "n" if len(parsed) == 1 else "prompt")
-    logprobs = _int(obj, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+    logprobs = int_field(obj, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
     if logprobs is not None:
         if echo:  # the prompt's own logprobs need a prompt-scoring pass the workers do not run
             raise ProtocolError("echo with logprobs is not supported (no prompt logprobs)", "echo")

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from bus import ChatMessage, SamplingParams
+from edge.fields import type_name
 from edge.guided import GUIDED_FIELDS, FieldError, guided_fields, logit_bias
 from edge.request import MAX_CACHE_SALT, MAX_ID_LEN, MAX_MESSAGES, Generate, ProtocolError, requested_tier
 
@@ -58,17 +59,12 @@ def _str(obj: dict, name: str, fid: str | None, *, required: bool = False, max_l
             raise ProtocolError(f"{name} is required", name, fid)
         return None
     if not isinstance(v, str):
-        raise ProtocolError(f"{name} must be a string, got {_tname(v)}", name, fid)
+        raise ProtocolError(f"{name} must be a string, got {type_name(v)}", name, fid)
     if required and not v:
         raise ProtocolError(f"{name} must not be empty", name, fid)
     if max_len is not None and len(v) > max_len:
         raise ProtocolError(f"{name} is longer than {max_len} characters", name, fid)
     return v
-
-
-def _tname(v: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
 def parse_client_frame(data: str | bytes, default_max_tokens: int = 256) -> ClientFrame:
@@ -78,7 +74,7 @@ def parse_client_frame(data: str | bytes, default_max_tokens: int = 256) -> Clie
     except (orjson.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"frame is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(obj, dict):
-        raise ProtocolError(f"frame must be a JSON object, got {_tname(obj)}")
+        raise ProtocolError(f"frame must be a JSON object, got {type_name(obj)}")
     fid = obj.get("id") if isinstance(obj.get("id"), str) and len(obj["id"]) <= MAX_ID_LEN else None
     kind = obj.get("type")
     if kind == "generate":
@@ -133,7 +129,7 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
             if role not in ROLES:
                 raise ProtocolError(f"{where}.role must be one of {list(ROLES)}", f"{where}.role", cid)
             if not isinstance(content, str):
-                raise ProtocolError(f"{where}.content must be a string, got {_tname(content)}", f"{where}.content", cid)
+                raise ProtocolError(f"{where}.content must be a string, got {type_name(content)}", f"{where}.content", cid)
             out.append(ChatMessage(role, content))
         messages = tuple(out)
     if (messages is None) == (prompt is None):
@@ -150,7 +146,7 @@ def _parse_generate(obj: dict, fid: str | None, default_max_tokens: int) -> Gene
     kwargs.setdefault("max_tokens", default_max_tokens)
     for k in ("stop", "stop_token_ids"):
         if k in kwargs and not isinstance(kwargs[k], list):
-            raise ProtocolError(f"{k} must be an array, got {_tname(kwargs[k])}", k, cid)
+            raise ProtocolError(f"{k} must be an array, got {type_name(kwargs[k])}", k, cid)
     for k in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         v = kwargs.get(k)
         if isinstance(v, float) and not math.isfinite(v):

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from edge.fields import type_name
 from edge.openai.responses.items import check_include, input_items
 from edge.openai.schema import OpenAIRequest, parse_chat
 from edge.request import MAX_MESSAGES, ProtocolError
@@ -51,20 +52,15 @@ class ResponsesRequest:
     background: bool = False
 
 
-def _tname(v: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
 def _text(content: object, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ProtocolError(f"{where} must be a string or an array of input_text parts, got {_tname(content)}", where)
+        raise ProtocolError(f"{where} must be a string or an array of input_text parts, got {type_name(content)}", where)
     out = []
     for i, p in enumerate(content):
         if not isinstance(p, dict) or p.get("type") not in TEXT_PARTS or not isinstance(p.get("text"), str):
-            kind = p.get("type") if isinstance(p, dict) else _tname(p)
+            kind = p.get("type") if isinstance(p, dict) else type_name(p)
             raise ProtocolError(f"{where}[{i}] must be an input_text part {{\"type\": \"input_text\", \"text\": ...}}; "
                                 f"{str(kind)[:40]!r} is not supported", f"{where}[{i}]")
         out.append(p["text"])
@@ -86,7 +82,7 @@ def input_messages(raw: object) -> tuple[list[dict[str, Any]], list[str]]:
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise ProtocolError(f"{where} must be an object, got {_tname(item)}", where)
+            raise ProtocolError(f"{where} must be an object, got {type_name(item)}", where)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -128,7 +124,7 @@ def _tools(obj: dict[str, Any]) -> tuple[Any, Any]:
         out = []
         for i, t in enumerate(tools):
             if not isinstance(t, dict) or t.get("type") != "function":
-                kind = t.get("type") if isinstance(t, dict) else _tname(t)
+                kind = t.get("type") if isinstance(t, dict) else type_name(t)
                 raise ProtocolError(f"tools[{i}]: only function tools are supported, got {str(kind)[:40]!r}",
                                     f"tools[{i}]")
             out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
@@ -183,7 +179,7 @@ def parse_responses(obj: Any, default_max_tokens: int, previous: tuple[dict[str,
     """``POST /v1/responses``; ``previous``: the stored history of ``previous_response_id`` (the
     caller looks it up first). Raises :class:`ProtocolError` only."""
     if not isinstance(obj, dict):
-        raise ProtocolError(f"the request body must be a JSON object, got {_tname(obj)}")
+        raise ProtocolError(f"the request body must be a JSON object, got {type_name(obj)}")
     for name in UNSUPPORTED:
         if obj.get(name) not in (None, False):
             raise ProtocolError(f"{name} is not supported by this server", name)
