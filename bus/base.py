@@ -240,6 +240,12 @@ class Bus(abc.ABC):
         missing topic, ``ValueError`` for a partition it does not have, :class:`BusError` when the
         broker cannot be read within ``timeout_s``."""
 
+    async def prepare_reads(self, topics: Iterable[str]) -> None:
+        """Make later :meth:`read_partition` calls of ``topics`` start at once (a bus whose reads
+        need connections and leader lookups opens and caches them now). Best effort: a topic that
+        cannot be prepared is skipped (its read raises as ever). Nothing to do by default."""
+        del topics
+
     @abc.abstractmethod
     def consumer(
         self,

@@ -87,7 +87,7 @@ WORKER_FLAGS: tuple[WorkerFlag, ...] = (
     WorkerFlag("slo-tpot-ms", "slo_tpot_ms", (50.0, 100.0, 250.0),
                "time-per-output-token targets p0,p1,p2 in ms (default 50,100,250; p0: the design guide's); "
                "steps are sized so the running decodes keep theirs", per_tier_ms),
-    WorkerFlag("heartbeat", "heartbeat_s", 0.25, "status period, s (also the failover's clock)", float),
+    WorkerFlag("heartbeat", "heartbeat_s", 0.2, "status period, s (also the failover's clock)", float),
     WorkerFlag("failover", "failover", True,
                "take over the requests of a peer whose heartbeats stopped, without waiting for the group's "
                "session timeout (docs/worker.md, Failover)"),

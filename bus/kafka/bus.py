@@ -59,7 +59,7 @@ from bus.kafka.connect import retrying
 from bus.kafka.consumer import KafkaConsumer
 from bus.kafka.metadata import TopicNotReady, led_partitions
 from bus.kafka.outage import limit_repeated_logs, throttle_metadata_refresh
-from bus.kafka.reader import read_kafka_partition
+from bus.kafka.reader import PartitionReader
 from bus.kafka.security import KafkaSecurity
 from bus.topics import validate_topic
 
@@ -118,6 +118,9 @@ class KafkaBus(Bus):
         self._producer: AIOKafkaProducer | None = None
         self._admin: AIOKafkaAdminClient | None = None
         self._consumers: list[KafkaConsumer] = []
+        # read_partition's standing group-less reader: connected on the first read (or by
+        # prepare_reads), kept until stop (bus/kafka/reader.py)
+        self._reader = PartitionReader(bootstrap, client_id, request_timeout_ms, self.client_kwargs, self.url)
 
     async def start(self) -> None:
         if self._producer is not None:
@@ -167,6 +170,7 @@ class KafkaBus(Bus):
     async def stop(self) -> None:
         for c in list(self._consumers):
             await c.stop()
+        await self._reader.stop()
         producer, self._producer = self._producer, None
         admin, self._admin = self._admin, None
         if producer is not None:
@@ -368,11 +372,14 @@ class KafkaBus(Bus):
 
     async def read_partition(self, topic: str, partition: int, since_ms: int, limit: int = 100_000,
                              timeout_s: float = 10.0) -> list[Record]:
-        parts = await self.partitions_for(topic)  # UnknownTopicError for a missing topic
-        if partition not in parts:
-            raise ValueError(f"topic {topic!r} has no partition {partition}")
-        return await read_kafka_partition(self.bootstrap, self.client_id, self.request_timeout_ms, topic, partition,
-                                          since_ms, limit, timeout_s, self.client_kwargs)
+        self._check_started()
+        validate_topic(topic)
+        check_partition_arg(partition)
+        return await self._reader.read(topic, partition, since_ms, limit, timeout_s)
+
+    async def prepare_reads(self, topics: Iterable[str]) -> None:
+        self._check_started()
+        await self._reader.prepare(checked_topic_names(topics))
 
     def consumer(
         self,

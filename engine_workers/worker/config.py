@@ -39,8 +39,8 @@ class WorkerConfig:
     fair_share: bool = True
     prefetch_per_tier: int = 4
     # Status period. Also the failover's clock: a peer silent for failover_detect_s (default 3
-    # periods: 0.75 s) is presumed dead and its requests are taken over (docs/worker.md, "Failover").
-    heartbeat_s: float = 0.25
+    # periods: 0.6 s) is presumed dead and its requests are taken over (docs/worker.md, "Failover").
+    heartbeat_s: float = 0.2
     failover: bool = True
     failover_detect_s: float | None = None  # None: 3 heartbeat periods
     drain_grace_s: float = 30.0

@@ -147,7 +147,8 @@ def wire(config: WorkerConfig, bus: Bus, aengine: AsyncEngine, tracer: Tracer | 
     failures = SendFailures(wid, failed, ledger, dead_letters, answers, checks, reruns=config.send_failure_reruns)
     # failover: a dead peer's requests enter at the reply gate (a fenced run of ours waits in resume)
     takeover = Takeover(bus, TakeoverConfig(wid, config.model, config.layout.status_topic, config.detect_s,
-                                            numerics_fingerprint(aengine), aengine.engine.config.block_size),
+                                            numerics_fingerprint(aengine), aengine.engine.config.block_size,
+                                            tuple(config.layout.request_topics(config.model))),
                         detector, ledger, serving, gate, resume, aborts.stop_run,
                         lambda: ledger.consumer.assignment() if ledger.consumer is not None else set()) \
         if config.failover else None

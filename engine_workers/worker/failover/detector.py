@@ -28,7 +28,8 @@ Rules (docs/worker.md, "Failover"):
   hold partitions and requests again before it counts as live). Its requests were taken over meanwhile; the
   takeover's higher ``attempt`` fences whatever the paused peer still sends (the edge drops it).
 
-The live set and the claims feed the takeover's owner rule (:func:`owner`, rendezvous hashing):
+The live set and the claims feed the takeover's owner rule (:func:`owner`, rendezvous hashing of
+the request's placement, :func:`affinity`):
 every survivor that sees the same live set picks the same owner for a request, so exactly one
 takes it; two survivors with different views may both take it (both exact; the edge dedupes by
 seq) or neither (the group's rebalance then runs it, as before failover existed).
@@ -169,6 +170,19 @@ def owner(request_id: str, candidates: Iterable[str]) -> str | None:
         if best is None or (w, wid) > best:
             best = (w, wid)
     return best[1] if best is not None else None
+
+
+def affinity(request_id: str, record_key: bytes | None, topic: str, partition: int) -> str:
+    """What the owner rule hashes for a taken-over request (docs/worker.md, "Failover"): the edge's
+    placement, not the request alone. The edge keys a request record by its prefix key (tenant and
+    shared prompt prefix: edge/admission/affinity.py) when it has one, and puts the requests of a
+    prefix on one partition, spilling a hot prefix over a few: so the requests sharing a key and a
+    partition go to one survivor together (its prefix cache serves the second re-prefill onward),
+    and a spilled prefix stays spread as the edge spread it. A record keyed by its request id (no
+    shareable prefix) or unkeyed: the request id, spread alone."""
+    if record_key is None or record_key == request_id.encode():
+        return request_id
+    return f"{record_key.decode('utf-8', 'replace')}\x00{topic}\x00{partition}"
 
 
 def takeover_candidates(live: Iterable[str], numerics: str, numerics_of: dict[str, str]) -> list[str]:

@@ -9,7 +9,8 @@ The thin async shell around :class:`~engine_workers.worker.failover.detector.Pee
   live worker owns yet (the group has not rebalanced), read the partition directly
   (``Bus.read_partition``: a group-less reader; no group membership, no commit) from the time the
   heartbeat gave, and hand every request this worker owns by the rule (:func:`owner`, rendezvous
-  hashing over the live workers of the dead peer's numerics, :func:`takeover_candidates`) to the
+  hashing of the edge's placement, :func:`affinity`, over the live workers of the dead peer's
+  numerics, :func:`takeover_candidates`) to the
   pipeline's reply gate as a *takeover* job. The resume stage then rebuilds it from the tokens
   already published and bumps its ``attempt`` (fencing). Records arriving on the partition later
   (not yet started requests) are read again every ``TAIL_S`` until a live worker owns the
@@ -47,14 +48,15 @@ from bus import (
     WorkerStatus,
     decode,
 )
-from engine_workers.worker.failover.detector import PeerDeath, PeerDetector, owner, takeover_candidates
+from engine_workers.worker.failover.detector import PeerDeath, PeerDetector, affinity, owner, takeover_candidates
 from engine_workers.worker.offsets.ledger import Job, RequestLedger
 from engine_workers.worker.pipeline.handoff import Arrival, Serving, Stage
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.05  # how often the detector is asked (adds at most this to the detection time)
-STATUS_POLL_MS = 50
+TICK_S = 0.025  # how often the detector is asked at least (adds at most this to the detection time)
+STATUS_POLL_MS = 25  # a status fetch's longest wait: records arriving end it at once
+PREPARE_S = 10.0  # the reader's warm-up at start (connections, leaders of the request topics), at most
 TAIL_S = 0.5  # a dead peer's partition is read again this often until the group reassigns it
 TAIL_FOR_S = 120.0  # ... at most this long (the session timeout is far shorter)
 READ_LIMIT = 20_000
@@ -65,7 +67,8 @@ LEFT_TO_OTHERS = 10_000  # records of dead peers' partitions that fell to anothe
 @dataclass(frozen=True, slots=True)
 class TakeoverConfig:
     """``detect_s``: the detection time; ``block_size``: the engine's KV block size (a job's
-    blocks)."""
+    blocks); ``request_topics``: the model's request topics (a dead peer's partitions are read
+    from them: the bus's reader is prepared for them at start)."""
 
     worker_id: str
     model: str
@@ -73,6 +76,7 @@ class TakeoverConfig:
     detect_s: float
     numerics: str
     block_size: int
+    request_topics: tuple[str, ...] = ()
 
 
 def claimed(detector: PeerDetector, ledger: RequestLedger, job: Job) -> bool:
@@ -108,7 +112,7 @@ class Takeover:
         # Requests of a dead peer that the owner rule gave to another survivor: if that one dies in
         # turn (its claims die with it), they are taken over again from here, at once, instead of
         # waiting for the group to reassign the first peer's partitions.
-        self._left: dict[str, tuple[PeerDeath, bytes, int]] = {}
+        self._left: dict[str, tuple[PeerDeath, Record]] = {}
         self._tasks: set[asyncio.Task] = set()
         self._main: asyncio.Task | None = None
         self._consumer: Consumer | None = None
@@ -120,7 +124,21 @@ class Takeover:
             return
         self._consumer = self.bus.consumer([self.config.status_topic], start_from="latest")
         await self._consumer.start()
-        self._main = asyncio.get_running_loop().create_task(self._watch(), name=f"{self.config.worker_id}-failover")
+        loop = asyncio.get_running_loop()
+        self._main = loop.create_task(self._watch(), name=f"{self.config.worker_id}-failover")
+        prepare = loop.create_task(self._prepare(), name=f"{self.config.worker_id}-failover-prepare")
+        self._tasks.add(prepare)
+        prepare.add_done_callback(self._tasks.discard)
+
+    async def _prepare(self) -> None:
+        """Warm the bus's partition reader now (connected, the request topics' leaders known), so
+        the first takeover's read is a ListOffsets and a fetch on an open connection."""
+        try:
+            async with asyncio.timeout(PREPARE_S):
+                await self.bus.prepare_reads(self.config.request_topics)
+        except (TimeoutError, BusError) as exc:
+            log.info("worker %s: partition reader not prepared (%r); the first takeover connects", self.config.worker_id,
+                     exc)
 
     async def stop(self) -> None:
         """Cancel the watch and the reads in flight (their takeovers not handed on are left to the
@@ -139,6 +157,7 @@ class Takeover:
     async def _watch(self) -> None:
         assert self._consumer is not None
         while True:
+            began = time.monotonic()
             try:
                 records = await self._consumer.getmany(timeout_ms=STATUS_POLL_MS)
             except BusError as exc:
@@ -151,7 +170,9 @@ class Takeover:
                     self._on_death(death)
             except Exception:  # a bug here must not end the watch: failover would silently stop
                 log.exception("worker %s: failover watch step failed", self.config.worker_id)
-            await asyncio.sleep(TICK_S if not records else 0)
+            # a fetch that waited its time out needs no further pause (a bus whose empty fetch
+            # returns at once would spin without one)
+            await asyncio.sleep(0 if records else max(0.0, TICK_S - (time.monotonic() - began)))
 
     def _heard(self, records: list[Record]) -> None:
         now = time.monotonic()
@@ -168,7 +189,8 @@ class Takeover:
     def _on_death(self, death: PeerDeath) -> None:
         last = death.last
         log.warning("worker %s: peer %s presumed dead (silent for %.2fs); taking over its requests on %d partitions",
-                    self.config.worker_id, death.worker_id, self.config.detect_s, len(last.holds))
+                    self.config.worker_id, death.worker_id, time.monotonic() - death.at + self.config.detect_s,
+                    len(last.holds))
         if not self.serving.on:
             return
         # Two deaths one after the other: the requests the dead peer had taken over from an earlier
@@ -195,7 +217,8 @@ class Takeover:
         """Read ``hold``'s partition from its time and take this worker's share of its requests;
         again every ``TAIL_S`` for the records arriving later, until a live worker owns it."""
         since, after = hold.since_ms, -1  # after: the last offset handled
-        give_up = time.monotonic() + TAIL_FOR_S
+        verdict = time.monotonic()
+        give_up = verdict + TAIL_FOR_S
         first = True
         while time.monotonic() < give_up and self.serving.on and not self._reassigned(hold):
             began, taken = time.monotonic(), 0
@@ -211,22 +234,23 @@ class Takeover:
                 after = rec.offset
                 since = max(since, rec.timestamp_ms)
                 try:
-                    taken += self._take(death, rec.value, rec.offset)
+                    taken += self._take(death, rec)
                 except Exception:  # one bad record must not end the partition's takeover
                     log.exception("worker %s: taking over %s[%d]@%d failed", self.config.worker_id, hold.topic,
                                   hold.partition, rec.offset)
             if first or taken:
-                log.warning("worker %s: %s[%d] of %s: %d records read in %.2fs, %d requests taken over here",
-                            self.config.worker_id, hold.topic, hold.partition, death.worker_id, len(records),
-                            time.monotonic() - began, taken)
+                log.warning("worker %s: %s[%d] of %s: %d records read in %.3fs (%.3fs after the verdict), "
+                            "%d requests taken over here", self.config.worker_id, hold.topic, hold.partition,
+                            death.worker_id, len(records), time.monotonic() - began, time.monotonic() - verdict,
+                            taken)
                 first = False
             await asyncio.sleep(TAIL_S)
 
-    def _take(self, death: PeerDeath, value: bytes, offset: int) -> bool:
+    def _take(self, death: PeerDeath, rec: Record) -> bool:
         """Take the request of one record of a dead peer's partition, if it falls to this worker;
         whether it did."""
         try:
-            req = decode(value)
+            req = decode(rec.value)
         except DecodeError:
             return False  # the partition's owner dead-letters it
         if not isinstance(req, InferenceRequest) or req.model != self.config.model:
@@ -238,15 +262,16 @@ class Takeover:
         numerics = {w: self.detector.numerics_of(w) or "" for w in live}
         numerics[self.config.worker_id] = self.config.numerics
         if (self.detector.claimed(rid)  # a live peer runs it already
-                or owner(rid, takeover_candidates(live, death.last.numerics, numerics)) != self.config.worker_id):
-            self._left[rid] = (death, value, offset)
+                or owner(affinity(rid, rec.key, rec.topic, rec.partition),
+                         takeover_candidates(live, death.last.numerics, numerics)) != self.config.worker_id):
+            self._left[rid] = (death, rec)
             if len(self._left) > LEFT_TO_OTHERS:
                 del self._left[next(iter(self._left))]
             return False
         self._left.pop(rid, None)
         now = time.time()
         arrival = req.enqueued_at if 0 < req.enqueued_at <= now else now
-        job = Job(f"{rid}#t{next(self._eids)}", req, None, offset, arrival,
+        job = Job(f"{rid}#t{next(self._eids)}", req, None, rec.offset, arrival,
                   -(-(len(req.prompt_token_ids) + 1) // self.config.block_size), takeover=True)
         self.ledger.add(job)
         self.taken_total += 1

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from bus import PartitionHold, WorkerStatus
-from engine_workers.worker.failover.detector import FORGET_S, PeerDetector, owner, takeover_candidates
+from engine_workers.worker.failover.detector import FORGET_S, PeerDetector, affinity, owner, takeover_candidates
 
 
 def beat(wid: str, *, draining: bool = False, taken: tuple[str, ...] = (), model: str = "m",
@@ -104,6 +104,21 @@ def test_owner_is_deterministic_spread_and_stable() -> None:
     after = {r: owner(r, ["w1", "w2"]) for r in picks}
     assert all(after[r] == w for r, w in picks.items() if w != "w3")
     assert owner("x", []) is None
+
+
+def test_takeovers_follow_the_edges_placement() -> None:
+    """Requests the edge keyed by one prefix onto one partition go to one survivor together (its
+    prefix cache serves them); the same prefix spilled onto other partitions spreads as the edge
+    spread it; a record keyed by its request id (or unkeyed) is placed by the request id alone."""
+    live = ["w1", "w2", "w3", "w4"]
+    prefix = b"9f2c41d0e5a7b3c8d1e6f0a2"
+    together = {owner(affinity(f"req-{i}", prefix, "ns.p1", 2), live) for i in range(50)}
+    assert len(together) == 1
+    spilled = {owner(affinity("req-0", prefix, "ns.p1", p), live) for p in range(32)}
+    assert len(spilled) > 1
+    alone = [f"req-{i}" for i in range(200)]
+    assert all(affinity(r, r.encode(), "ns.p1", 2) == r and affinity(r, None, "ns.p1", 2) == r for r in alone)
+    assert len({owner(affinity(r, r.encode(), "ns.p1", 2), live) for r in alone}) == len(live)
 
 
 def test_takeover_prefers_a_matching_numerics_fingerprint() -> None:
