@@ -115,10 +115,8 @@ class LoraManager:
         if len(wanted) > self.max_loras:  # the scheduler prevents it; a bug if seen
             raise RuntimeError(f"a batch mixes {len(wanted)} LoRA adapters, above max_loras={self.max_loras}")
         slot_of = {name: self._slot(name, wanted) for name in wanted}
-        rows: list[int | None] = []
-        for name, n in zip(loras, lengths, strict=True):
-            rows.extend([slot_of[name] if name is not None else None] * n)
-        self.batch.set(rows, self.device)
+        self.batch.set_runs([(slot_of[name] if name is not None else None, n)
+                             for name, n in zip(loras, lengths, strict=True)], self.device)
         return True
 
     def _slot(self, name: str, wanted: list[str]) -> int:

@@ -40,7 +40,7 @@ def test_grouped_equals_segments_and_the_definition() -> None:
         for s, w in enumerate(slots):
             lin.set_slot(s, w)
         batch.set(rows, torch.device("cpu"))
-        assert (batch.row_slot is not None) == (mode == "grouped")
+        assert batch.grouped == (mode == "grouped")
         with torch.no_grad():
             out[mode] = lin(x)
             want = expected(base, slots, x, rows)
@@ -60,10 +60,25 @@ def test_one_adapter_many_rows_per_adapter_or_a_large_step_keep_the_segments() -
     assert LoraBatch().grouped_max_rows == 0  # off unless asked for
     batch = LoraBatch(grouped_max_rows=GROUPED_MAX_ROWS)
     batch.set([0, 0, None], torch.device("cpu"))
-    assert batch.row_slot is None and len(batch.segments) == 1
+    assert not batch.grouped and len(batch.segments) == 1 and batch.span == slice(0, 2)
     batch.set([0, 0, 1, 1, None], torch.device("cpu"))  # two rows per adapter: the segments are cheaper
-    assert batch.row_slot is None and len(batch.segments) == 2
+    assert not batch.grouped and len(batch.segments) == 2
     batch.set(list(range(40)) * 2, torch.device("cpu"))  # 80 rows > grouped_max_rows: prefill-sized
-    assert batch.row_slot is None and len(batch.segments) == 40
-    batch.set([0, 1, None], torch.device("cpu"))
-    assert batch.row_slot is not None and batch.row_slot.tolist() == [0, 1, -1] and batch.segments == ()
+    assert not batch.grouped and len(batch.segments) == 40
+    batch.set([None, 0, None, 1, None], torch.device("cpu"))
+    assert batch.grouped and batch.span == slice(1, 4)  # the span: first to last adapted row
+    assert batch.row_slot is not None and batch.row_slot.tolist() == [0, -1, 1]
+    batch.set([None, None], torch.device("cpu"))
+    assert batch.span is None and batch.row_slot is None and batch.segments == ()
+
+
+def test_runs_merge_and_index_a_slot_split_in_two() -> None:
+    """The runner hands the batch one run per chunk; neighbours of one slot merge into one slice,
+    a slot in two places gets its rows as indices."""
+    batch = LoraBatch()
+    batch.set_runs([(None, 3), (2, 2), (2, 4), (0, 1), (None, 0), (2, 1), (None, 5)], torch.device("cpu"))
+    assert batch.span == slice(3, 11) and batch.used == (0, 2)
+    segs = {s.slot: s.rows for s in batch.segments}
+    assert segs[0] == slice(9, 10)
+    assert isinstance(segs[2], torch.Tensor) and segs[2].tolist() == [3, 4, 5, 6, 7, 8, 10]
+    assert batch.row_slot is not None and batch.row_slot.tolist() == [2] * 6 + [0, 2]
