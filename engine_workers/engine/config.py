@@ -21,7 +21,8 @@ class EngineConfig:
     quantization: str = "none"
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int | None = None  # KV budget; None = a fraction of free device memory
-    # K/V storage: auto (= the compute dtype) | float32 | bfloat16 | float16 (CUDA). Storage only:
+    # K/V storage: auto (= the compute dtype; bf16 on a CPU with bf16 linears on AMX tiles,
+    # cpu_linear.auto_kv_cache_dtype) | float32 | bfloat16 | float16 (CUDA). Storage only:
     # bfloat16 on a CPU halves KV bytes (twice the blocks per budget); attention math stays fp32
     # except the prefill kernel's float16 pass on CPUs with AVX512-FP16 (docs/design.md).
     kv_cache_dtype: str = "auto"

@@ -52,7 +52,7 @@ from engine_workers.engine.sequence import SeqStatus, SeqTimes, Sequence
 from engine_workers.engine.speculative import SpecBackoff, batch_limit
 from engine_workers.engine.step_model import StepModel
 from engine_workers.kernels import cpu_malloc
-from engine_workers.kernels.cpu_linear import auto_cpu_dtype, cpu_weight_plan
+from engine_workers.kernels.cpu_linear import auto_cpu_dtype, auto_kv_cache_dtype, cpu_weight_plan
 from engine_workers.model.execution.batch import Chunk, ModelInput, RunnerOutput
 from engine_workers.model.execution.parallel.group import TpGroup
 from engine_workers.model.execution.parallel.runner import ParallelRunner, load_group
@@ -105,7 +105,11 @@ class Engine:
         self.weight_format = lowp or str(self.dtype).removeprefix("torch.")
         # K/V storage (auto = the compute dtype); checked before the model loads, so a refused
         # combination costs nothing
-        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, self.device)
+        kv_name, kv_why = auto_kv_cache_dtype(config.kv_cache_dtype, lowp) if self.device.type == "cpu" \
+            else (config.kv_cache_dtype, None)
+        if kv_why is not None:
+            log.info("--kv-cache-dtype auto on this CPU: %s (%s)", kv_name, kv_why)
+        self.kv_dtype = resolve_kv_dtype(kv_name, self.dtype, self.device)
         tp = config.tensor_parallel_size
         self.tp_group: TpGroup | None = None
         if tp > 1:

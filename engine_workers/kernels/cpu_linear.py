@@ -291,6 +291,22 @@ def auto_cpu_dtype(quantization: str, cpu_kernels: bool = True) -> tuple[torch.d
     return torch.float32, f"no bf16 on AMX tiles ({amx_problem()}): without AMX bf16 arithmetic does not pay"
 
 
+def auto_kv_cache_dtype(kv_cache_dtype: str, weight_kind: str | None) -> tuple[str, str | None]:
+    """``--kv-cache-dtype auto`` on a CPU whose linears run bf16 on AMX tiles (``--dtype auto`` on an
+    AMX host, or ``bfloat16`` there): ``("bfloat16", why)``, K/V stored as bf16 as the layers' bf16
+    mode implies (vLLM's ``auto``: the model's dtype). Decode attention is memory-bound and reads
+    every context token's K/V in every layer each step, so half the bytes cut its time by a third
+    on the bench workload, and the perplexity stays within the accuracy bar (docs/benchmarks.md,
+    "bf16 on AMX tiles"). Anything else: ``(kv_cache_dtype, None)``, unchanged."""
+    if kv_cache_dtype != "auto" or weight_kind != "bfloat16":
+        return kv_cache_dtype, None
+    from engine_workers.kernels.amx_linear import amx
+
+    if not amx():
+        return kv_cache_dtype, None
+    return "bfloat16", "bf16 linears on AMX tiles: K/V stored as bf16 (half the bytes decode attention reads)"
+
+
 class LowpLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` stored as bf16 or as int8 with one float32 scale per output
     row, in ``csrc/small_m_lowp.cpp``'s panels; ``x`` and ``y`` float32, any leading shape.

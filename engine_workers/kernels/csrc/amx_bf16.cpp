@@ -22,6 +22,11 @@
 // * Order: one task = one 32 x 32 block; tasks run column super-blocks (SB_BYTES of weights, from
 //   L2) outer, then row blocks, then the super-block's column blocks, so a thread's consecutive
 //   tasks reuse one row block's activations from L1 and the super-block's weights from L2.
+// * Prefetch: with at most PF_MBLOCKS row blocks (decode steps, the LM head) every task reads
+//   weights no task before it read, straight from memory, and the tile loads alone keep too few
+//   reads in flight; so during a task's K loop the weights of the task PF_TASKS ahead (the same
+//   thread's) are prefetched into L2, 2 KiB per k step (the block's size / the k steps). A
+//   prefetch changes no arithmetic.
 //
 // The output is float32, straight from the accumulators: not rounded to bf16 (oneDNN's path rounds
 // its output to bf16 and widens it again). The only rounding beyond float32 summation is that of
@@ -55,6 +60,11 @@ constexpr int64_t BM = 32, BN = 32;  // rows and columns per task: 2 x 2 C tiles
 // super-block, so its weights stay in L2 (2 MiB per core on Sapphire Rapids) while the activations'
 // row blocks pass; best of 256 KiB - all of N on this host's shapes (docs/design.md).
 constexpr int64_t SB_BYTES = 1 << 20;
+// Prefetch (above): for calls of at most this many row blocks, this many tasks ahead. Measured on
+// the model's decode shapes, 1 thread: 15-20 % less time per pass at 1-32 rows; 1, 2 and 4 tasks
+// ahead and L1 vs L2 as the target within noise of each other (docs/benchmarks.md).
+constexpr int64_t PF_MBLOCKS = 2;
+constexpr int64_t PF_TASKS = 2;
 
 inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -112,7 +122,8 @@ inline void store_c(const float* buf, int rows, float* y, int64_t ldy, int64_t c
 
 template <bool BOTTOM>
 inline void block(const uint16_t* a, int64_t lda_bytes, const uint16_t* w0, const uint16_t* w1, int64_t kb,
-                  float* y, int64_t ldy, int64_t cols, int top, int bottom, const float* bias) {
+                  float* y, int64_t ldy, int64_t cols, int top, int bottom, const float* bias,
+                  const char* pf) {
   _tile_zero(0);
   _tile_zero(1);
   if (BOTTOM) {
@@ -123,6 +134,11 @@ inline void block(const uint16_t* a, int64_t lda_bytes, const uint16_t* w0, cons
   const char* a1 = a0 + TM * lda_bytes;
   // Fixed order over K for every element: k block 0, 1, 2, ... each one dot product step.
   for (int64_t k = 0; k < kb; ++k) {
+    if (pf != nullptr) {  // another task's weights, 2 KiB per k step: its two panels, kb KiB each
+      const char* p = pf + k * 2 * TK * TN * 2;
+#pragma GCC unroll 32
+      for (int64_t i = 0; i < 2 * TK * TN * 2; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+    }
     _tile_loadd(6, w0 + k * TK * TN, TN * 4);
     _tile_loadd(7, w1 + k * TK * TN, TN * 4);
     _tile_loadd(4, a0 + k * TK * 2, lda_bytes);
@@ -231,15 +247,21 @@ at::Tensor linear_amx_bf16(at::Tensor x, at::Tensor packed, int64_t n, c10::opti
   const int64_t panel = kb * TK * TN;  // bf16 per 16-column panel
   const int last_rows = static_cast<int>(M - (mblocks - 1) * BM);
   const int64_t SB = std::max<int64_t>(1, std::min<int64_t>(nblocks, SB_BYTES / (BN * Kp * 2)));
+  // task -> (row block, column block): column super-blocks outer, row blocks, the super-block's columns
+  auto task_blocks = [&](int64_t t, int64_t& mb, int64_t& nbk) {
+    const int64_t s = t / (mblocks * SB), in_s = t - s * mblocks * SB;
+    const int64_t width = nblocks - s * SB < SB ? nblocks - s * SB : SB;
+    mb = in_s / width;
+    nbk = s * SB + in_s % width;
+  };
   at::parallel_for(0, mblocks * nblocks, 1, [&](int64_t t0, int64_t t1) {
     // Tile state is per thread: configure here, release when done.
     const TileConfig full = tile_config(TM, TM);
     const TileConfig tail = tile_config(last_rows < TM ? last_rows : TM, last_rows > TM ? last_rows - TM : 0);
     const TileConfig* loaded = nullptr;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t s = t / (mblocks * SB), in_s = t - s * mblocks * SB;
-      const int64_t width = nblocks - s * SB < SB ? nblocks - s * SB : SB;
-      const int64_t mb = in_s / width, nbk = s * SB + in_s % width;
+      int64_t mb, nbk;
+      task_blocks(t, mb, nbk);
       const bool is_tail = mb == mblocks - 1 && last_rows < BM;
       const TileConfig* want = is_tail ? &tail : &full;
       if (loaded != want) {
@@ -251,13 +273,19 @@ at::Tensor linear_amx_bf16(at::Tensor x, at::Tensor packed, int64_t n, c10::opti
       const int64_t col = nbk * BN;
       const int64_t cols = n - col < BN ? n - col : BN;
       const uint16_t* w0 = wp + (2 * nbk) * panel;
+      const char* pf = nullptr;
+      if (mblocks <= PF_MBLOCKS && t + PF_TASKS < t1) {
+        int64_t mb2, nb2;
+        task_blocks(t + PF_TASKS, mb2, nb2);
+        if (nb2 != nbk) pf = reinterpret_cast<const char*>(wp + (2 * nb2) * panel);
+      }
       const uint16_t* a = xa + mb * BM * Kp;
       float* yb = yp + mb * BM * n + col;
       const float* bb = bp ? bp + col : nullptr;
       if (bottom > 0)
-        block<true>(a, Kp * 2, w0, w0 + panel, kb, yb, n, cols, top, bottom, bb);
+        block<true>(a, Kp * 2, w0, w0 + panel, kb, yb, n, cols, top, bottom, bb, pf);
       else
-        block<false>(a, Kp * 2, w0, w0 + panel, kb, yb, n, cols, top, bottom, bb);
+        block<false>(a, Kp * 2, w0, w0 + panel, kb, yb, n, cols, top, bottom, bb, pf);
     }
     _tile_release();
   });

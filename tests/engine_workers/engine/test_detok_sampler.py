@@ -7,7 +7,7 @@ import torch
 
 from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.detokenizer import IncrementalDetokenizer
-from engine_workers.engine.sampler import Row, Sampler
+from engine_workers.engine.sampler import Row, Sampler, greedy_tokens
 from lockgate_types import SamplingParams
 
 
@@ -42,6 +42,17 @@ def test_stop_string_is_cut_and_never_leaks(tok):
     parts, stopped = stream(tok, "one two STOP three", stop=["STOP"])
     assert stopped and "".join(parts) == "one two "
     assert not any("S" in p for p in parts)
+
+
+def test_greedy_tokens_pick_what_argmax_picks_ties_nan_and_all_inf_included():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        x = torch.randint(0, 4, (5, 1000), generator=gen).float()  # many tied maxima per row
+        if trial % 3 == 0:
+            x[trial % 5, torch.randint(0, 1000, (2,), generator=gen)] = float("nan")
+        if trial % 7 == 0:
+            x[1] = float("-inf")
+        assert torch.equal(greedy_tokens(x), x.argmax(dim=-1)), trial
 
 
 def test_greedy_and_seeded_sampling():

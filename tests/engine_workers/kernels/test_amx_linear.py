@@ -17,7 +17,7 @@ from engine_workers.engine.core import Engine
 from engine_workers.kernels import amx_linear, cpu_kernels
 from engine_workers.kernels import isa as isa_levels
 from engine_workers.kernels.amx_linear import AMX_ROWS, AmxLinear
-from engine_workers.kernels.cpu_linear import auto_cpu_dtype
+from engine_workers.kernels.cpu_linear import auto_cpu_dtype, auto_kv_cache_dtype
 
 needs_amx = pytest.mark.skipif(isa_levels.host_isa() != "amx", reason="needs a CPU with AMX tiles (amx_bf16)")
 needs_onednn = pytest.mark.skipif(amx_linear._ops() is None, reason="this torch build has no oneDNN linear ops")
@@ -103,6 +103,18 @@ def test_auto_picks_bf16_only_where_it_runs_on_amx(monkeypatch):
     assert dtype == torch.float32 and "ISA level avx512, not amx" in why
 
 
+def test_auto_kv_cache_is_bf16_only_with_bf16_linears_on_amx(monkeypatch):
+    monkeypatch.setattr(amx_linear, "amx", lambda: True)
+    kv, why = auto_kv_cache_dtype("auto", "bfloat16")
+    assert kv == "bfloat16" and why is not None and "AMX" in why
+    # an explicit choice stays; other weight formats (float32 = None, quantized) keep the compute dtype
+    assert auto_kv_cache_dtype("float32", "bfloat16") == ("float32", None)
+    assert auto_kv_cache_dtype("auto", None) == ("auto", None)
+    assert auto_kv_cache_dtype("auto", "w8a8") == ("auto", None)
+    monkeypatch.setattr(amx_linear, "amx", lambda: False)  # bf16 weights widened in registers: no AMX
+    assert auto_kv_cache_dtype("auto", "bfloat16") == ("auto", None)
+
+
 @needs_amx
 def test_engine_with_no_precision_flags_runs_bf16_on_amx_and_says_why(amx_level, tiny_model_dir, caplog):
     with caplog.at_level(logging.INFO):
@@ -111,6 +123,9 @@ def test_engine_with_no_precision_flags_runs_bf16_on_amx_and_says_why(amx_level,
     assert eng.weight_format == "bfloat16" and eng.dtype == torch.float32  # bf16 linears, float32 elsewhere
     assert any(isinstance(m, AmxLinear) for m in eng.loaded.model.modules())
     assert "--dtype auto on this CPU: bfloat16 (AMX tiles" in caplog.text
+    assert eng.kv_dtype == torch.bfloat16 and "--kv-cache-dtype auto on this CPU: bfloat16" in caplog.text
+    explicit = Engine(EngineConfig(model=tiny_model_dir, device="cpu", kv_cache_bytes=8 << 20, kv_cache_dtype="float32"))
+    assert explicit.weight_format == "bfloat16" and explicit.kv_dtype == torch.float32
 
 
 def test_engine_below_the_amx_level_keeps_float32_by_default(tiny_model_dir):
