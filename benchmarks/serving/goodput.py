@@ -182,7 +182,8 @@ def _bench_cmd(args: argparse.Namespace, url: str, model: str, result: Path, rat
            "--ignore-eos", "--seed", str(args.seed), "--num-warmups", str(warmups),
            "--goodput", *(f"{k}:{v:g}" for k, v in SLO.items()),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name, "--disable-tqdm"]
+           "--save-result", "--save-detailed", "--result-dir", str(result.parent), "--result-filename", result.name,
+           "--disable-tqdm"]
     if body:
         cmd += ["--extra-body", json.dumps(body)]
     if concurrency:
@@ -215,6 +216,8 @@ def summarize(raw: dict, load_before: float, load_after: float) -> dict:
             row[f"{stat}_{metric}_ms"] = raw.get(f"{stat}_{metric}_ms")
     done = raw.get("completed") or 0
     row["good_share"] = (raw.get("request_goodput") or 0) * (raw.get("duration") or 0) / done if done else 0.0
+    errors = [e for e in raw.get("errors") or () if e]  # --save-detailed: why requests failed
+    row["errors"] = sorted({e.strip().splitlines()[0][:200] for e in errors})[:5]
     row["load_1m"] = [round(load_before, 2), round(load_after, 2)]
     row["date"] = raw.get("date") or time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     return row
