@@ -72,6 +72,12 @@ def _bench_edge_resume(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _bench_goodput(args: argparse.Namespace) -> int:
+    from benchmarks.serving.goodput import run
+
+    return run(args)
+
+
 def _bench_priority(args: argparse.Namespace) -> int:
     from benchmarks.serving.priority import run
 
@@ -245,6 +251,13 @@ def register(_sub: argparse._SubParsersAction, bench: argparse._SubParsersAction
     pr = bench.add_parser("priority", help="fifo vs strict vs aging intake under the same overload (PNG plot)")
     add_priority_args(pr)
     pr.set_defaults(func=_bench_priority)
+
+    from benchmarks.serving.goodput import add_args as add_goodput_args
+
+    gp = bench.add_parser("goodput", help="vllm bench serve --goodput ttft:500 tpot:50 against lockgate serve and "
+                                          "vllm serve at rising rates, and a mixed-tier run (JSON, PNGs)")
+    add_goodput_args(gp)
+    gp.set_defaults(func=_bench_goodput)
 
     b = bench.add_parser("bus", help="produce->consume latency p50/p99 and records/s: memory bus vs --bus")
     b.add_argument("--bus", default=env_default("bus", "kafka://127.0.0.1:9092"),

@@ -76,10 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the same tokenizer); optional disable_by_batch_size (default 8): "
                         "no speculation while more sequences run. Tokens are those of plain decoding, greedy "
                         "and seeded. Default: off [LOCKGATE_SPECULATIVE_CONFIG]")
-    g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "none"),
+    g.add_argument("--priority-preemption-margin", type=_margin, default=env_default("priority-preemption-margin", "1.0"),
                    help="a waiting request at least this much more urgent in tier than the worst running one "
-                        "preempts it when every slot is busy or the KV cache has no room for it (1.0 = one tier); "
-                        "'none' = never, the default [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
+                        "preempts it when every slot is busy or the KV cache has no room for it (1.0 = one tier, "
+                        "the default); 'none' = never [LOCKGATE_PRIORITY_PREEMPTION_MARGIN]")
     g.add_argument("--tpot-budget", action=argparse.BooleanOptionalAction, default=env_default("tpot-budget", True),
                    help="size each step so the running decodes keep their tier's TPOT target (measured step time); "
                         "--no-tpot-budget: the fixed --max-num-batched-tokens, as vLLM (default on) "
@@ -123,7 +123,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
         weight_prepack=not args.no_weight_prepack, cpu_kernels=not args.no_cpu_kernels,
-        priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "none")),
+        priority_preemption_margin=_margin(getattr(args, "priority_preemption_margin", "1.0")),
         tpot_budget=getattr(args, "tpot_budget", True),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         enforce_eager=getattr(args, "enforce_eager", False),

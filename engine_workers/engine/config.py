@@ -39,9 +39,10 @@ class EngineConfig:
     cpu_kernels: bool = True  # CPU fp32: decode attention on the engine's own kernel (cpu_kernels.py)
     seed: int = 0  # engine RNG for unseeded sampling
     # Preempt the worst running sequence for a waiting one at least this much more urgent in tier
-    # (1.0 = one tier); None = never, still the default (docs/worker.md, "SLOs": why not on by
-    # default yet; scheduler.py, "Priority preemption": slots full or the KV cache full, bounded)
-    priority_preemption_margin: float | None = None
+    # (1.0 = one tier, the default: tiers are protected out of the box); None = never
+    # (scheduler.py, "Priority preemption": slots full or the KV cache full, bounded per sequence,
+    # recompute vs a one-step wait by cost; docs/worker.md, "SLOs")
+    priority_preemption_margin: float | None = 1.0
     # Size each step so it lasts at most the strictest TPOT target of the running decodes
     # (Sequence.tpot_slo_s, set by the worker from its tier's SLO; step_model.py); False: the fixed
     # max_num_batched_tokens budget, as vLLM's chunked prefill

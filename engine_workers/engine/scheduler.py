@@ -16,15 +16,18 @@ running sequence with the worst priority, most recently admitted; its blocks are
 far kept, and it re-enters the waiting queue (recomputing prompt + output when readmitted, mostly
 from the prefix cache). No new sequence is admitted in a step that preempted.
 
-**Priority preemption** (``priority_preemption_margin``; None, the default, = off): when the best
-waiting sequence is more urgent than the worst running one by at least the margin in tier
-(``Sequence.tier``, else its priority; 1.0 = one tier), and by its priority too, and it cannot be
-admitted, because every sequence slot is
-taken or because the KV cache has no blocks for it, the worst running sequence (worst priority,
-newest) is preempted by recompute and the waiting one admitted in the same step. Guard against
-thrashing: the margin itself (a preemptor must be a whole tier more urgent, so the victim,
-readmitted, cannot preempt it back), one such preemption per step, and a sequence is preempted
-for priority at most ``MAX_PRIORITY_PREEMPTIONS`` times (then it keeps its slot).
+**Priority preemption** (``priority_preemption_margin``, 1.0 by default = one tier; None = off):
+when the best waiting sequence is more urgent than the worst running one by at least the margin in
+tier (``Sequence.tier``, else its priority), and by its priority too, and it cannot be admitted,
+because every sequence slot is taken or because the KV cache has no blocks for it, the worst
+running sequence (worst priority, newest) is preempted by recompute and the waiting one admitted in
+the same step. Guard against thrashing: the margin itself (a preemptor must be a whole tier more
+urgent, so the victim, readmitted, cannot preempt it back), one such preemption per step, and a
+sequence is preempted for priority at most ``MAX_PRIORITY_PREEMPTIONS`` times and only while it was
+preempted fewer than ``MAX_PREEMPTIONS`` times in all (then it keeps its slot). **Recompute or
+wait, by cost**: when a sequence of this step samples its last allowed token and so gives back a
+slot (and, for the KV case, enough blocks) at the step's end, the waiting one is admitted next step
+instead: one step of its TTFT against a victim's recompute.
 
 **Memory-pressure preemption is bounded too**: the victim is chosen among the running sequences
 preempted fewer than ``MAX_PREEMPTIONS`` times; when there is none, the sequence that needs a block
@@ -59,7 +62,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # cap one prompt's chunk per step (0 = no cap)
-    priority_preemption_margin: float | None = None  # None: never preempt for priority
+    priority_preemption_margin: float | None = 1.0  # one tier; None: never preempt for priority
     # distinct LoRA adapters among the running sequences (the model's adapter slots); None = no cap
     max_loras: int | None = None
 
@@ -197,15 +200,16 @@ class Scheduler:
             return None if progresses else max(self.running, key=key)
         victim = max(under, key=key)
         if victim is not seq and progresses and victim.num_computed_tokens > self.config.max_num_batched_tokens \
-                and self._finishing(scheduled):
+                and self._ending(scheduled):
             return None  # a sequence ends in this step: waiting one step is cheaper than a recompute
         return victim
 
     @staticmethod
-    def _finishing(scheduled: dict[str, ScheduledSeq]) -> bool:
-        """Whether a sequence of this step samples its last allowed token (its blocks come back)."""
-        return any(i.samples and len(i.seq.output_token_ids) + 1 >= i.seq.params.max_tokens
-                   for i in scheduled.values())
+    def _ending(scheduled: dict[str, ScheduledSeq]) -> list[Sequence]:
+        """The sequences of this step that sample their last allowed token (their slots and blocks
+        come back at its end)."""
+        return [i.seq for i in scheduled.values()
+                if i.samples and len(i.seq.output_token_ids) + 1 >= i.seq.params.max_tokens]
 
     def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
         """This step's batch. ``token_budget``: at most this many tokens (the engine's TPOT-sized
@@ -249,7 +253,7 @@ class Scheduler:
             budget -= n
 
         if not out.preempted:
-            bumped = self._priority_victim()
+            bumped = self._priority_victim(scheduled)
             if bumped is not None:
                 budget += self._bump(bumped, out, scheduled)
             while budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -270,7 +274,7 @@ class Scheduler:
                     # The KV cache is the limit: a head more urgent than the worst running
                     # sequence by the margin takes that one's blocks (once per step, bounded).
                     need = self.kv.blocks_needed(prefix.num_tokens + n)
-                    victim = None if bumped is not None else self._priority_victim(need)
+                    victim = None if bumped is not None else self._priority_victim(scheduled, need)
                     if victim is None:
                         break  # head of line waits for blocks; no lower-priority request jumps it
                     bumped = victim
@@ -297,12 +301,12 @@ class Scheduler:
         out.scheduled = list(scheduled.values())
         return out
 
-    def _lora_fits(self, seq: Sequence) -> bool:
-        """Whether admitting ``seq`` keeps the running set within ``max_loras`` adapters."""
+    def _lora_fits(self, seq: Sequence, without: Sequence | None = None) -> bool:
+        """Whether admitting ``seq`` keeps the running set (less ``without``) within ``max_loras`` adapters."""
         cap = self.config.max_loras
         if cap is None or seq.lora is None:
             return True
-        running = {s.lora for s in self.running if s.lora is not None}
+        running = {s.lora for s in self.running if s.lora is not None and s is not without}
         return seq.lora in running or len(running) < cap
 
     def _bump(self, victim: Sequence, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq]) -> int:
@@ -311,17 +315,19 @@ class Scheduler:
         out.preempted.append(victim)
         return scheduled.pop(victim.seq_id).num_new_tokens if victim.seq_id in scheduled else 0
 
-    def _priority_victim(self, need_blocks: int | None = None) -> Sequence | None:
+    def _priority_victim(self, scheduled: dict[str, ScheduledSeq], need_blocks: int | None = None) -> Sequence | None:
         """The running sequence to preempt for the best waiting one, or None (see the module
         docstring: slots full or, ``need_blocks`` given, no blocks for it, which the victim's then
-        cover; a margin of urgency; a bounded number of times per sequence)."""
+        cover; a margin of urgency; a bounded number of times per sequence; not when a sequence
+        of this step ends and makes the room)."""
         margin = self.config.priority_preemption_margin
         if margin is None or not self.running or (need_blocks is None and len(self.running) < self.config.max_num_seqs):
             return None
         head = self._peek_waiting()
         if head is None:
             return None
-        candidates = [s for s in self.running if s.num_priority_preemptions < MAX_PRIORITY_PREEMPTIONS]
+        candidates = [s for s in self.running if s.num_priority_preemptions < MAX_PRIORITY_PREEMPTIONS
+                      and s.num_preemptions < MAX_PREEMPTIONS]
         if not candidates:
             return None
         # The margin is on the tier (the worker's ``Sequence.tier``; the priority itself where none
@@ -332,8 +338,14 @@ class Scheduler:
         victim = max(candidates, key=lambda s: (_rank(s), s.priority, s.admit_order))
         if _rank(head) + margin > _rank(victim) or head.priority >= victim.priority:
             return None
-        if need_blocks is not None and len(self.kv.tables.get(victim.seq_id, ())) + self.kv.num_free_blocks < need_blocks:
+        if not self._lora_fits(head, without=victim):
+            return None  # it would still wait for an adapter slot: the victim's recompute would buy nothing
+        held = lambda s: len(self.kv.tables.get(s.seq_id, ()))  # noqa: E731 - blocks a sequence holds
+        if need_blocks is not None and held(victim) + self.kv.num_free_blocks < need_blocks:
             return None  # its blocks would not be enough: preempting it would only waste its work
+        ending = self._ending(scheduled)
+        if ending and (need_blocks is None or sum(map(held, ending)) + self.kv.num_free_blocks >= need_blocks):
+            return None  # the room comes back at this step's end: waiting one step beats a recompute
         victim.num_priority_preemptions += 1
         return victim
 

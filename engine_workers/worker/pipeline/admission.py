@@ -190,11 +190,17 @@ class EngineAdmission:
         margin = engine.config.priority_preemption_margin
         if margin is None or self.ledger.in_engine > engine.config.max_num_seqs:
             return False
+        admitted = self.ledger.admitted_jobs()
+        # one at a time: a request as urgent that went in and has not started yet is taking (or
+        # waiting for) the room a preemption makes; this one waits in the intake behind it (when
+        # the KV cache, not the slots, is the limit, in_engine alone would let every one through)
+        if any(not j.started and j.req.tier <= job.req.tier for j in admitted):
+            return False
         # as the engine decides (scheduler.py): a whole tier more urgent, and more urgent by the
         # aged priority too
         mine = self.policy.engine_priority(job.req.tier, job.order_time)
         return any(job.req.tier + margin <= j.req.tier and mine < self.policy.engine_priority(j.req.tier, j.order_time)
-                   for j in self.ledger.admitted_jobs())
+                   for j in admitted)
 
     # -- what waits, and for how long -------------------------------------------------------------
 

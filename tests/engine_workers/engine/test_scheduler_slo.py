@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from engine_workers.engine.config import EngineConfig
-from engine_workers.engine.scheduler import MAX_PREEMPTIONS, MIN_PREFILL_TOKENS, Scheduler, SchedulerConfig
+from engine_workers.engine.scheduler import (
+    MAX_PREEMPTIONS,
+    MAX_PRIORITY_PREEMPTIONS,
+    MIN_PREFILL_TOKENS,
+    Scheduler,
+    SchedulerConfig,
+)
 from engine_workers.engine.sequence import SeqStatus, Sequence
 from engine_workers.engine.step_model import StepLine, StepModel, fit
 from kv_store import KVCacheManager
@@ -31,7 +37,7 @@ def run_step(s: Scheduler, budget: int | None = None):
 def test_priority_preemption_compares_tiers_not_aged_priorities() -> None:
     """Two p1 sequences whose aged priorities differ by more than the margin (an older one waits):
     no preemption within a tier; a p0 head a tier more urgent preempts the p2 victim."""
-    assert EngineConfig(model="m").priority_preemption_margin is None  # off by default (docs/worker.md)
+    assert EngineConfig(model="m").priority_preemption_margin == 1.0  # on by default (docs/worker.md)
     kv = KVCacheManager(64, 4)
     s = Scheduler(SchedulerConfig(2, 64, priority_preemption_margin=1.0), kv)
     for name, prio in (("new1", 1.0), ("new2", 1.0)):
@@ -55,6 +61,112 @@ def test_priority_preemption_compares_tiers_not_aged_priorities() -> None:
     urgent.tier = 0
     s2.add(urgent)
     assert run_step(s2).preempted == [running[1]]
+
+
+def tiered(name: str, n_prompt: int, tier: int, max_tokens: int = 64) -> Sequence:
+    x = seq(name, n_prompt, priority=float(tier), max_tokens=max_tokens)
+    x.tier = tier
+    return x
+
+
+def test_by_default_a_p0_arrival_preempts_p2_when_slots_or_kv_are_full() -> None:
+    """The defaults (no margin given): slots full of p2 work, a p0 head preempts the newest p2 and
+    runs in the same step; KV full with slots free, likewise."""
+    assert SchedulerConfig().priority_preemption_margin == 1.0
+    s = Scheduler(SchedulerConfig(2, 64), KVCacheManager(64, 4))
+    older, newer = tiered("p2a", 4, 2), tiered("p2b", 4, 2)
+    s.add(older)
+    s.add(newer)
+    run_step(s)
+    chat = tiered("chat", 4, 0)
+    s.add(chat)
+    out = run_step(s)
+    assert out.preempted == [newer] and {i.seq.seq_id for i in out.scheduled} == {"p2a", "chat"}
+    s = Scheduler(SchedulerConfig(8, 64), KVCacheManager(8, 4))
+    batch = tiered("batch", 27, 2)  # 7 of the 8 blocks
+    s.add(batch)
+    run_step(s)
+    chat = tiered("chat", 10, 0)  # 3 blocks, 1 free
+    s.add(chat)
+    out = run_step(s)
+    assert out.preempted == [batch] and chat.status is SeqStatus.RUNNING
+
+
+def test_a_sequence_is_never_preempted_more_than_the_bound() -> None:
+    """One slot, a p2 sequence, a stream of p0 arrivals: it is preempted for priority
+    MAX_PRIORITY_PREEMPTIONS times, then keeps its slot (the p0 waits for it); and one already
+    preempted MAX_PREEMPTIONS times (e.g. for memory) is never a priority victim."""
+    s = Scheduler(SchedulerConfig(1, 64), KVCacheManager(64, 4))
+    batch = tiered("batch", 4, 2, max_tokens=40)
+    s.add(batch)
+    run_step(s)
+    bumped = 0
+    for i in range(6):
+        chat = tiered(f"chat{i}", 4, 0, max_tokens=2)
+        s.add(chat)
+        for _ in range(60):
+            bumped += len(run_step(s).preempted)
+            if batch.status is SeqStatus.RUNNING and len(batch.output_token_ids) >= 40:
+                s.remove(batch)
+            if len(chat.output_token_ids) >= 2:
+                s.remove(chat)
+                break
+        assert chat.status is SeqStatus.FINISHED
+        run_step(s)  # the preempted one is readmitted (recomputed) before the next arrival
+    assert bumped == MAX_PRIORITY_PREEMPTIONS == batch.num_priority_preemptions
+    assert batch.num_preemptions <= MAX_PREEMPTIONS and len(batch.output_token_ids) == 40
+    s = Scheduler(SchedulerConfig(1, 64), KVCacheManager(64, 4))
+    worn = tiered("worn", 4, 2)
+    s.add(worn)
+    run_step(s)
+    worn.num_preemptions = MAX_PREEMPTIONS  # as after four memory-pressure preemptions
+    s.add(tiered("chat", 4, 0))
+    assert run_step(s).preempted == [] and worn.status is SeqStatus.RUNNING
+
+
+def test_the_urgent_one_waits_a_step_instead_of_a_recompute_when_room_comes_back() -> None:
+    """Recompute vs wait: a running sequence samples its last token this step, so a slot (or its
+    blocks) comes back at the step's end: no victim; the p0 runs next step."""
+    s = Scheduler(SchedulerConfig(2, 64), KVCacheManager(64, 4))
+    ending, batch = tiered("ending", 4, 2, max_tokens=2), tiered("batch", 4, 2)
+    s.add(ending)
+    s.add(batch)
+    run_step(s)  # each has 1 token; ending samples its 2nd and last next step
+    chat = tiered("chat", 4, 0)
+    s.add(chat)
+    out = run_step(s)
+    assert out.preempted == [] and chat.status is SeqStatus.WAITING
+    s.remove(ending)
+    out = run_step(s)
+    assert out.preempted == [] and chat.status is SeqStatus.RUNNING and batch.num_preemptions == 0
+    kv = KVCacheManager(8, 4)
+    s = Scheduler(SchedulerConfig(8, 64), kv)
+    ending, batch = tiered("ending", 11, 2, max_tokens=2), tiered("batch", 15, 2)  # 3 + 4 blocks
+    s.add(ending)
+    s.add(batch)
+    run_step(s)
+    chat = tiered("chat", 10, 0)  # 3 blocks: 1 free + ending's 3 at the step's end
+    s.add(chat)
+    assert run_step(s).preempted == [] and chat.status is SeqStatus.WAITING
+    s.remove(ending)
+    assert run_step(s).preempted == [] and chat.status is SeqStatus.RUNNING
+
+
+def test_no_priority_preemption_that_would_leave_the_head_waiting_for_an_adapter() -> None:
+    """max_loras 1: a p0 head for adapter b preempts the p2 sequence of adapter a only when that
+    frees the adapter slot (it was a's only user); else it would wait anyway, and nobody is bumped."""
+    for users, preempted in ((1, 1), (2, 0)):
+        s = Scheduler(SchedulerConfig(users, 64, max_loras=1), KVCacheManager(64, 4))
+        for i in range(users):
+            x = tiered(f"a{i}", 4, 2)
+            x.lora = "a"
+            s.add(x)
+        run_step(s)
+        chat = tiered("chat", 4, 0)
+        chat.lora = "b"
+        s.add(chat)
+        assert len(run_step(s).preempted) == preempted
+        assert (chat.status is SeqStatus.RUNNING) == bool(preempted)
 
 
 def test_an_urgent_request_preempts_for_kv_blocks_with_slots_free() -> None:
