@@ -155,15 +155,15 @@ def test_a_prompt_whose_last_token_follows_a_prefix_hit_is_exact(tiny_model_dir,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_default_model_resumes_bit_exactly(default_model_dir, isa):
-    """SmolLM2-135M (the default model), where the prefill/decode difference flipped tokens in
-    bf16 (6 of these 18 resumes before the fix): at the host's best level, float32 and ``auto``."""
+    """SmolLM2-135M (the default model) with ``--dtype auto``, where the prefill/decode difference
+    flipped tokens (on an AMX host: bf16 on tiles) at the host's best level."""
     if isa != isa_levels.host_isa():
         pytest.skip("the default model runs at the host's best level only")
-    for dtype in ("auto", "float32"):
-        engine = new_engine(default_model_dir, dtype)
-        ps, sp, full = first_runs(engine)
-        for k in KS:
-            fresh = new_engine(default_model_dir, dtype)
-            for i in range(len(ps)):
-                resume_alone(fresh, f"r{i}@{k}", ps[i], sp[i], full[i], k)
+    engine = new_engine(default_model_dir, "auto")
+    ps, sp, full = first_runs(engine)
+    for k in KS:
+        fresh = new_engine(default_model_dir, "auto")
+        for i in range(len(ps)):
+            resume_alone(fresh, f"r{i}@{k}", ps[i], sp[i], full[i], k)
