@@ -67,14 +67,18 @@ class KVCacheManager:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def find_cached_prefix(self, seq_id: str, token_ids: Sequence[int], extra: bytes = b"",
-                           lookup: bool = True, count: bool = True) -> CachedPrefix:
+                           lookup: bool = True, count: bool = True,
+                           num_prompt_tokens: int | None = None) -> CachedPrefix:
         """The longest run of cached full blocks that prefixes ``token_ids``. At least one token
         is always left to compute (the model must produce logits for the last position).
         ``lookup=False``: none (the sequence must compute every row), though its hashes are kept,
         so the blocks it fills are still registered for others. ``count=False``: the lookup is
         left out of :attr:`stats` (a caller that may look the same sequence up again before it
-        uses the answer counts it once, with :meth:`count_lookup`, when it does)."""
-        hashes = block_hashes(token_ids, self.block_size, extra, self._hashes.get(seq_id, ()))
+        uses the answer counts it once, with :meth:`count_lookup`, when it does).
+        ``num_prompt_tokens``: where the sequence's prompt ends and its outputs begin (None: all
+        prompt); blocks holding outputs are keyed by it (kv_store/hashing.py), so pass the same
+        value to :meth:`commit_computed`."""
+        hashes = block_hashes(token_ids, self.block_size, extra, self._hashes.get(seq_id, ()), num_prompt_tokens)
         self._hashes[seq_id] = hashes
         if not self.enable_prefix_caching or not lookup:
             return CachedPrefix((), 0)
@@ -121,8 +125,10 @@ class KVCacheManager:
         table.extend(new)
         return True
 
-    def commit_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int, extra: bytes = b"") -> None:
-        """Register the blocks that ``num_computed`` tokens have filled in the prefix index."""
+    def commit_computed(self, seq_id: str, token_ids: Sequence[int], num_computed: int, extra: bytes = b"",
+                        num_prompt_tokens: int | None = None) -> None:
+        """Register the blocks that ``num_computed`` tokens have filled in the prefix index
+        (``num_prompt_tokens`` as for :meth:`find_cached_prefix`)."""
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(seq_id)
@@ -132,7 +138,8 @@ class KVCacheManager:
         start = self._num_committed.get(seq_id, 0)
         if full <= start:
             return
-        hashes = block_hashes(token_ids[: full * self.block_size], self.block_size, extra, self._hashes.get(seq_id, ())[:full])
+        hashes = block_hashes(token_ids[: full * self.block_size], self.block_size, extra,
+                              self._hashes.get(seq_id, ())[:full], num_prompt_tokens)
         self._hashes[seq_id] = hashes
         bs = self.block_size
         for i in range(start, full):

@@ -24,6 +24,11 @@ the accepted tokens are the plain-decoding tokens (docs/design-history.md, Specu
 of rejected positions are rolled back: the computed count stops at the accepted tokens and the
 blocks past them are given back (never registered in the prefix cache: only blocks full of
 computed tokens are).
+
+Resume is bit-exact for the same reason: a request resumed with ``resume_token_ids`` (or
+readmitted after a preemption) prefills its prompt and then recomputes its output tokens as
+replay chunks (``ModelInput.replay``), every row attending as the decode of its position did in
+the uninterrupted run (engine.scheduler, "output tokens are always computed as decode rows").
 """
 
 from __future__ import annotations
@@ -65,6 +70,11 @@ from lockgate_types import FinishReason, SamplingParams
 from tokenization.prompts import PromptTokenizer
 
 log = logging.getLogger(__name__)
+
+# Where decode rows attend over a gathered copy of their keys (SDPA, e.g. CUDA), a replay step
+# (a resumed request's output tokens) gathers at most this many keys (rows x context): 2^20 keys
+# gather 0.75 GiB of K (and as much of V) for SmolLM2-135M in float32, 2 GiB for an 8B model in bf16.
+MAX_REPLAY_KEYS = 1 << 20
 
 
 class _Req:
@@ -131,12 +141,6 @@ class Engine:
         self.max_model_len = min(config.max_model_len or loaded.spec.max_position_embeddings,
                                  loaded.spec.max_position_embeddings, num_blocks * config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs),
-                            config.long_prefill_token_threshold, config.priority_preemption_margin,
-                            config.max_loras if config.enable_lora else None),
-            self.kv,
-        )
         self.step_model = StepModel()  # step time against batched tokens: the TPOT-sized step
         self.runner: ModelRunner | ParallelRunner
         if self.tp_group is not None:
@@ -155,6 +159,15 @@ class Engine:
                                       config.cpu_kernels, self.kv_dtype, cuda_graphs=graphs)
             if config.enable_lora:
                 self.runner.lora = self.lora = lora_manager(config, loaded, self.dtype, self.device)
+        local = self.runner.local if isinstance(self.runner, ParallelRunner) else self.runner
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max(config.max_num_batched_tokens, config.max_num_seqs),
+                            config.long_prefill_token_threshold, config.priority_preemption_margin,
+                            config.max_loras if config.enable_lora else None,
+                            # decode rows on gather + SDPA: bound what a replay gathers per step
+                            None if local.decode_kernel is not None else MAX_REPLAY_KEYS),
+            self.kv,
+        )
         self.sampler = Sampler(self.device, sorted(self.eos_token_ids))
         self.pooler = Pooler()
         # Seeds for requests without one: every request's draws are counter-based on a seed (see
@@ -477,6 +490,8 @@ class Engine:
         now = time.monotonic()
         chunks: list[Chunk] = []
         verify: list[int] = []
+        replay: list[int] = []
+        prefill: list[int] = []
         for item in sched.scheduled:
             s = item.seq
             if s.times.first_scheduled is None:
@@ -487,11 +502,15 @@ class Engine:
             if item.num_spec:
                 verify.append(len(chunks))
                 tokens += s.spec_token_ids[: item.num_spec]
+            elif item.replay:
+                replay.append(len(chunks))
+            elif len(tokens) == 1 and start < s.num_prompt_tokens:
+                prefill.append(len(chunks))  # a prompt position: prefill, as in a longer chunk
             chunks.append(Chunk(tokens, start, self.kv.block_ids(s.seq_id), item.samples))
         hidden, sum_chunks = self.pooler.wants(sched.scheduled)
         loras = tuple(item.seq.lora for item in sched.scheduled) if self.lora is not None else ()
-        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify), loras=loras,
-                          states=isinstance(self.draft, MtpProposer))
+        return ModelInput(tuple(chunks), hidden=hidden, sum_chunks=sum_chunks, verify=tuple(verify),
+                          replay=tuple(replay), prefill=tuple(prefill), loras=loras, states=isinstance(self.draft, MtpProposer))
 
     def _postprocess(self, sched: SchedulerOutput, batch: ModelInput, result: RunnerOutput,
                      outputs: list[RequestOutput]) -> None:
@@ -541,7 +560,9 @@ class Engine:
         now = time.monotonic()
         for item in sched.scheduled:
             if not item.samples:
-                self.kv.commit_computed(item.seq.seq_id, item.seq.all_token_ids, item.seq.num_computed_tokens, item.seq.cache_extra)
+                seq = item.seq
+                self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra,
+                                        seq.num_prompt_tokens)
         if drawn is None:  # None exactly when nothing samples
             return
         r = 0
@@ -590,7 +611,8 @@ class Engine:
             seq.times.first_token = now
         seq.times.last_token = now
         # The K/V of all but the new token are computed: register the full blocks they fill.
-        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra)
+        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra,
+                               seq.num_prompt_tokens)
         p = seq.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
@@ -619,7 +641,8 @@ class Engine:
     def _pooled(self, seq: Sequence, vector: tuple[float, ...], now: float, outputs: list) -> None:
         """An embedding request's prefill is done: it ends (``stop``, no output token) with its vector."""
         req = self._reqs.pop(seq.seq_id)
-        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra)
+        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra,
+                               seq.num_prompt_tokens)
         self.scheduler.remove(seq)
         self._finish(req, FinishReason.STOP, now, outputs)
         last = outputs[-1]

@@ -11,6 +11,18 @@ tokens and ``max_num_seqs`` sequences — out of:
 2. then waiting sequences, best priority first (lower value = more urgent, FIFO among equals),
    each reusing its longest cached prefix.
 
+**A sequence's output tokens are always computed as decode rows** (the bit-exactness of a resume):
+a sequence that arrives with output tokens already sampled (a resumed request, ``resume_token_ids``)
+or gets back to the queue with them (preempted by recompute) first prefills its prompt (chunked
+as usual; a chunk never crosses the prompt's end), then its output tokens go as *replay* chunks
+(``ScheduledSeq.replay``; as many per step as the budget allows), each row attending as the decode
+row of its own position, the way each of those tokens was fed when it was first sampled. The
+prefill and decode attention paths sum in different orders (the last bits of a position's K/V and
+output differ), so recomputing outputs by prefill would continue the request from slightly other
+logits; this way every position is computed exactly as in the uninterrupted run. The prefix
+cache keys blocks holding output positions by where the outputs begin (kv_store/hashing.py), so
+a hit is K/V computed the same way.
+
 When KV blocks run out for a running sequence, the scheduler preempts by recompute: the victim is the
 running sequence with the worst priority, most recently admitted; its blocks are freed, its output so
 far kept, and it re-enters the waiting queue (recomputing prompt + output when readmitted, mostly
@@ -65,6 +77,11 @@ class SchedulerConfig:
     priority_preemption_margin: float | None = 1.0  # one tier; None: never preempt for priority
     # distinct LoRA adapters among the running sequences (the model's adapter slots); None = no cap
     max_loras: int | None = None
+    # replay rows x context per step, at most (None: no cap): where decode rows attend over a
+    # gathered, padded copy of their keys (SDPA; not the CPU paged kernel, which reads the cache
+    # in place), every replayed row gathers its whole context, and a long resume in one step
+    # would gather rows x context keys at once
+    max_replay_keys: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -81,6 +98,9 @@ class ScheduledSeq:
     # speculative tokens verified after the decode token (num_new_tokens = 1 + num_spec): the
     # first num_spec of seq.spec_token_ids; the engine rolls back what the model rejects
     num_spec: int = 0
+    # the chunk recomputes output tokens sampled before (a resumed or preempted sequence), more
+    # than one: each row attends as the decode row of its own position (see the module docstring)
+    replay: bool = False
 
 
 @dataclass(slots=True)
@@ -95,6 +115,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def _replays(seq: Sequence, start: int, n: int) -> bool:
+    """Whether the chunk of ``n`` tokens from ``start`` is a replay: output positions, more than
+    one (a single one is a plain decode row anyway, and keeps the step eligible for CUDA graphs)."""
+    return start >= seq.num_prompt_tokens and n > 1 and start + n <= seq.num_tokens
 
 
 def _rank(seq: Sequence) -> float:
@@ -179,8 +205,12 @@ class Scheduler:
         self.add(victim)
 
     def _chunk(self, seq: Sequence, computed: int, budget: int) -> int:
-        """How many of the sequence's not-yet-computed tokens fit this step."""
-        n = min(seq.num_tokens - computed, budget)
+        """How many of the sequence's not-yet-computed tokens fit this step: a chunk is all prompt
+        or all output, never both (prompt positions prefill, output positions replay as decodes)."""
+        end = seq.num_prompt_tokens if computed < seq.num_prompt_tokens else seq.num_tokens
+        n = min(end - computed, budget)
+        if computed >= seq.num_prompt_tokens and self.config.max_replay_keys is not None:
+            n = min(n, max(1, self.config.max_replay_keys // seq.num_tokens))
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
@@ -249,7 +279,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or n == 0:
                 continue
             samples = seq.num_computed_tokens + n - num_spec == seq.num_tokens
-            scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, num_spec)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, num_spec, _replays(seq, seq.num_computed_tokens, n))
             budget -= n
 
         if not out.preempted:
@@ -268,7 +298,8 @@ class Scheduler:
                 # inflated queries and hits by the steps it waited.
                 lookup = seq.params.uses_prefix_cache
                 prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra,
-                                                    lookup=lookup, count=False)
+                                                    lookup=lookup, count=False,
+                                                    num_prompt_tokens=seq.num_prompt_tokens)
                 n = self._chunk(seq, prefix.num_tokens, budget)
                 if not self.kv.allocate(seq.seq_id, prefix.num_tokens + n, prefix):
                     # The KV cache is the limit: a head more urgent than the worst running
@@ -281,7 +312,8 @@ class Scheduler:
                     budget += self._bump(victim, out, scheduled)
                     # the victim's blocks may have held part of the head's prefix: look it up again
                     prefix = self.kv.find_cached_prefix(seq.seq_id, seq.all_token_ids, seq.cache_extra,
-                                                        lookup=lookup, count=False)
+                                                        lookup=lookup, count=False,
+                                                        num_prompt_tokens=seq.num_prompt_tokens)
                     n = self._chunk(seq, prefix.num_tokens, budget)
                     if not self.kv.allocate(seq.seq_id, prefix.num_tokens + n, prefix):
                         break
@@ -295,7 +327,7 @@ class Scheduler:
                 seq.admit_order = next(self._order)
                 self.running.append(seq)
                 samples = prefix.num_tokens + n == seq.num_tokens
-                scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples)
+                scheduled[seq.seq_id] = ScheduledSeq(seq, n, samples, replay=_replays(seq, prefix.num_tokens, n))
                 budget -= n
 
         out.scheduled = list(scheduled.values())

@@ -89,3 +89,30 @@ def test_freeing_tail_first_keeps_the_shared_head_cached_longest() -> None:
     assert kv.allocate("x", 4)  # must evict one: the tail block, freed first
     assert kv.pool.evictions == 1
     assert kv.find_cached_prefix("b", tokens + [99]).num_tokens == 8
+
+
+def test_blocks_holding_outputs_are_keyed_by_where_the_outputs_begin():
+    """A prompt position's K/V come from a prefill, an output position's from a decode row: the
+    same tokens, other last bits. So a block holding outputs hits only a sequence whose outputs
+    begin at the same place (the same request resumed, or one that decoded the same tokens), and
+    blocks of prompt only are shared as ever."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(1, 14))  # 13 tokens: a 6-token prompt, 7 outputs
+    kv.find_cached_prefix("a", tokens, num_prompt_tokens=6)
+    kv.allocate("a", 13)
+    kv.commit_computed("a", tokens, 12, num_prompt_tokens=6)  # blocks [0,4) prompt, [4,8) both, [8,12) outputs
+    assert kv.find_cached_prefix("same", tokens, num_prompt_tokens=6).num_tokens == 12
+    # a prompt that contains a's outputs: only the block of prompt only is a's
+    assert kv.find_cached_prefix("longer-prompt", tokens).num_tokens == 4
+    assert kv.find_cached_prefix("longer-prompt2", tokens, num_prompt_tokens=10).num_tokens == 4
+    assert kv.find_cached_prefix("shorter-prompt", tokens, num_prompt_tokens=4).num_tokens == 4
+    # and the other way round: blocks a prompt filled are no decode rows' K/V
+    shared = kv.find_cached_prefix("p", tokens + [77], num_prompt_tokens=14)
+    assert shared.num_tokens == 4
+    kv.allocate("p", 14, shared)
+    kv.commit_computed("p", tokens + [77], 12, num_prompt_tokens=14)
+    assert kv.find_cached_prefix("resumed", tokens, num_prompt_tokens=6).num_tokens == 12  # a's blocks
+    kv.free("a")
+    kv.pool.reset_cache()  # a's own blocks gone; the shared prompt block and p's are held
+    assert kv.find_cached_prefix("resumed2", tokens, num_prompt_tokens=6).num_tokens == 4
+    assert kv.find_cached_prefix("p-again", tokens + [77], num_prompt_tokens=14).num_tokens == 12

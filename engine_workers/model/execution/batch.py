@@ -41,6 +41,14 @@ class ModelInput:
     tokens proposed after it): every row of such a chunk is a logit row, and every row attends as
     a decode row of its own position (the same attention path, bit for bit, as plain decoding of
     that position: engine.core, "Speculative decoding"). Never replayed from a CUDA graph.
+    ``replay``: indices into ``chunks`` of replay chunks, output tokens sampled before and computed
+    again (a resumed or preempted request, engine.scheduler): every row attends as a decode row of
+    its own position, as when the token was first fed; the logit rows are the usual ones (the last
+    row, when the chunk samples). Never replayed from a CUDA graph.
+    ``prefill``: indices into ``chunks`` of one-token chunks of *prompt* positions (a prompt's last
+    token after a prefix-cache hit or a chunked prefill): attended as a prefill row, as that
+    position is when its prompt is computed in one piece; any other one-token chunk is a decode
+    row (docs/design-history.md, Scheduling). Never replayed from a CUDA graph.
     ``loras``: per chunk, its LoRA adapter's name (None: the base model); empty = all base
     (:mod:`engine_workers.model.lora`)."""
 
@@ -49,6 +57,8 @@ class ModelInput:
     hidden: bool = False
     sum_chunks: tuple[int, ...] = ()
     verify: tuple[int, ...] = ()
+    replay: tuple[int, ...] = ()
+    prefill: tuple[int, ...] = ()
     loras: tuple[str | None, ...] = ()
     states: bool = False  # also return every row's last hidden state before the final norm (MTP)
 
@@ -59,6 +69,17 @@ class ModelInput:
             raise ValueError(f"sum_chunks {self.sum_chunks} name chunks outside [0, {len(self.chunks)})")
         if not all(0 <= i < len(self.chunks) and self.chunks[i].samples for i in self.verify):
             raise ValueError(f"verify {self.verify} must name sampling chunks in [0, {len(self.chunks)})")
+        if not all(0 <= i < len(self.chunks) for i in self.replay) or set(self.replay) & set(self.verify):
+            raise ValueError(f"replay {self.replay} must name chunks in [0, {len(self.chunks)}) that verify does not")
+        if not all(0 <= i < len(self.chunks) and len(self.chunks[i].token_ids) == 1 for i in self.prefill) \
+                or set(self.prefill) & self.decode_rows:
+            raise ValueError(f"prefill {self.prefill} must name one-token chunks in [0, {len(self.chunks)}) "
+                             "that verify and replay do not")
+
+    @property
+    def decode_rows(self) -> frozenset[int]:
+        """The chunks whose every row attends as a decode row of its own position."""
+        return frozenset(self.verify) | frozenset(self.replay)
 
     @property
     def num_tokens(self) -> int:

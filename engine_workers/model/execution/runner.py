@@ -154,7 +154,7 @@ class ModelRunner:
     def execute(self, batch: ModelInput) -> RunnerOutput:
         """Run ``batch``'s one forward (:class:`~engine_workers.model.execution.batch.ModelInput` says which
         rows come back and what with them)."""
-        if self.graphs is not None and not batch.verify and not batch.states:
+        if self.graphs is not None and not (batch.verify or batch.replay or batch.prefill or batch.states):
             out = self.graphs.run(batch.chunks, batch.every_row, batch.hidden, bool(batch.sum_chunks))
             if out is not None:
                 return RunnerOutput(out)
@@ -173,7 +173,8 @@ class ModelRunner:
                 logit_rows.append(len(ids) - 1)
         meta, positions = build_metadata(meta_in, self.block_size, self.device, self.dtype,
                                          self.decode_kernel, self.prefill_kernel, self.max_decode_groups,
-                                         seq_ends=self.model.needs_seq_ends, decode_rows=verify)
+                                         seq_ends=self.model.needs_seq_ends, decode_rows=batch.decode_rows,
+                                         prefill_chunks=frozenset(batch.prefill))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         rows = (torch.arange(len(ids), device=self.device) if batch.every_row
                 else torch.tensor(logit_rows, dtype=torch.long, device=self.device))

@@ -136,7 +136,7 @@ def build_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device,
     dtype: torch.dtype = torch.float32, decode_kernel: Callable | None = None,
     prefill_kernel: Callable | None = None, max_decode_groups: int = MAX_DECODE_GROUPS, seq_ends: bool = False,
-    decode_rows: frozenset[int] | set[int] = frozenset(),
+    decode_rows: frozenset[int] | set[int] = frozenset(), prefill_chunks: frozenset[int] | set[int] = frozenset(),
 ) -> tuple[AttnMetadata, torch.Tensor]:
     """``chunks``: per sequence ``(num_computed_before, num_new, block_ids)`` in batch order;
     ``dtype``: the model's (for the masks); ``decode_kernel``: attend decode rows with it (one
@@ -146,7 +146,10 @@ def build_metadata(
     ``seq_ends``: fill ``AttnMetadata.seq_ends``; ``decode_rows``: indices of chunks whose every
     row attends as a decode row of its own position (speculative verification: each row sees the
     keys up to itself, as the single-token decode of that position would, and the K/V of the whole
-    chunk are in the cache before any layer attends).
+    chunk are in the cache before any layer attends); ``prefill_chunks``: indices of one-token
+    chunks attended as prefill rows (a prompt's last position computed on its own: the prefill
+    path sums as it does for that row in a longer chunk, the decode path does not), where any
+    other one-token chunk is a decode row.
 
     Returns the metadata and the positions tensor ``[T]``.
     """
@@ -163,7 +166,7 @@ def build_metadata(
         pos = range(start, start + n)
         positions.extend(pos)
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in pos)
-        if n == 1 or i in decode_rows:
+        if (n == 1 and i not in prefill_chunks) or i in decode_rows:
             dec.extend((row + j, start + j + 1, blocks) for j in range(n))
         elif start == 0:
             prefill.append(PrefillChunk(row, n, None, None))

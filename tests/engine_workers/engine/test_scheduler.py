@@ -166,3 +166,64 @@ def test_blocks_to_prefill_follows_a_chunked_prefill():
     # every step: blocks taken + blocks still to take stay the prompt's 8 (+ nothing counted twice)
     assert all(todo + (64 - free) in (8, 9) for todo, free in seen[:-1]), seen
     assert seen[-1][0] == 0
+
+
+# -- output tokens are recomputed as decode rows (a resumed or preempted sequence) ----------------
+
+
+def test_a_resumed_sequence_prefills_its_prompt_then_replays_its_outputs():
+    s, _ = make(budget=64)
+    r = seq("r", 10)
+    r.output_token_ids.extend([21, 22, 23, 24, 25])  # resume_token_ids: sampled by an earlier run
+    s.add(r)
+    out = run_step(s)
+    (item,) = out.scheduled
+    # the chunk stops at the prompt's end although the budget holds all 15 tokens
+    assert (item.num_new_tokens, item.samples, item.replay) == (10, False, False)
+    assert r.output_token_ids == [21, 22, 23, 24, 25]
+    (item,) = run_step(s).scheduled
+    # the outputs as one replay chunk, which samples the next token after the last of them
+    assert (item.num_new_tokens, item.samples, item.replay) == (5, True, True)
+    assert r.output_token_ids[-1] == 7
+    (item,) = run_step(s).scheduled
+    assert (item.num_new_tokens, item.replay) == (1, False)  # from here on, plain decoding
+
+
+def test_replay_is_chunked_by_the_budget_and_never_mixes_prompt_and_outputs():
+    s, _ = make(budget=6)
+    r = seq("r", 8)
+    r.output_token_ids.extend(range(30, 39))  # 9 outputs
+    s.add(r)
+    steps = [(i.num_new_tokens, i.samples, i.replay) for i in (run_step(s).scheduled[0] for _ in range(4))]
+    # 6 + 2 prompt tokens (never 4 outputs in with the last 2), then 6 + 3 outputs as replays
+    assert steps == [(6, False, False), (2, False, False), (6, False, True), (3, True, True)]
+    assert r.num_computed_tokens == 17 and len(r.output_token_ids) == 10
+
+
+def test_replay_rows_are_capped_by_gathered_keys_where_configured():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(8, 64, max_replay_keys=60), kv)
+    r = seq("r", 4)
+    r.output_token_ids.extend(range(30, 46))  # 16 outputs: 20 tokens, so 60 // 20 = 3 rows a step
+    s.add(r)
+    run_step(s)
+    sizes = [run_step(s).scheduled[0].num_new_tokens for _ in range(2)]
+    assert sizes == [3, 3]
+
+
+def test_a_preempted_sequence_replays_its_outputs_when_readmitted():
+    s, kv = make(num_blocks=64, block_size=4, budget=64)
+    a = seq("a", 6)
+    s.add(a)
+    for _ in range(4):
+        run_step(s)  # the prompt, then 3 decodes: 4 outputs, positions 0..8 computed
+    kv.commit_computed("a", a.all_token_ids, a.num_computed_tokens, num_prompt_tokens=6)  # as the engine does
+    s._preempt(a)
+    # its two full blocks are cached (the second holds 2 prompt and 2 output positions, keyed as
+    # such): readmitted, it takes them and replays the other 2 outputs
+    (item,) = run_step(s).scheduled
+    assert a.num_cached_tokens == 0 and (item.num_new_tokens, item.samples, item.replay) == (2, True, True)
+    s._preempt(a)
+    kv.pool.reset_cache()  # nothing cached: the prompt by prefill, then the 5 outputs replayed
+    items = [run_step(s).scheduled[0] for _ in range(2)]
+    assert [(i.num_new_tokens, i.samples, i.replay) for i in items] == [(6, False, False), (5, True, True)]

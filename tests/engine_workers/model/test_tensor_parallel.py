@@ -17,6 +17,7 @@ import torch
 from devtools.tiny_model import build_tokenizer
 from engine_workers.engine.config import EngineConfig
 from engine_workers.engine.core import Engine
+from engine_workers.model.execution.batch import Chunk, ModelInput
 from engine_workers.model.execution.parallel import step as step_codec
 from engine_workers.model.execution.parallel.group import TpGroup
 from engine_workers.model.execution.runner import kv_block_bytes
@@ -99,8 +100,17 @@ def test_gqa_groups_split_whole_and_unevenly():
 
 def test_step_inputs_round_trip():
     chunks = [([5, 6, 7], 0, [3, 1], True), ([9], 40, [0, 2, 4], True), ([1, 2], 16, [7, 8], False)]
+    plain = [step_codec.PLAIN] * 3
     for every_row in (False, True):
-        assert step_codec.decode(step_codec.encode(chunks, every_row)) == (chunks, every_row)
+        assert step_codec.decode(step_codec.encode(chunks, every_row)) == (chunks, every_row, plain)
+    # verify, replay and one-token prefill chunks travel as such: the followers attend them as
+    # rank 0 does and take the same logit rows
+    chunks.append(([4], 17, [7, 8], False))  # a prompt's last token alone: a prefill row
+    batch = ModelInput(tuple(Chunk(*c) for c in chunks), verify=(1,), replay=(2,), prefill=(3,))
+    modes = step_codec.modes_of(batch)
+    assert modes == [step_codec.PLAIN, step_codec.VERIFY, step_codec.REPLAY, step_codec.PREFILL]
+    again = step_codec.model_input(*step_codec.decode(step_codec.encode(batch.chunks, False, modes)))
+    assert again == batch and again.decode_rows == {1, 2}
 
 
 # -- equality with TP=1 --------------------------------------------------------------------------

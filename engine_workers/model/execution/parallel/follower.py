@@ -22,7 +22,6 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine_workers.model.execution.batch import Chunk, ModelInput
     from engine_workers.model.execution.parallel import step as step_codec
     from engine_workers.model.execution.parallel.group import gloo_env, read_frame
     from engine_workers.model.execution.runner import ModelRunner
@@ -59,8 +58,7 @@ def main(argv: list[str]) -> int:
             assert runner is not None, "runner before step"
             flat = torch.empty(frame[1], dtype=torch.long)  # type: ignore[index]
             dist.broadcast(flat, src=0)
-            chunks, every_row = step_codec.decode(flat)
-            runner.execute(ModelInput(tuple(Chunk(*c) for c in chunks), every_row))
+            runner.execute(step_codec.model_input(*step_codec.decode(flat)))
         else:
             raise ValueError(f"unknown control frame {op!r}")
 

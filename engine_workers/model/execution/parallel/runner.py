@@ -43,7 +43,7 @@ class ParallelRunner:
     def execute(self, batch: ModelInput) -> RunnerOutput:
         # pooling (hidden, sum_chunks) reads rank 0's replicated final-norm states after the forward
         # and needs no collective, so the followers run the step without it
-        self.group.broadcast_step(step_codec.encode(batch.chunks, batch.every_row))
+        self.group.broadcast_step(step_codec.encode(batch.chunks, batch.every_row, step_codec.modes_of(batch)))
         try:
             return self.local.execute(batch)
         except TensorParallelError:
