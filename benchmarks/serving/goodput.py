@@ -163,7 +163,10 @@ def _wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> 
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited ({proc.returncode}) before it answered; see {log}")
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+            # a server started with a key file answers /v1/models only to a key (the mixed-tier run)
+            key = os.environ.get("OPENAI_API_KEY")
+            req = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+            with urllib.request.urlopen(req, timeout=5) as r:
                 return json.load(r)["data"][0]["id"]
         except OSError:
             time.sleep(1.0)
