@@ -560,9 +560,7 @@ class Engine:
         now = time.monotonic()
         for item in sched.scheduled:
             if not item.samples:
-                seq = item.seq
-                self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra,
-                                        seq.num_prompt_tokens)
+                self._commit(item.seq)
         if drawn is None:  # None exactly when nothing samples
             return
         r = 0
@@ -611,8 +609,7 @@ class Engine:
             seq.times.first_token = now
         seq.times.last_token = now
         # The K/V of all but the new token are computed: register the full blocks they fill.
-        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra,
-                               seq.num_prompt_tokens)
+        self._commit(seq)
         p = seq.params
         reason = None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
@@ -638,11 +635,16 @@ class Engine:
         ))
         return False
 
+    def _commit(self, seq: Sequence) -> None:
+        """Register the full blocks of ``seq``'s computed tokens in the prefix cache (keyed by where
+        its outputs begin: kv_store/hashing.py)."""
+        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra,
+                                seq.num_prompt_tokens)
+
     def _pooled(self, seq: Sequence, vector: tuple[float, ...], now: float, outputs: list) -> None:
         """An embedding request's prefill is done: it ends (``stop``, no output token) with its vector."""
         req = self._reqs.pop(seq.seq_id)
-        self.kv.commit_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, seq.cache_extra,
-                               seq.num_prompt_tokens)
+        self._commit(seq)
         self.scheduler.remove(seq)
         self._finish(req, FinishReason.STOP, now, outputs)
         last = outputs[-1]

@@ -12,22 +12,13 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from edge.admission.auth import AuthError, Principal
 from edge.admission.gate import Admission
 from edge.openai.batches.model import PURPOSES, UPLOAD_PURPOSES, FileObject, new_file_id
 from edge.openai.batches.store import BatchStore
-from edge.openai.reply import API, error_response, json_response, principal, refusal
+from edge.openai.reply import API, caller, error_response, json_response, refusal
 from edge.request import ProtocolError
 
 MAX_LIST = 10_000  # OpenAI's limit (and default) for files.list
-
-
-def authorized(adm: Admission, request: web.Request) -> Principal | web.Response:
-    try:
-        return principal(adm, request)
-    except AuthError as exc:
-        adm.reject("unauthorized", API)
-        return error_response("unauthorized", str(exc))
 
 
 def page(items: list[Any], query: Any, default: int, most: int, ident: Any) -> tuple[list[Any], bool]:
@@ -69,14 +60,14 @@ class FilesRoutes:
 
     def _get(self, request: web.Request) -> FileObject | web.Response:
         """The caller's file named in the path, or the refusal to answer with."""
-        who = authorized(self.adm, request)
+        who = caller(self.adm, request)
         if isinstance(who, web.Response):
             return who
         f = self.store.file(who.tenant, request.match_info["id"])
         return f if f is not None else self._missing(request.match_info["id"])
 
     async def upload(self, request: web.Request) -> web.Response:
-        who = authorized(self.adm, request)
+        who = caller(self.adm, request)
         if isinstance(who, web.Response):
             return who
         try:
@@ -114,7 +105,7 @@ class FilesRoutes:
         return purpose, filename, data
 
     async def list(self, request: web.Request) -> web.Response:
-        who = authorized(self.adm, request)
+        who = caller(self.adm, request)
         if isinstance(who, web.Response):
             return who
         purpose = request.query.get("purpose")

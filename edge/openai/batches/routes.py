@@ -16,11 +16,11 @@ import orjson
 from aiohttp import web
 
 from edge.admission.gate import Admission
-from edge.openai.batches.files import FilesRoutes, authorized, listing, page
+from edge.openai.batches.files import FilesRoutes, listing, page
 from edge.openai.batches.model import ENDPOINTS, TERMINAL, WINDOWS, BatchObject, new_batch_id
 from edge.openai.batches.runner import BatchRunner, Dispatch
 from edge.openai.batches.store import BatchStore
-from edge.openai.reply import API, error_response, json_response, refusal
+from edge.openai.reply import API, caller, error_response, json_response, refusal
 from edge.request import ProtocolError
 
 MAX_LIST = 100
@@ -56,7 +56,7 @@ class BatchesRoutes:
         return error_response("not_found", f"no batch with id {batch_id[:100]!r}", "batch_id")
 
     async def create(self, request: web.Request) -> web.Response:
-        who = authorized(self.adm, request)
+        who = caller(self.adm, request)
         if isinstance(who, web.Response):
             return who
         try:
@@ -88,14 +88,14 @@ class BatchesRoutes:
         return json_response(200, b.api())
 
     async def retrieve(self, request: web.Request) -> web.Response:
-        who = authorized(self.adm, request)
+        who = caller(self.adm, request)
         if isinstance(who, web.Response):
             return who
         b = self.store.batch(request.match_info["id"], who.tenant)
         return json_response(200, self.store.view(b).api()) if b is not None else self._missing(request.match_info["id"])
 
     async def list(self, request: web.Request) -> web.Response:
-        who = authorized(self.adm, request)
+        who = caller(self.adm, request)
         if isinstance(who, web.Response):
             return who
         mine = sorted((b for b in self.store.all_batches() if b.tenant == who.tenant),
@@ -107,7 +107,7 @@ class BatchesRoutes:
         return json_response(200, listing([self.store.view(b).api() for b in got], more))
 
     async def cancel(self, request: web.Request) -> web.Response:
-        who = authorized(self.adm, request)
+        who = caller(self.adm, request)
         if isinstance(who, web.Response):
             return who
         b = self.store.batch(request.match_info["id"], who.tenant)
